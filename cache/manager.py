@@ -1,0 +1,167 @@
+"""Cache manager: the slot allocator and the radix tree behind the few operations the scheduler needs.
+
+Each running request holds a ``KVHandle``: a row with the slot of every token whose KV is in the pool.
+
+    row:  [0 ............ tree_len) [tree_len ............ kv_len) [kv_len ...... capacity)
+           slots the tree owns        slots this request owns         not yet allocated
+           (locked through `node`)    (inserted or freed on close)
+
+Pool accounting, checked by ``check``: free + evictable + protected + owned-by-requests == capacity.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixserve.cache.allocator import SLOT_DTYPE, SlotAllocator
+from radixserve.cache.radix_tree import RadixTree, TreeNode
+from radixserve.policies.base import EvictionPolicy
+
+
+@dataclass(eq=False, slots=True)
+class KVHandle:
+    row: np.ndarray  # sized for the most tokens the request can ever hold
+    kv_len: int = 0
+    tree_len: int = 0
+    node: TreeNode | None = None  # deepest locked node; None when nothing is locked
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.tree_len <= self.kv_len <= len(self.row)
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self.row[: self.kv_len]
+
+
+class CacheManager:
+    def __init__(
+        self,
+        capacity: int,
+        eviction_policy: EvictionPolicy,
+        disable_radix_cache: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.allocator = SlotAllocator(capacity)
+        self.tree: RadixTree | None = (
+            None if disable_radix_cache else RadixTree(eviction_policy, self.allocator.free, clock)
+        )
+        self.eviction_policy = eviction_policy
+        self.owned_by_requests = 0
+        self.evicted_tokens = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def evictable(self) -> int:
+        return self.tree.evictable_size if self.tree else 0
+
+    @property
+    def protected(self) -> int:
+        return self.tree.protected_size if self.tree else 0
+
+    @property
+    def available(self) -> int:
+        """Slots a request could get right now: free plus evictable."""
+        return self.allocator.num_free + self.evictable
+
+    def set_eviction_policy(self, policy: EvictionPolicy) -> None:
+        self.eviction_policy = policy
+        if self.tree:
+            self.tree.set_policy(policy)
+
+    # -- CacheView ---------------------------------------------------------------------------------------
+    def match_len(self, tokens: Sequence[int]) -> int:
+        return self.tree.match_len(tokens) if self.tree else 0
+
+    # -- request lifecycle -------------------------------------------------------------------------------
+    def open(self, tokens: Sequence[int], max_tokens: int) -> KVHandle:
+        """Start a request's row: reuse (and lock) the longest cached prefix of ``tokens``.
+
+        The match is capped at len-1 so at least one token is computed: its logits give the next token.
+        """
+        handle = KVHandle(row=np.zeros(max_tokens, dtype=SLOT_DTYPE))
+        if self.tree and len(tokens) > 1:
+            slots, node = self.tree.match_prefix(tokens[: len(tokens) - 1])
+            handle.row[: len(slots)] = slots
+            handle.kv_len = handle.tree_len = len(slots)
+            self._relock(handle, node)
+        return handle
+
+    def extend(self, handle: KVHandle, n: int) -> bool:
+        """Allocate slots for the next ``n`` tokens, evicting if needed. False (nothing changed) if no room."""
+        slots = self.alloc(n)
+        if slots is None:
+            return False
+        handle.row[handle.kv_len : handle.kv_len + n] = slots
+        handle.kv_len += n
+        self.owned_by_requests += n
+        return True
+
+    def alloc(self, n: int) -> np.ndarray | None:
+        short = n - self.allocator.num_free
+        if short > 0 and self.tree:
+            self.evicted_tokens += self.tree.evict(short)
+        return self.allocator.alloc(n)
+
+    def cache_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> None:
+        """Mid-request (e.g. between prefill chunks): hand the computed KV to the tree so others can reuse it,
+        and keep it locked for this request. ``tokens`` are the request's tokens (at least kv_len of them)."""
+        if not self.tree or handle.kv_len == handle.tree_len:
+            return
+        kv = handle.kv_len
+        self.tree.insert(tokens[:kv], handle.row[:kv])
+        # Re-match: where another request cached the same tokens first, ours were freed and we use the tree's.
+        slots, node = self.tree.match_prefix(tokens[:kv], hit=False)
+        assert len(slots) == kv, "an unlocked insert was evicted before it could be locked"
+        handle.row[:kv] = slots
+        self.owned_by_requests -= kv - handle.tree_len
+        handle.tree_len = kv
+        self._relock(handle, node)
+
+    def close(self, handle: KVHandle, tokens: Sequence[int]) -> None:
+        """The request leaves the pool (finished, retracted or aborted): its computed KV goes to the tree as
+        evictable (the next turn of a chat, or the retried request, may reuse it), or is freed without a tree."""
+        own = handle.kv_len - handle.tree_len
+        if self.tree:
+            self.tree.insert(tokens[: handle.kv_len], handle.row[: handle.kv_len])
+        else:
+            self.allocator.free(handle.row[handle.tree_len : handle.kv_len])
+        self.owned_by_requests -= own
+        self._relock(handle, None)
+        handle.kv_len = handle.tree_len = 0
+
+    def _relock(self, handle: KVHandle, node: TreeNode | None) -> None:
+        # Lock the new node before unlocking the old one, so shared ancestors never look evictable in between.
+        if self.tree and node is not None:
+            self.tree.lock(node)
+        if self.tree and handle.node is not None:
+            self.tree.unlock(handle.node)
+        handle.node = node
+
+    def flush(self) -> int:
+        """Evict everything evictable (locked prefixes of running requests stay). Returns tokens freed."""
+        return self.tree.evict(self.tree.evictable_size) if self.tree else 0
+
+    # -- invariants --------------------------------------------------------------------------------------
+    def check(self, handles: Iterable[KVHandle]) -> None:
+        """Assert pool accounting: every slot is in exactly one of free / tree / a request's own part."""
+        self.allocator.check()
+        tree_parts = self.tree.check() if self.tree else []
+        handles = list(handles)
+        own_parts = [h.row[h.tree_len : h.kv_len] for h in handles]
+        owned = sum(len(p) for p in own_parts)
+        assert owned == self.owned_by_requests, f"request-owned count drifted: {self.owned_by_requests} vs {owned}"
+        every = np.concatenate([self.allocator.free_slots(), *tree_parts, *own_parts])
+        assert len(every) == self.capacity, (
+            f"pool accounting broken: free {self.allocator.num_free} + evictable {self.evictable} + protected "
+            f"{self.protected} + owned {owned} = {len(every)} != capacity {self.capacity}"
+        )
+        assert len(np.unique(every)) == self.capacity, "a slot is owned twice"
+        tree_slots = np.concatenate(tree_parts) if tree_parts else np.zeros(0, dtype=SLOT_DTYPE)
+        for h in handles:
+            assert np.isin(h.row[: h.tree_len], tree_slots).all(), "a request's cached prefix is not in the tree"

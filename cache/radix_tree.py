@@ -1,0 +1,275 @@
+"""Radix tree over token ids: every cached prefix and the KV slots that hold it.
+
+A node owns one token segment and the slots of exactly those tokens; children are keyed by their first token.
+Locks run along the path to the root: a locked node (``lock_ref > 0``) is *protected*; an unlocked node is
+*evictable*, and only unlocked leaves are actually evicted (a parent becomes a leaf once its children go).
+
+    root ── [The cat sat] ── [ on the mat]      (leaf, lock_ref 0: evictable)
+                         └── [ down]            (leaf, lock_ref 1: protected, a request is using it)
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from radixserve.cache.allocator import SLOT_DTYPE
+from radixserve.cache.evictable import EvictableLeaves
+
+if TYPE_CHECKING:
+    from radixserve.policies.base import EvictionPolicy
+
+EMPTY_SLOTS = np.zeros(0, dtype=SLOT_DTYPE)
+
+
+@dataclass(eq=False, slots=True)
+class TreeNode:
+    tokens: tuple[int, ...]
+    slots: np.ndarray
+    parent: TreeNode | None
+    depth: int  # tokens from the root to the end of this node
+    created: float
+    last_access: float
+    hit_count: int = 0
+    priority: int = 0
+    lock_ref: int = 0
+    heap_version: int = 0
+    children: dict[int, TreeNode] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_evictable_leaf(self) -> bool:
+        return self.parent is not None and self.lock_ref == 0 and not self.children
+
+
+def _common_len(a: tuple[int, ...], b: tuple[int, ...] | list[int], start: int) -> int:
+    """Length of the common prefix of ``a`` and ``b[start:]``."""
+    n = min(len(a), len(b) - start)
+    if tuple(b[start : start + n]) == a[:n]:  # fast path: whole segment matches (C-level compare)
+        return n
+    i = 0
+    while i < n and a[i] == b[start + i]:
+        i += 1
+    return i
+
+
+class RadixTree:
+    """Prefix index of cached token sequences. No torch; slots are numpy int arrays.
+
+    Contract:
+      * ``match_prefix`` may split a node so the match ends on a node boundary; it never frees anything.
+      * returned slots stay valid only while the returned node is locked.
+      * ``insert`` frees (through ``free_slots``) any caller slot that duplicates a slot the tree already holds
+        for the same token position, and takes ownership of the caller's slots for tokens that were new.
+      * ``evict(0)`` is a no-op; ``evict(n)`` frees at least ``n`` tokens unless fewer are evictable.
+    """
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        free_slots: Callable[[np.ndarray], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        self.free_slots = free_slots
+        now = clock()
+        self.root = TreeNode(tokens=(), slots=EMPTY_SLOTS, parent=None, depth=0, created=now, last_access=now)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.policy = policy
+        self._leaves = EvictableLeaves(self._key)
+
+    # -- policy ------------------------------------------------------------------------------------------
+    def _key(self, node: TreeNode):
+        return self.policy.key(node, self.clock())
+
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Swap the eviction policy; node metadata is policy-neutral, so only the queue is re-keyed."""
+        self.policy = policy
+        self._leaves.rebuild(self.evictable_leaves())
+
+    # -- lookups -----------------------------------------------------------------------------------------
+    def match_len(self, tokens: list[int] | tuple[int, ...]) -> int:
+        """Read-only: how many leading tokens are cached. Splits nothing, touches nothing."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_len(child.tokens, tokens, pos)
+            pos += n
+            if n < child.num_tokens:
+                break
+            node = child
+        return pos
+
+    def match_prefix(self, tokens: list[int] | tuple[int, ...], hit: bool = True) -> tuple[np.ndarray, TreeNode]:
+        """Longest cached prefix of ``tokens``: its slots and the node it ends on (root if none).
+
+        Refreshes the access time of every node on the path and, if ``hit``, counts a hit on each (a request
+        re-finding what it just inserted itself is not a hit).
+        """
+        now = self.clock()
+        node, pos, parts = self.root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_len(child.tokens, tokens, pos)
+            if n < child.num_tokens:
+                child = self._split(child, n)
+            child.last_access = now
+            child.hit_count += hit
+            self._requeue(child)
+            parts.append(child.slots)
+            pos += n
+            node = child
+        slots = np.concatenate(parts) if parts else EMPTY_SLOTS
+        return slots, node
+
+    # -- mutation ----------------------------------------------------------------------------------------
+    def insert(self, tokens: list[int] | tuple[int, ...], slots: np.ndarray) -> int:
+        """Cache ``tokens`` with their ``slots``; returns how many leading tokens were already cached."""
+        assert len(tokens) == len(slots), f"{len(tokens)} tokens but {len(slots)} slots"
+        now = self.clock()
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_len(child.tokens, tokens, pos)
+            if n < child.num_tokens:
+                child = self._split(child, n)
+            mine = slots[pos : pos + n]
+            dup = mine != child.slots
+            if dup.any():  # computed twice: keep the tree's copy, give ours back
+                self.free_slots(mine[dup])
+            child.last_access = now
+            self._requeue(child)
+            pos += n
+            node = child
+        cached = pos
+        if pos < len(tokens):
+            leaf = TreeNode(
+                tokens=tuple(tokens[pos:]),
+                slots=np.asarray(slots[pos:], dtype=SLOT_DTYPE).copy(),
+                parent=node,
+                depth=node.depth + len(tokens) - pos,
+                created=now,
+                last_access=now,
+            )
+            node.children[leaf.tokens[0]] = leaf
+            self.evictable_size += leaf.num_tokens
+            self._leaves.push(leaf)
+        return cached
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (reference counted)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= node.num_tokens
+                self.protected_size += node.num_tokens
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one ``lock(node)``; nodes that reach lock_ref 0 become evictable."""
+        while node is not self.root:
+            assert node.lock_ref > 0, "unlock without a matching lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= node.num_tokens
+                self.evictable_size += node.num_tokens
+                if not node.children:
+                    self._leaves.push(node)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots from unlocked leaves, policy order; returns tokens freed."""
+        freed = 0
+        while freed < num_tokens:
+            leaf = self._leaves.pop()
+            if leaf is None:
+                break
+            self._on_evict(leaf)
+            self.free_slots(leaf.slots)
+            freed += leaf.num_tokens
+            self.evictable_size -= leaf.num_tokens
+            parent = leaf.parent
+            del parent.children[leaf.tokens[0]]
+            leaf.parent = None
+            if parent.is_evictable_leaf:
+                self._leaves.push(parent)
+        self._leaves.maybe_compact(self.evictable_leaves, self.evictable_size)
+        return freed
+
+    def _on_evict(self, node: TreeNode) -> None:
+        hook = getattr(self.policy, "on_evict", None)
+        if hook is not None:
+            hook(node, self.clock())
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _requeue(self, node: TreeNode) -> None:
+        if node.is_evictable_leaf:  # its key may depend on the metadata that just changed
+            self._leaves.push(node)
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut ``child`` after ``n`` tokens; returns the new upper node (the lower keeps identity)."""
+        parent = child.parent
+        upper = TreeNode(
+            tokens=child.tokens[:n],
+            slots=child.slots[:n],
+            parent=parent,
+            depth=child.depth - child.num_tokens + n,
+            created=child.created,
+            last_access=child.last_access,
+            hit_count=child.hit_count,
+            priority=child.priority,
+            lock_ref=child.lock_ref,  # every lock through child also runs through its prefix
+        )
+        child.tokens, child.slots = child.tokens[n:], child.slots[n:]
+        child.parent = upper
+        upper.children[child.tokens[0]] = child
+        parent.children[upper.tokens[0]] = upper
+        return upper
+
+    def nodes(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def evictable_leaves(self) -> Iterator[TreeNode]:
+        return (n for n in self.nodes() if n.is_evictable_leaf)
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    def check(self) -> list[np.ndarray]:
+        """Assert tree integrity; returns the slot arrays the tree owns (for pool accounting)."""
+        evictable = protected = 0
+        owned = []
+        for node in self.nodes():
+            assert node.num_tokens > 0 and len(node.slots) == node.num_tokens, "empty or ragged node"
+            assert node.parent.children.get(node.tokens[0]) is node, "child keyed by the wrong token"
+            assert node.depth == node.parent.depth + node.num_tokens, "wrong depth"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock below an unlocked node"
+            if node.lock_ref:
+                protected += node.num_tokens
+            else:
+                evictable += node.num_tokens
+            owned.append(node.slots)
+        assert (evictable, protected) == (self.evictable_size, self.protected_size), (
+            f"counters drifted: evictable {self.evictable_size} vs {evictable}, "
+            f"protected {self.protected_size} vs {protected}"
+        )
+        return owned

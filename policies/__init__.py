@@ -1,0 +1,14 @@
+"""Eviction and scheduling policies (no torch). Looked up by name through entry points; see registry."""
+from radixserve.policies.base import CacheView, EvictionPolicy, NodeView, SchedulePolicy, WaitingRequest
+from radixserve.policies.registry import available, load_eviction_policy, load_schedule_policy
+
+__all__ = [
+    "CacheView",
+    "EvictionPolicy",
+    "NodeView",
+    "SchedulePolicy",
+    "WaitingRequest",
+    "available",
+    "load_eviction_policy",
+    "load_schedule_policy",
+]
