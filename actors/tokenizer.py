@@ -1,0 +1,110 @@
+"""TokenizerCore: chat templates and encoding in, incremental detokenizing and stop strings out (no I/O).
+
+Uses the checkpoint's own tokenizer and chat template through transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from radixserve.sampling_params import SamplingParams
+
+
+class TokenizerCore:
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = len(self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"a prompt must be a string, got {type(text).__name__}")
+        return self.tokenizer(text).input_ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Render ``messages`` with the model's chat template and encode the result."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        # the template already wrote any special tokens it wants; don't add a second BOS
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, params: SamplingParams) -> Detokenizer:
+        return Detokenizer(self, params.skip_special_tokens, params.stop_strings)
+
+
+@dataclass
+class Detokenizer:
+    """Turns a growing list of token ids into text, a few tokens at a time.
+
+    Decoding a token alone can split a multi-byte character or lose the space a neighbour gives it, so each
+    step decodes a short window ending at the new tokens and emits only what became final. ``stable_text`` is
+    what can be shown now: it holds back a possible beginning of a stop string.
+    """
+
+    core: TokenizerCore
+    skip_special_tokens: bool
+    stop_strings: list[str]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stopped_by: str | None = None
+    _prefix_offset: int = 0  # window start: decoded for context only
+    _read_offset: int = 0  # tokens before this are already in `text`
+
+    def add(self, new_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string if one now appears (``text`` is cut before it)."""
+        if self.stopped_by is not None:
+            return self.stopped_by
+        self.ids.extend(new_ids)
+        before = len(self.text)
+        decode = self.core.decode
+        prefix = decode(self.ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        full = decode(self.ids[self._prefix_offset :], self.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):  # an incomplete character waits
+            self.text += full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        return self._find_stop(before)
+
+    def _find_stop(self, before: int) -> str | None:
+        if not self.stop_strings:
+            return None
+        longest = max(map(len, self.stop_strings))
+        start = max(0, before - longest + 1)  # a stop string may straddle the old and new text
+        hits = [(self.text.find(s, start), s) for s in self.stop_strings]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        pos, s = min(hits)
+        self.text = self.text[:pos]
+        self.stopped_by = s
+        return s
+
+    def flush(self) -> None:
+        """At the end: whatever is still held back (an incomplete character) is decoded as is."""
+        if self.stopped_by is None and self._read_offset < len(self.ids):
+            prefix = self.core.decode(self.ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+            full = self.core.decode(self.ids[self._prefix_offset :], self.skip_special_tokens)
+            self.text += full[len(prefix) :]
+            self._read_offset = len(self.ids)
+            self._find_stop(0)
+
+    @property
+    def stable_text(self) -> str:
+        """Text that will not change: all of it once stopped, else minus a possible stop-string prefix."""
+        if self.stopped_by is not None or not self.stop_strings:
+            return self.text
+        hold = 0
+        for s in self.stop_strings:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return self.text[: len(self.text) - hold]

@@ -1,0 +1,53 @@
+"""The attention interface every backend implements (torch on CPU now; Triton on CUDA later).
+
+Layout: the pool holds K and V per layer as ``[num_slots, kv_heads, head_dim]``; a request's row of slot
+indices (``slots``, concatenated over the batch) lists where each of its tokens lives. Queries are ragged and
+unpadded: ``q`` is ``[num_new_tokens, heads, head_dim]`` with requests back to back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """Per-step layout, built once by the runner and shared by every layer (tensors on the model's device)."""
+
+    mode: str  # "extend" | "decode"
+    prefix_lens: list[int]  # per request: tokens already in the pool
+    extend_lens: list[int]  # per request: new tokens in this step
+    slots: torch.Tensor  # int64 [sum(prefix_lens + extend_lens)]: every request's whole row
+    out_slots: torch.Tensor  # int64 [sum(extend_lens)]: where the new tokens' K/V go
+    backend_data: Any = None  # whatever the backend's prepare() precomputes
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, batch: AttentionBatch) -> Any:
+        """Precompute what every layer reuses this step (masks, index matrices). Called once per step."""
+        ...
+
+    def store_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' K/V ``[num_new, kv_heads, head_dim]`` into one layer's pool at ``out_slots``."""
+        ...
+
+    def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+               v_pool: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        """Each request's new tokens attend to its cached prefix (read from the pool through its slots) and
+        causally to themselves. ``k``/``v`` are the new tokens' K/V, already stored. Returns ``[num_new, heads,
+        head_dim]``."""
+        ...
+
+    def decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
+               scale: float) -> torch.Tensor:
+        """One new token per request attends to the request's whole row (its own K/V already stored)."""
+        ...

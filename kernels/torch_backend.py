@@ -1,0 +1,86 @@
+"""Attention over the slot pool with torch's scaled_dot_product_attention (the CPU path).
+
+extend: one SDPA call per request over its true length (no padding to the longest); a request with no cached
+prefix attends to its fresh K/V directly, skipping the gather. decode: one batched SDPA call over the rows
+gathered into a ``[batch, max_len]`` index matrix, padded with the dummy slot and masked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels.base import AttentionBatch
+
+
+@dataclass
+class _Extend:
+    tok_starts: list[int]
+    slot_starts: list[int]
+    masks: list[torch.Tensor | None]  # None: plain causal (no prefix)
+
+
+@dataclass
+class _Decode:
+    index: torch.Tensor  # [B, max_len] slot of each position, dummy slot 0 where padded
+    mask: torch.Tensor  # [B, 1, 1, max_len] True where the position is real
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    out, acc = [], 0
+    for n in lengths:
+        out.append(acc)
+        acc += n
+    return out
+
+
+class TorchAttention:
+    name = "torch"
+
+    def prepare(self, batch: AttentionBatch):
+        device = batch.slots.device
+        if batch.mode == "decode":
+            lens = torch.tensor(batch.seq_lens, device=device)
+            real = torch.arange(int(lens.max()), device=device)[None, :] < lens[:, None]
+            index = torch.zeros(real.shape, dtype=torch.int64, device=device)
+            index[real] = batch.slots  # row-major fill = the rows back to back
+            return _Decode(index, real[:, None, None, :])
+        masks = []
+        for p, e in zip(batch.prefix_lens, batch.extend_lens):
+            if p == 0:
+                masks.append(None)
+            else:  # causal, aligned to the bottom right: new token i sees the prefix and new tokens <= i
+                i = torch.arange(e, device=device)[:, None]
+                j = torch.arange(p + e, device=device)[None, :]
+                masks.append(j <= p + i)
+        return _Extend(_starts(batch.extend_lens), _starts(batch.seq_lens), masks)
+
+    def store_kv(self, k_pool, v_pool, batch, k, v) -> None:
+        k_pool[batch.out_slots] = k
+        v_pool[batch.out_slots] = v
+
+    def extend(self, q, k, v, k_pool, v_pool, batch, scale):
+        meta: _Extend = batch.backend_data
+        out = torch.empty_like(q)
+        for t0, s0, p, e, mask in zip(meta.tok_starts, meta.slot_starts, batch.prefix_lens, batch.extend_lens,
+                                      meta.masks):
+            qi = q[t0 : t0 + e].transpose(0, 1)  # [H, e, D]
+            if mask is None:
+                ki, vi = k[t0 : t0 + e], v[t0 : t0 + e]
+            else:
+                row = batch.slots[s0 : s0 + p + e]
+                ki, vi = k_pool[row], v_pool[row]
+            o = F.scaled_dot_product_attention(
+                qi, ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask, is_causal=mask is None, scale=scale,
+                enable_gqa=True,
+            )
+            out[t0 : t0 + e] = o.transpose(0, 1)
+        return out
+
+    def decode(self, q, k_pool, v_pool, batch, scale):
+        meta: _Decode = batch.backend_data
+        k = k_pool[meta.index].transpose(1, 2)  # [B, kv_heads, L, D]
+        v = v_pool[meta.index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+        return o[:, :, 0, :]

@@ -1,0 +1,86 @@
+"""Everything one forward needs, built once per step from the scheduler's plan and handed to the model
+(no global context)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixserve.actors.messages import ForwardPlan, array
+from radixserve.kernels.base import AttentionBackend, AttentionBatch
+
+
+class KVPool:
+    """K and V for every layer: ``[num_layers, num_slots, kv_heads, head_dim]``. Slot 0 is the dummy."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (num_layers, num_slots, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class RopeTable:
+    """cos/sin for every position, computed once in float32 (as the reference does per call)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, device: torch.device) -> None:
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(device)
+        self.sin = (emb.sin() * scaling).to(device)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [tokens, 1, head_dim]: broadcast over heads
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    logit_rows: torch.Tensor  # int64 [n]: rows of the tokens whose next-token logits are wanted
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn: AttentionBatch
+    attn_backend: AttentionBackend
+    kv: KVPool
+
+    @classmethod
+    def from_plan(cls, plan: ForwardPlan, kv: KVPool, rope: RopeTable, backend: AttentionBackend,
+                  dtype: torch.dtype, device: torch.device) -> ForwardBatch:
+        prefix, extend = array(plan.prefix_lens), array(plan.extend_lens)
+        slots = torch.from_numpy(array(plan.slots).astype(np.int64)).to(device)
+        ext_ends = np.cumsum(extend)
+        # positions: prefix_len .. prefix_len + extend_len - 1 for each request, back to back
+        positions = np.arange(int(ext_ends[-1])) - np.repeat(ext_ends - extend - prefix, extend)
+        seq_ends = np.cumsum(prefix + extend)
+        out_idx = np.arange(int(ext_ends[-1])) + np.repeat(seq_ends - ext_ends, extend)
+        sampled = array(plan.sample, np.uint8).astype(bool)
+        positions_t = torch.from_numpy(positions).to(device)
+        attn = AttentionBatch(
+            mode=plan.mode,
+            prefix_lens=prefix.tolist(),
+            extend_lens=extend.tolist(),
+            slots=slots,
+            out_slots=slots[torch.from_numpy(out_idx).to(device)],
+        )
+        attn.backend_data = backend.prepare(attn)
+        cos, sin = rope.lookup(positions_t, dtype)
+        return cls(
+            input_ids=torch.from_numpy(array(plan.input_ids).astype(np.int64)).to(device),
+            positions=positions_t,
+            logit_rows=torch.from_numpy((ext_ends - 1)[sampled]).to(device),
+            cos=cos,
+            sin=sin,
+            attn=attn,
+            attn_backend=backend,
+            kv=kv,
+        )

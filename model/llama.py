@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM, TinyLlama, Qwen2/2.5) over the paged KV pool.
+
+Module names follow the HF checkpoints, so loading is a name lookup plus the two fused projections below.
+The block reads like the paper: norm -> attention -> residual -> norm -> MLP -> residual.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from radixserve.model.forward_batch import ForwardBatch
+
+# HF weight -> (our fused parameter, shard). Everything else loads by its own name.
+FUSED_WEIGHTS: dict[str, tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+class FusedLinear(nn.Linear):
+    """Several projections of the same input in one matmul; ``shards`` maps a shard name to its output rows."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shards.items():
+            self.shards[name] = (start, size)
+            start += size
+
+    def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
+        start, size = self.shards[shard]
+        getattr(self, param).data[start : start + size].copy_(tensor)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32, then back, exactly as the reference implementation does
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+            dim=-1,
+        )
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), batch.cos, batch.sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), batch.cos, batch.sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        k_pool, v_pool = batch.kv.layer(self.layer_id)
+        attn, meta = batch.attn_backend, batch.attn
+        attn.store_kv(k_pool, v_pool, meta, k, v)
+        if meta.mode == "decode":
+            o = attn.decode(q, k_pool, v_pool, meta, self.scale)
+        else:
+            o = attn.extend(q, k, v, k_pool, v_pool, meta, self.scale)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Returns next-token logits for the positions ``batch.logit_rows`` only (the last token of each request
+    that samples), so the vocabulary projection is not paid for every prompt token."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            h = layer(h, batch)
+        h = self.model.norm(h[batch.logit_rows])
+        return self.lm_head(h).float()
+
+    def load_weights(self, weights) -> None:
+        """``weights``: iterable of (HF name, tensor). Every parameter must be covered exactly once."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(IGNORED_WEIGHTS) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            module_name, _, param = name.rpartition(".")
+            parent, _, leaf = module_name.rpartition(".")
+            if leaf in FUSED_WEIGHTS:
+                fused, shard = FUSED_WEIGHTS[leaf]
+                modules[f"{parent}.{fused}"].load_shard(shard, param, tensor)
+                loaded.add(f"{parent}.{fused}.{param}:{shard}")
+            elif name in params:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+            else:
+                raise ValueError(f"checkpoint weight {name!r} has no place in the {self.config.model_type} model")
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        expected = set()
+        for pname in params:
+            module_name, _, param = pname.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, FusedLinear):
+                expected |= {f"{pname}:{s}" for s in module.shards}
+            elif not (pname == "lm_head.weight" and self.config.tie_word_embeddings):
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")

@@ -1,0 +1,71 @@
+"""ModelRunner: owns the weights and the KV pool tensors, runs one ForwardPlan, samples, replies.
+
+It never allocates slots: the scheduler owns the indices, the runner owns the tensors.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from radixserve.actors.messages import ForwardPlan, ForwardResult, array
+from radixserve.kernels import get_backend
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
+from radixserve.model.llama import CausalLM
+from radixserve.model.sampler import sample
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def iter_safetensors(path: Path):
+    files = sorted(path.glob("*.safetensors"))
+    for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)  # no random init: every weight is loaded next
+    model.load_weights(iter_safetensors(path))
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
+                 attention_backend: str = "auto", num_threads: int | None = None) -> None:
+        if num_threads or device == "cpu":
+            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        start = time.perf_counter()
+        self.model = build_model(cfg, path, self.dtype, self.device)
+        self.kv = KVPool(cfg.num_layers, num_slots + 1, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.rope = RopeTable(*cfg.rope_inv_freq(), cfg.max_position_embeddings, self.device)
+        self.attn = get_backend(attention_backend, self.device)
+        log.info("model loaded in %.1fs (%s, %s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
+                 cfg.model_type, dtype, num_slots, self.kv.nbytes / 2**20)
+
+    @torch.inference_mode()
+    def forward(self, plan: ForwardPlan) -> ForwardResult:
+        batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device)
+        next_ids = np.full(plan.batch_size, -1, dtype=np.int32)
+        sampled = array(plan.sample, np.uint8).astype(bool)
+        if sampled.any():
+            logits = self.model(batch)
+            next_ids[sampled] = sample(logits, plan).cpu().numpy()
+        else:
+            self.model(batch)  # a prefill chunk: only the KV it writes matters
+        return ForwardResult(step=plan.step, next_ids=next_ids.tobytes())

@@ -1,0 +1,64 @@
+"""Shared fixtures: the bundled SmolLM2 (converted once) and tiny random checkpoints built with transformers."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from radixserve.model.loader import resolve_model
+
+    return resolve_model(None).path
+
+
+def build_tiny(kind: str, root: Path, tokenizer_from: Path) -> Path:
+    """A random checkpoint whose vocabulary matches the SmolLM2 tokenizer (so prompts can be text)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=512, initializer_range=0.25, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None)
+    if kind == "llama":  # GQA 4:2, untied, llama3 RoPE scaling
+        cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 128}, **common)
+    else:  # Qwen2: q/k/v bias, tied embeddings, GQA 4:1
+        cfg = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if kind == "qwen2":  # from_config zero-initialises biases; give them values so they matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    out = root / kind
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm2_path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build_tiny(kind, root, smollm2_path) for kind in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in tiny_models.items()}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(Path(os.environ.get("PYTEST_TINY_TMP", "/nonexistent")), ignore_errors=True)
