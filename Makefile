@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 serve: install
-	$(PY) -m radixserve serve $(ARGS)
+	$(PY) -m radixserve demo $(ARGS)
 
 test: install
 	$(PY) -m pytest -q tests

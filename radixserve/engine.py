@@ -31,10 +31,13 @@ class Engine:
         from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
 
         args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        if args.tp != 1:
+            raise ValueError(f"tensor parallelism (tp={args.tp}) is not supported yet; use tp=1")
         files = resolve_model(args.model_path)
         model_cfg = ModelConfig.from_hf(*load_configs(files.path))
         self.args = args = args.resolved(model_cfg.kv_values_per_token, model_cfg.max_position_embeddings)
         self.model_config = model_cfg
+        self.model_files = files
         self.tokenizer = TokenizerCore(files.path)
         # policies first: a bad name fails before the model is loaded
         eviction, schedule = load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)

@@ -70,3 +70,34 @@ class ServerArgs:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             total = max(context, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
         return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total)
+
+
+HELP = {
+    "model_path": "HF checkpoint folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    "dtype": "auto (bfloat16 on CPU), bfloat16, float16 or float32",
+    "max_total_tokens": "KV pool size in tokens (default: from free memory)",
+    "chunked_prefill_size": "new tokens per prefill step; <= 0 disables chunking",
+    "max_prefill_tokens": "new tokens per prefill step when chunking is off",
+    "max_running_requests": "most requests decoding at once",
+    "context_length": "cap on prompt + output tokens (default: the model's)",
+    "schedule_policy": "order of the waiting queue (see `radixserve.policies`)",
+    "eviction_policy": "which cached prefixes go first when the pool is full",
+    "disable_radix_cache": "no prefix reuse: every request computes its whole prompt",
+    "num_threads": "torch threads for the model (default: all cores)",
+    "check_invariants": "assert KV pool accounting after every step (slow; for debugging)",
+}
+
+
+def add_cli_args(parser) -> None:
+    """One flag per ServerArgs field (``--max-total-tokens`` for ``max_total_tokens``)."""
+    for f in fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if f.default is False:
+            parser.add_argument(flag, action="store_true", help=HELP.get(f.name))
+            continue
+        kind = int if (isinstance(f.default, int) or str(f.type).startswith("int")) else str
+        parser.add_argument(flag, type=kind, default=f.default, help=HELP.get(f.name))
+
+
+def from_cli(namespace) -> ServerArgs:
+    return ServerArgs(**{f.name: getattr(namespace, f.name) for f in fields(ServerArgs)})

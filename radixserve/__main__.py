@@ -1,0 +1,63 @@
+"""Command line: ``radixserve demo [flags]`` (``python -m radixserve demo``).
+
+``demo`` runs the offline Engine on the bundled model: a chat in the terminal (or, without a terminal, a short
+scripted conversation), printing after each answer how many prompt tokens came from the radix cache.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from radixserve.server_args import add_cli_args, from_cli
+
+SCRIPT = ["What is the capital of France?", "And what is it famous for?", "Say that again in one sentence."]
+
+
+def demo(args: argparse.Namespace) -> int:
+    from radixserve.engine import Engine
+
+    with Engine(**vars(from_cli(args))) as engine:
+        messages: list[dict[str, str]] = []
+        interactive = sys.stdin.isatty()
+        lines = iter(SCRIPT) if not interactive else None
+        print("radixserve demo: chat with the model (empty line or Ctrl-D to quit)\n")
+        while True:
+            try:
+                text = input("you> ") if interactive else next(lines)
+            except (EOFError, StopIteration):
+                break
+            if not text.strip():
+                break
+            if not interactive:
+                print(f"you> {text}")
+            messages.append({"role": "user", "content": text})
+            start = time.perf_counter()
+            out = engine.chat(messages, {"temperature": 0, "max_new_tokens": args.max_new_tokens})
+            took = time.perf_counter() - start
+            meta = out["meta_info"]
+            print(f"bot> {out['text']}")
+            print(f"     [{meta['cached_tokens']}/{meta['prompt_tokens']} prompt tokens from the radix cache, "
+                  f"{meta['completion_tokens']} generated in {took:.2f}s]\n")
+            messages.append({"role": "assistant", "content": out["text"]})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixserve", description="A readable LLM serving engine (RadixAttention)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_demo = sub.add_parser("demo", help="chat with the offline Engine in the terminal")
+    add_cli_args(p_demo)
+    p_demo.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return demo(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
