@@ -98,17 +98,7 @@ class RadixTree:
     # -- lookups -----------------------------------------------------------------------------------------
     def match_len(self, tokens: list[int] | tuple[int, ...]) -> int:
         """Read-only: how many leading tokens are cached. Splits nothing, touches nothing."""
-        node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            n = _common_len(child.tokens, tokens, pos)
-            pos += n
-            if n < child.num_tokens:
-                break
-            node = child
-        return pos
+        return sum(n for _, n in self._path(tokens))
 
     def match_prefix(self, tokens: list[int] | tuple[int, ...], hit: bool = True) -> tuple[np.ndarray, TreeNode]:
         """Longest cached prefix of ``tokens``: its slots and the node it ends on (root if none).
@@ -117,20 +107,12 @@ class RadixTree:
         re-finding what it just inserted itself is not a hit).
         """
         now = self.clock()
-        node, pos, parts = self.root, 0, []
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            n = _common_len(child.tokens, tokens, pos)
-            if n < child.num_tokens:
-                child = self._split(child, n)
-            child.last_access = now
-            child.hit_count += hit
-            self._requeue(child)
-            parts.append(child.slots)
-            pos += n
-            node = child
+        node, parts = self.root, []
+        for node in self._walk(tokens):
+            node.last_access = now
+            node.hit_count += hit
+            self._requeue(node)
+            parts.append(node.slots)
         slots = np.concatenate(parts) if parts else EMPTY_SLOTS
         return slots, node
 
@@ -140,21 +122,14 @@ class RadixTree:
         assert len(tokens) == len(slots), f"{len(tokens)} tokens but {len(slots)} slots"
         now = self.clock()
         node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            n = _common_len(child.tokens, tokens, pos)
-            if n < child.num_tokens:
-                child = self._split(child, n)
-            mine = slots[pos : pos + n]
-            dup = mine != child.slots
+        for node in self._walk(tokens):
+            mine = slots[pos : node.depth]
+            dup = mine != node.slots
             if dup.any():  # computed twice: keep the tree's copy, give ours back
                 self.free_slots(mine[dup])
-            child.last_access = now
-            self._requeue(child)
-            pos += n
-            node = child
+            node.last_access = now
+            self._requeue(node)
+            pos = node.depth
         cached = pos
         if pos < len(tokens):
             leaf = TreeNode(
@@ -216,6 +191,27 @@ class RadixTree:
             hook(node, self.clock())
 
     # -- internals ---------------------------------------------------------------------------------------
+    def _path(self, tokens: list[int] | tuple[int, ...]) -> Iterator[tuple[TreeNode, int]]:
+        """(node, tokens matched in it) along the longest cached prefix of ``tokens``, root excluded; only the
+        last node may be matched partially. Changes nothing."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                return
+            n = _common_len(child.tokens, tokens, pos)
+            yield child, n
+            if n < child.num_tokens:
+                return
+            pos += n
+            node = child
+
+    def _walk(self, tokens: list[int] | tuple[int, ...]) -> Iterator[TreeNode]:
+        """The nodes of ``_path``, the last split where the prefix ends inside it: each yielded node is covered
+        by ``tokens`` exactly (it ends at its depth)."""
+        for node, n in self._path(tokens):
+            yield node if n == node.num_tokens else self._split(node, n)
+
     def _requeue(self, node: TreeNode) -> None:
         if node.is_evictable_leaf:  # its key may depend on the metadata that just changed
             self._leaves.push(node)
