@@ -68,7 +68,9 @@ class ServerArgs:
         total = self.max_total_tokens
         if total is None:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            total = max(context, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
+            # not forced up to the context: a long-context model on a small machine gets a smaller pool (requests
+            # that cannot fit are refused with a message naming --max-total-tokens) instead of running out of RAM
+            total = max(256, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
         return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total)
 
 

@@ -149,8 +149,7 @@ class Scheduler:
                 self._release(req)
             elif plan.mode == "extend":
                 self.running.append(req)
-        if plan.mode == "decode":
-            self.running = [r for r in self.running if not r.finished]
+        if plan.mode == "decode":  # finished requests already left `running` in _release
             self.new_token_ratio = max(self.config.min_new_token_ratio,
                                        self.new_token_ratio - self.config.new_token_ratio_decay)
         self.stats.steps += 1
