@@ -4,7 +4,7 @@ extend: one SDPA call per request over its true length (no padding to the longes
 prefix attends to its fresh K/V directly, skipping the gather. decode: one batched SDPA call over the rows
 gathered into a ``[batch, max_len]`` index matrix, padded with the dummy slot and masked.
 
-Measured on CPU (torch 2.13): ``enable_gqa=True`` and 3-D inputs both send SDPA to its slow "math" fallback
+Measured on CPU (torch 2.13): ``index_select`` gathers rows ~6x faster than ``pool[index]``; ``enable_gqa=True`` and 3-D inputs both send SDPA to its slow "math" fallback
 (4-5x slower), so inputs are 4-D and grouped-query heads are handled by hand: extend repeats K/V heads;
 decode folds each group's query heads into the query-length axis (one query token, so no causal order).
 """
@@ -61,8 +61,8 @@ class TorchAttention:
         return _Extend(_starts(batch.extend_lens), _starts(batch.seq_lens), masks)
 
     def store_kv(self, k_pool, v_pool, batch, k, v) -> None:
-        k_pool[batch.out_slots] = k
-        v_pool[batch.out_slots] = v
+        k_pool.index_copy_(0, batch.out_slots, k)
+        v_pool.index_copy_(0, batch.out_slots, v)
 
     def extend(self, q, k, v, k_pool, v_pool, batch, scale):
         meta: _Extend = batch.backend_data
@@ -74,7 +74,7 @@ class TorchAttention:
                 ki, vi = k[t0 : t0 + e], v[t0 : t0 + e]
             else:
                 row = batch.slots[s0 : s0 + p + e]
-                ki, vi = k_pool[row], v_pool[row]
+                ki, vi = k_pool.index_select(0, row), v_pool.index_select(0, row)
             ki, vi = (x.transpose(0, 1).repeat_interleave(group, dim=0)[None] for x in (ki, vi))  # [1, H, L, D]
             o = F.scaled_dot_product_attention(q[t0 : t0 + e].transpose(0, 1)[None], ki, vi, attn_mask=mask,
                                                is_causal=mask is None, scale=scale)
@@ -84,8 +84,9 @@ class TorchAttention:
     def decode(self, q, k_pool, v_pool, batch, scale):
         meta: _Decode = batch.backend_data
         b, h, d = q.shape
-        k = k_pool[meta.index].transpose(1, 2)  # [B, kv_heads, L, D]
-        v = v_pool[meta.index].transpose(1, 2)
+        shape = (*meta.index.shape, *k_pool.shape[1:])  # [B, L, kv_heads, D]
+        k = k_pool.index_select(0, meta.index.flatten()).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
+        v = v_pool.index_select(0, meta.index.flatten()).view(shape).transpose(1, 2)
         q = q.view(b, k.shape[1], h // k.shape[1], d)  # a group's query heads act as its query "tokens"
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
         return o.reshape(b, h, d)
