@@ -200,8 +200,9 @@ class RadixTree:
             if child is None:
                 return
             n = _common_len(child.tokens, tokens, pos)
+            partial = n < child.num_tokens  # decided before yielding: the consumer may split `child`
             yield child, n
-            if n < child.num_tokens:
+            if partial:
                 return
             pos += n
             node = child

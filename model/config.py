@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # model_type -> (q/k/v bias, o_proj bias) when the config does not say; Llama's own `attention_bias` wins.
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -80,6 +81,7 @@ class ModelConfig:
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         """Inverse frequencies and the cos/sin scale, computed by transformers itself (exact same RoPE)."""
+        import torch
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         rope = self.hf_config.rope_parameters

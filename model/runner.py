@@ -19,7 +19,7 @@ from radixserve.kernels import get_backend
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.llama import CausalLM
-from radixserve.model.sampler import sample
+from radixserve.model.sampler import logprobs_of, sample
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,13 @@ class ModelRunner:
         batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device)
         next_ids = np.full(plan.batch_size, -1, dtype=np.int32)
         sampled = array(plan.sample, np.uint8).astype(bool)
+        logprob = top_ids = top_logprobs = b""
         if sampled.any():
             logits = self.model(batch)
-            next_ids[sampled] = sample(logits, plan).cpu().numpy()
+            chosen = sample(logits, plan)
+            next_ids[sampled] = chosen.cpu().numpy()
+            logprob, top_ids, top_logprobs = logprobs_of(logits, chosen, plan)
         else:
             self.model(batch)  # a prefill chunk: only the KV it writes matters
-        return ForwardResult(step=plan.step, next_ids=next_ids.tobytes())
+        return ForwardResult(step=plan.step, next_ids=next_ids.tobytes(), logprob=logprob, top_ids=top_ids,
+                             top_logprobs=top_logprobs)

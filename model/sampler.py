@@ -52,3 +52,26 @@ def sample(logits: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
             noise[j] = seeded_noise(seeds[r], index[r], probs.shape[-1], probs.device)
     out[rows] = (probs / noise).argmax(dim=-1)
     return out
+
+
+def logprobs_of(logits: torch.Tensor, next_ids: torch.Tensor, plan: ForwardPlan) -> tuple[bytes, bytes, bytes]:
+    """For the requests that asked: the chosen token's log-probability (``[B]``, NaN elsewhere) and their top-k
+    alternatives back to back in batch order. Log-probabilities of the model's own distribution (before
+    temperature and filters), as OpenAI reports them. Empty bytes when nobody asked."""
+    batch_rows = np.flatnonzero(array(plan.sample, np.uint8))  # logits row j is batch row batch_rows[j]
+    want = array(plan.logprobs, np.int32)[batch_rows]
+    rows = np.flatnonzero(want >= 0)
+    if len(rows) == 0:
+        return b"", b"", b""
+    rows_t = torch.from_numpy(rows).to(logits.device)
+    logp = torch.log_softmax(logits[rows_t], dim=-1)
+    chosen = np.full(plan.batch_size, np.nan, dtype=np.float32)
+    chosen[batch_rows[rows]] = logp.gather(1, next_ids[rows_t][:, None])[:, 0].cpu().numpy()
+    top_ids, top_lp = [np.zeros(0, np.int32)], [np.zeros(0, np.float32)]
+    k = int(want[rows].max())
+    if k > 0:
+        values, ids = (t.cpu().numpy() for t in logp.topk(k, dim=-1))
+        for j, r in enumerate(rows):
+            top_ids.append(ids[j, : want[r]].astype(np.int32))
+            top_lp.append(values[j, : want[r]].astype(np.float32))
+    return chosen.tobytes(), np.concatenate(top_ids).tobytes(), np.concatenate(top_lp).tobytes()

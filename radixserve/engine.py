@@ -64,12 +64,14 @@ class Engine:
 
     # -- public API --------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: TokenIds = None,
-                 ) -> dict[str, Any] | list[dict[str, Any]]:
+                 return_logprob: bool = False, top_logprobs_num: int = 0) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list, same order).
 
         Give ``prompt`` (text) or ``input_ids`` (token ids), not both. ``sampling_params`` is one dict /
         SamplingParams for all, or a list with one per prompt. Each result has ``text``, ``output_ids`` and
-        ``meta_info`` (prompt_tokens, completion_tokens, cached_tokens, finish_reason).
+        ``meta_info`` (prompt_tokens, completion_tokens, cached_tokens, finish_reason). ``return_logprob``
+        adds ``output_token_logprobs`` [(logprob, token_id)] and, with ``top_logprobs_num`` > 0,
+        ``output_top_logprobs`` [[(logprob, token_id), ...]] to meta_info.
         """
         if self._closed:
             raise RuntimeError("this Engine was shut down")
@@ -89,8 +91,11 @@ class Engine:
             if not all(isinstance(t, int) and not isinstance(t, bool) for x in ids for t in x):
                 raise ValueError("input_ids must contain integers only")
         params = self._params_per_prompt(sampling_params, len(ids))
+        if not 0 <= top_logprobs_num <= 20:
+            raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, 20]")
+        logprobs = top_logprobs_num if return_logprob else -1
         with self._lock:
-            results = self._run(ids, params)
+            results = self._run(ids, params, logprobs)
         return results[0] if single else results
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: Params = None) -> dict[str, Any]:
@@ -120,14 +125,14 @@ class Engine:
         one = SamplingParams.coerce(params)
         return [one] * n
 
-    def _run(self, ids: list[list[int]], params: list[SamplingParams]) -> list[dict[str, Any]]:
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], logprobs: int) -> list[dict[str, Any]]:
         sched = self.scheduler
         for p, sp in zip(ids, params):  # validate all before queueing any: a bad prompt loses nothing
             sched.validate(p, sp)
         reqs: list[Req] = []
         detoks: dict[str, Detokenizer] = {}
         for p, sp in zip(ids, params):
-            req = sched.add_request(f"engine-{next(self._ids)}", p, sp)
+            req = sched.add_request(f"engine-{next(self._ids)}", p, sp, logprobs)
             reqs.append(req)
             detoks[req.rid] = self.tokenizer.detokenizer(sp)
         while not all(r.finished for r in reqs):
@@ -145,14 +150,15 @@ class Engine:
 
     def _result(self, req: Req, detok: Detokenizer) -> dict[str, Any]:
         detok.flush()
-        return {
-            "text": detok.text,
-            "output_ids": list(req.output_ids),
-            "meta_info": {
-                "id": req.rid,
-                "prompt_tokens": len(req.prompt_ids),
-                "completion_tokens": len(req.output_ids),
-                "cached_tokens": req.cached_tokens or 0,
-                "finish_reason": req.finish_reason.to_dict(),
-            },
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens or 0,
+            "finish_reason": req.finish_reason.to_dict(),
         }
+        if req.logprobs >= 0:
+            meta["output_token_logprobs"] = [(lp, t) for (lp, _), t in zip(req.output_logprobs, req.output_ids)]
+            if req.logprobs > 0:
+                meta["output_top_logprobs"] = [[(lp, t) for t, lp in top] for _, top in req.output_logprobs]
+        return {"text": detok.text, "output_ids": list(req.output_ids), "meta_info": meta}

@@ -195,3 +195,14 @@ def test_manager_reuses_prefix_and_caps_match_one_short():
     longer = mgr.open(prompt + [6, 7], 8)
     assert longer.kv_len == 5
     mgr.check([again, longer])
+
+
+def test_partial_match_stops_inside_the_split_node():
+    """Regression: after splitting [0,0] for the query [0,1], the walk must not continue into the child [1]."""
+    alloc = SlotAllocator(16)
+    tree = RadixTree(LRU(), alloc.free, FakeClock())
+    tree.insert([0, 0], alloc.alloc(2))
+    tree.insert([0, 0, 1], alloc.alloc(3))
+    slots, node = tree.match_prefix([0, 1, 0])
+    assert len(slots) == 1 and node.depth == 1 and tree.match_len([0, 1, 0]) == 1
+    tree.check()

@@ -89,3 +89,23 @@ def test_missing_bundled_model_says_how_to_install(monkeypatch):
 def test_tp_is_refused_clearly(tiny_models):
     with pytest.raises(ValueError, match="tensor parallelism .* not supported yet"):
         Engine(str(tiny_models["llama"]), tp=2)
+
+
+def test_logprobs_match_a_direct_forward(engine, hf_models):
+    import torch
+
+    prompt = [11, 22, 33, 44]
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0},
+                          return_logprob=True, top_logprobs_num=3)
+    meta = out["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 3 and len(meta["output_top_logprobs"][0]) == 3
+    with torch.no_grad():
+        logits = hf_models["llama"](torch.tensor([prompt + out["output_ids"][:2]])).logits[0, -3:]
+    ref = torch.log_softmax(logits, -1)
+    for j, ((lp, tok), top) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
+        assert tok == out["output_ids"][j]
+        assert abs(lp - ref[j, tok].item()) < 1e-4
+        assert top[0][1] == tok, "greedy: the chosen token is the most likely"
+        assert [t for _, t in top] == ref[j].topk(3).indices.tolist()
+    plain = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+    assert "output_token_logprobs" not in plain["meta_info"]

@@ -18,6 +18,7 @@ def plan_for(n: int, *, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=-1
         extend_lens=col(1, np.int32), slots=col(1, np.int32), sample=col(1, np.uint8),
         temperature=col(temperature, np.float32), top_p=col(top_p, np.float32), top_k=col(top_k, np.int32),
         min_p=col(min_p, np.float32), seed=col(seed, np.int64), sample_index=col(index, np.int32),
+        logprobs=col(-1, np.int32),
         all_greedy=temperature == 0,
     )
 

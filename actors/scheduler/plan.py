@@ -35,5 +35,6 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
         min_p=np.asarray([p.min_p for p in params], dtype=np.float32).tobytes(),
         seed=np.asarray([-1 if p.seed is None else p.seed for p in params], dtype=np.int64).tobytes(),
         sample_index=np.asarray([len(r.output_ids) for r in reqs], dtype=np.int32).tobytes(),
+        logprobs=np.asarray([r.logprobs for r in reqs], dtype=np.int32).tobytes(),
         all_greedy=all(p.greedy for p in params),
     )

@@ -2,23 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-import msgspec
-
+from radixserve.actors.messages import FinishReason
 from radixserve.cache.manager import KVHandle
 from radixserve.sampling_params import SamplingParams
-
-
-class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Why a request ended. ``matched``: the stop token id or stop string; ``message``: for aborts."""
-
-    type: Literal["stop", "length", "abort"]
-    matched: int | str | None = None
-    message: str | None = None
-
-    def to_dict(self) -> dict:
-        return msgspec.to_builtins(self)
 
 
 @dataclass(eq=False, slots=True)
@@ -29,7 +16,10 @@ class Req:
     max_new_tokens: int  # resolved: never None, prompt + max_new_tokens fits the context and the pool
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     arrival: float
+    logprobs: int = -1  # -1: none; else how many top alternatives to return with each token's logprob
     output_ids: list[int] = field(default_factory=list)
+    # per output token when logprobs >= 0: (logprob, [(token_id, logprob) of the top alternatives])
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     kv: KVHandle | None = None  # set while the request holds KV (running or mid-prefill)
     cached_tokens: int | None = None  # prefix reused from the cache when first admitted
     finish_reason: FinishReason | None = None

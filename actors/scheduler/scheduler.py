@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from radixserve.actors.messages import ForwardPlan, ForwardResult, array
 from radixserve.actors.scheduler.plan import build_plan
 from radixserve.actors.scheduler.prefill import PrefillAdder
@@ -65,15 +67,17 @@ class Scheduler:
         self._inflight: tuple[ForwardPlan, list[Req]] | None = None
 
     # -- requests in and out -----------------------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req:
-        """Queue a request; ValueError (nothing queued) if it can never run."""
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, logprobs: int = -1) -> Req:
+        """Queue a request; ValueError (nothing queued) if it can never run. ``logprobs``: -1 none, else how many
+        top alternatives to record with each output token's logprob."""
         if rid in self.live:
             raise ValueError(f"request id {rid!r} is already in use")
         max_new = self.validate(prompt_ids, params)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.config.eos_ids
-        req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock())
+        req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock(),
+                  logprobs=logprobs)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
         if max_new == 0:  # nothing to generate
@@ -133,7 +137,8 @@ class Scheduler:
         plan, reqs = self._inflight
         self._inflight = None
         updated = []
-        for req, next_id in zip(reqs, array(result.next_ids).tolist()):
+        logprobs = _Logprobs(result, reqs)
+        for i, (req, next_id) in enumerate(zip(reqs, array(result.next_ids).tolist())):
             if req.finished:  # aborted while its step ran
                 continue
             if next_id < 0:  # a prefill chunk: let others reuse it already, keep it locked for us
@@ -142,6 +147,8 @@ class Scheduler:
             if req is self.chunked:
                 self.chunked = None
             req.output_ids.append(next_id)
+            if req.logprobs >= 0:
+                req.output_logprobs.append(logprobs.of(i))
             self.stats.generated_tokens += 1
             updated.append(req)
             req.finish_reason = req.check_finished()
@@ -243,3 +250,23 @@ class Scheduler:
         assert len({id(r) for r in self.waiting + self.running}) == len(self.waiting) + len(self.running)
         assert len(self.running) + (self.chunked is not None) <= self.config.max_running_requests
         assert not any(r.finished for r in self.live.values()), "a finished request is still live"
+
+
+class _Logprobs:
+    """Reads a ForwardResult's logprob arrays: the alternatives of request i follow those of every earlier
+    request in the batch that sampled with logprobs > 0."""
+
+    def __init__(self, result: ForwardResult, reqs: list[Req]) -> None:
+        self.chosen = array(result.logprob, np.float32)
+        self.top_ids = array(result.top_ids).tolist()
+        self.top_lp = array(result.top_logprobs, np.float32).tolist()
+        self.spans: dict[int, tuple[int, int]] = {}
+        at = 0
+        for i, (req, next_id) in enumerate(zip(reqs, array(result.next_ids))):
+            if next_id >= 0 and req.logprobs > 0:
+                self.spans[i] = (at, at + req.logprobs)
+                at += req.logprobs
+
+    def of(self, i: int) -> tuple[float, list[tuple[int, float]]]:
+        start, end = self.spans.get(i, (0, 0))
+        return float(self.chosen[i]), list(zip(self.top_ids[start:end], self.top_lp[start:end]))
