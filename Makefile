@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 serve: install
-	$(PY) -m radixserve demo $(ARGS)
+	$(PY) -m radixserve serve $(ARGS)
 
 test: install
 	$(PY) -m pytest -q tests

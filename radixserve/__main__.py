@@ -1,6 +1,5 @@
-"""Command line: ``radixserve demo [flags]`` (``python -m radixserve demo``).
-
-``demo`` runs the offline Engine on the bundled model: a chat in the terminal (or, without a terminal, a short
+"""Command line: ``radixserve serve [flags]`` starts the OpenAI-compatible server; ``radixserve demo [flags]``
+runs the offline Engine on the bundled model: a chat in the terminal (or, without a terminal, a short
 scripted conversation), printing after each answer how many prompt tokens came from the radix cache.
 """
 from __future__ import annotations
@@ -47,10 +46,16 @@ def demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixserve", description="A readable LLM serving engine (RadixAttention)")
     sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    add_cli_args(p_serve)
     p_demo = sub.add_parser("demo", help="chat with the offline Engine in the terminal")
     add_cli_args(p_demo)
     p_demo.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        from radixserve.launch_server import run_cli
+
+        return run_cli(args)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(name)s: %(message)s")
     try:
         return demo(args)

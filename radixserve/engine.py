@@ -7,12 +7,10 @@ import logging
 import threading
 from typing import Any
 
-from radixserve.actors.scheduler import FinishReason, Req, Scheduler, SchedulerConfig
+from radixserve.actors.scheduler import FinishReason, Req
+from radixserve.actors.scheduler.scheduler import build_scheduler
 from radixserve.actors.tokenizer import Detokenizer, TokenizerCore
-from radixserve.cache import CacheManager
-from radixserve.model.config import ModelConfig
-from radixserve.model.loader import load_configs, resolve_model
-from radixserve.policies import load_eviction_policy, load_schedule_policy
+from radixserve.prepare import prepare
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -31,33 +29,14 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
 
-        args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
-        if args.tp != 1:
-            raise ValueError(f"tensor parallelism (tp={args.tp}) is not supported yet; use tp=1")
-        files = resolve_model(args.model_path)
-        model_cfg = ModelConfig.from_hf(*load_configs(files.path))
-        self.args = args = args.resolved(model_cfg.kv_values_per_token, model_cfg.max_position_embeddings)
-        self.model_config = model_cfg
-        self.model_files = files
-        self.tokenizer = TokenizerCore(files.path)
-        # policies first: a bad name fails before the model is loaded
-        eviction, schedule = load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)
-        self.runner = ModelRunner(model_cfg, files.path, dtype=args.dtype, num_slots=args.max_total_tokens,
-                                  num_threads=args.num_threads)
-        cache = CacheManager(args.max_total_tokens, eviction, disable_radix_cache=args.disable_radix_cache)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                context_length=args.context_length,
-                vocab_size=model_cfg.vocab_size,
-                eos_ids=model_cfg.eos_token_ids,
-                max_running_requests=args.max_running_requests,
-                chunked_prefill_size=args.chunked_prefill_size,
-                max_prefill_tokens=args.max_prefill_tokens,
-                check_invariants=args.check_invariants,
-            ),
-            cache,
-            schedule,
-        )
+        prepared = prepare(ServerArgs.from_kwargs(model_path=model_path, **server_args))
+        self.args = args = prepared.args
+        self.model_config = prepared.model
+        self.model_files = prepared.files
+        self.tokenizer = TokenizerCore(prepared.files.path)
+        self.runner = ModelRunner(prepared.model, prepared.files.path, dtype=args.dtype,
+                                  num_slots=args.max_total_tokens, num_threads=args.num_threads)
+        self.scheduler = build_scheduler(args, prepared.scheduler_config)
         self._ids = itertools.count()
         self._closed = False
         self._lock = threading.Lock()  # calls from several threads run one after another, never interleaved

@@ -30,6 +30,7 @@ class ServerArgs:
     tp: int = 1
     log_level: str = "info"
     api_key: str | None = None
+    served_model_name: str | None = None  # None: from the model file or folder name
     num_threads: int | None = None  # torch threads of the runner; None: all cores
     check_invariants: bool = False  # assert pool accounting after every step (tests, debugging)
 
@@ -85,6 +86,12 @@ HELP = {
     "schedule_policy": "order of the waiting queue (see `radixserve.policies`)",
     "eviction_policy": "which cached prefixes go first when the pool is full",
     "disable_radix_cache": "no prefix reuse: every request computes its whole prompt",
+    "served_model_name": "the model name clients pass (default: from the file or folder name)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_key": "require `Authorization: Bearer <key>` on every route but /health",
+    "tp": "tensor-parallel ranks (only 1 is supported yet)",
+    "log_level": "debug, info, warning or error",
     "num_threads": "torch threads for the model (default: all cores)",
     "check_invariants": "assert KV pool accounting after every step (slow; for debugging)",
 }

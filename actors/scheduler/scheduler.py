@@ -252,6 +252,15 @@ class Scheduler:
         assert not any(r.finished for r in self.live.values()), "a finished request is still live"
 
 
+def build_scheduler(args, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> Scheduler:
+    """The scheduler a server or Engine runs: cache manager and policies named by ``args`` (ServerArgs)."""
+    from radixserve.policies import load_eviction_policy, load_schedule_policy
+
+    cache = CacheManager(args.max_total_tokens, load_eviction_policy(args.eviction_policy),
+                         disable_radix_cache=args.disable_radix_cache, clock=clock)
+    return Scheduler(config, cache, load_schedule_policy(args.schedule_policy), clock=clock)
+
+
 class _Logprobs:
     """Reads a ForwardResult's logprob arrays: the alternatives of request i follow those of every earlier
     request in the batch that sampled with logprobs > 0."""

@@ -1,0 +1,75 @@
+"""Reading request bodies (decode = validate) and writing responses: JSON and server-sent events."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from radixserve.actors.api.errors import APIError, from_validation
+from radixserve.actors.api.server import RequestStream
+from radixserve.actors.messages import Delta
+
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+
+
+async def decode_body(request: web.Request, kind: type[T]) -> T:
+    raw = await request.read()
+    if not raw:
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc) from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+async def send_event(resp: web.StreamResponse, body: Any) -> None:
+    await resp.write(b"data: " + _encoder.encode(body) + b"\n\n")
+
+
+async def send_done(resp: web.StreamResponse) -> None:
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+
+
+async def merged(streams: list[RequestStream], firsts: list[Delta]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) as they arrive from all ``streams``, starting with their already-read ``firsts``."""
+    queue: asyncio.Queue[tuple[int, Delta | APIError]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+        except APIError as exc:
+            queue.put_nowait((i, exc))
+
+    for i, first in enumerate(firsts):
+        queue.put_nowait((i, first))
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, APIError):
+                raise item
+            yield i, item
+            remaining -= item.finish is not None
+    finally:
+        for t in tasks:
+            t.cancel()

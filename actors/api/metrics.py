@@ -1,0 +1,56 @@
+"""Prometheus metrics of the api process (prometheus_client), in a registry of its own (no globals)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from radixserve.actors.messages import Status
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("radixserve_requests", "finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("radixserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("radixserve_cached_tokens", "prompt tokens reused from the radix cache",
+                                     registry=r)
+        self.generation_tokens = Counter("radixserve_generation_tokens", "generated tokens", registry=r)
+        self.ttft = Histogram("radixserve_time_to_first_token_seconds", "time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixserve_inter_token_latency_seconds", "time between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("radixserve_e2e_request_latency_seconds", "request latency, arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.hit_rate = Gauge("radixserve_cache_hit_rate", "cached / prompt tokens, all finished requests",
+                              registry=r)
+        self.hit_rate.set_function(lambda: self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+        self._prompt_total = self._cached_total = 0
+        self.running = Gauge("radixserve_num_running_requests", "requests holding KV (decoding or mid-prefill)",
+                             registry=r)
+        self.queued = Gauge("radixserve_num_queued_requests", "requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("radixserve_kv_pool_usage", "fraction of KV slots not free (cached + in use)",
+                              registry=r)
+        self.kv_tokens = Gauge("radixserve_kv_pool_tokens", "KV slots by state", ["state"], registry=r)
+        self.retractions = Gauge("radixserve_retractions", "requests retracted since start", registry=r)
+        self.evicted = Gauge("radixserve_evicted_tokens", "cached tokens evicted since start", registry=r)
+
+    def finished(self, reason: str, prompt: int, cached: int, e2e: float) -> None:
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        self._prompt_total += prompt
+        self._cached_total += cached
+        self.e2e.observe(e2e)
+
+    def status(self, s: Status) -> None:
+        self.running.set(s.running)
+        self.queued.set(s.waiting)
+        self.kv_usage.set(1 - s.free / s.capacity if s.capacity else 0)
+        for state in ("free", "evictable", "protected"):
+            self.kv_tokens.labels(state).set(getattr(s, state))
+        self.retractions.set(s.retractions)
+        self.evicted.set(s.evicted_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,182 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions (JSON and SSE streaming)."""
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+
+from radixserve.actors.api.errors import APIError
+from radixserve.actors.api.io import decode_body, json_response, merged, open_sse, send_done, send_event
+from radixserve.actors.api.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.actors.api.server import ApiServer
+from radixserve.actors.messages import Delta, FinishReason, GenerateReq, TokenLogprob
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass
+class Choice:
+    """What one choice accumulated (non-streaming) plus the usage counts every choice reports."""
+
+    index: int
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = (d.prompt_tokens, d.completion_tokens,
+                                                                          d.cached_tokens)
+        self.finish = d.finish or self.finish
+        self.logprobs.extend(d.logprobs or ())
+
+
+def finish_reason(f: FinishReason | None) -> str | None:
+    return None if f is None else f.type
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token: str, lp: float) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(tok, lp) for tok, _, lp in t.top]}
+                        for t in items]}
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets, at = [], offset
+    for t in items:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [{tok: lp for tok, _, lp in t.top} for t in items], "text_offset": offsets}
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not once per choice), as OpenAI does."""
+    firsts = choices[::n]
+    prompt = sum(c.prompt_tokens for c in firsts)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
+
+
+class OpenAIRoutes:
+    def __init__(self, server: ApiServer) -> None:
+        self.server = server
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+
+    @property
+    def model_name(self) -> str:
+        return self.server.info["model"]
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.server.info["started"], "owned_by": "radixserve",
+            "root": self.model_name, "max_model_len": self.server.info["context_length"]}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await decode_body(request, ChatCompletionRequest)
+        body.validate()
+        self.check_model(body.model)
+        messages = body.template_messages()
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gens = [GenerateReq(f"{rid}-{i}", body.sampling_params(body.max_new_tokens, i), messages=messages,
+                            logprobs=body.logprobs_count) for i in range(body.n)]
+        return await self.respond(request, "chat", rid, body, gens)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await decode_body(request, CompletionRequest)
+        prompts = body.validate()
+        self.check_model(body.model)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gens = []
+        for p, prompt in enumerate(prompts):
+            for j in range(body.n):
+                i = p * body.n + j
+                kw = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+                gens.append(GenerateReq(f"{rid}-{i}", body.sampling_params(body.max_new_tokens, j),
+                                        logprobs=body.logprobs_count, **kw))
+        echo = [prompts[i // body.n] if body.echo and isinstance(prompts[i // body.n], str) else ""
+                for i in range(len(gens))]
+        return await self.respond(request, "completion", rid, body, gens, echo)
+
+    async def respond(self, request: web.Request, kind: Kind, rid: str, body, gens: list[GenerateReq],
+                      echo: list[str] | None = None) -> web.StreamResponse:
+        created = int(time.time())
+        async with AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(self.server.stream(g)) for g in gens]
+            # wait for each choice's first delta before answering: a refused request is a clean 4xx
+            firsts = [await s.next() for s in streams]
+            choices = [Choice(i) for i in range(len(gens))]
+            if not body.stream:
+                async for i, delta in merged(streams, firsts):
+                    choices[i].add(delta)
+                return json_response(self.final_body(kind, rid, created, choices, body, echo))
+            resp = await open_sse(request)
+            head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                    "created": created, "model": self.model_name}
+            extra = {"usage": None} if body.include_usage else {}
+            if kind == "chat":
+                for c in choices:
+                    await send_event(resp, {**head, "choices": [{"index": c.index, "delta": {"role": "assistant",
+                                     "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
+            for i, text in enumerate(echo or ()):
+                if text:
+                    await send_event(resp, {**head, "choices": [{"index": i, "text": text, "logprobs": None,
+                                                                 "finish_reason": None}], **extra})
+            async for i, delta in merged(streams, firsts):
+                c = choices[i]
+                offset = len(c.text)
+                c.add(delta)
+                if delta.text or delta.logprobs:
+                    await send_event(resp, {**head, "choices": [self.chunk(kind, i, delta, offset)], **extra})
+                if delta.finish is not None:
+                    choice = {"index": i, "finish_reason": finish_reason(delta.finish), "logprobs": None,
+                              "matched_stop": delta.finish.matched}
+                    choice.update({"delta": {}} if kind == "chat" else {"text": ""})
+                    await send_event(resp, {**head, "choices": [choice], **extra})
+            if body.include_usage:
+                await send_event(resp, {**head, "choices": [], "usage": usage(choices, body.n)})
+            await send_done(resp)
+            return resp
+
+    def chunk(self, kind: Kind, i: int, delta: Delta, offset: int) -> dict[str, Any]:
+        lp = None
+        if delta.logprobs:
+            lp = chat_logprobs(delta.logprobs) if kind == "chat" else completion_logprobs(delta.logprobs, offset)
+        if kind == "chat":
+            return {"index": i, "delta": {"content": delta.text}, "logprobs": lp, "finish_reason": None}
+        return {"index": i, "text": delta.text, "logprobs": lp, "finish_reason": None}
+
+    def final_body(self, kind: Kind, rid: str, created: int, choices: list[Choice], body, echo) -> dict[str, Any]:
+        out = []
+        for c in choices:
+            common = {"index": c.index, "finish_reason": finish_reason(c.finish),
+                      "matched_stop": c.finish.matched if c.finish else None}
+            want_lp = body.logprobs_count >= 0
+            if kind == "chat":
+                out.append({**common, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs(c.logprobs) if want_lp else None})
+            else:
+                prefix = echo[c.index] if echo else ""
+                out.append({**common, "text": prefix + c.text,
+                            "logprobs": completion_logprobs(c.logprobs, 0) if want_lp else None})
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
+                "model": self.model_name, "choices": out, "usage": usage(choices, body.n)}

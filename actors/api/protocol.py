@@ -1,0 +1,192 @@
+"""Request bodies of the HTTP API as msgspec Structs: decoding *is* validation (types, ranges, unknown fields).
+
+OpenAI's fields, plus the common SGLang/vLLM extras (top_k, min_p, ignore_eos, stop_token_ids). Fields OpenAI
+has but radixserve does not implement are declared so that using them gives a clear 400, not a silent no-op.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from radixserve.actors.api.errors import APIError
+from radixserve.sampling_params import SamplingParams
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self, index: int) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if self.content is None:
+            if self.role == "assistant":
+                return ""
+            raise APIError(400, f"messages[{index}] ({self.role}) has no content", param=f"messages[{index}].content")
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{index}].content[{j}]: only text parts ({{\"type\": \"text\", "
+                                    f"\"text\": ...}}) are supported", param=f"messages[{index}].content[{j}]")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=64)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang / vLLM extras
+    top_k: int | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported by radixserve; leave it unset or 0", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by radixserve", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int | None, choice: int) -> SamplingParams:
+        """Choice i of n gets seed + i: a seeded request is reproducible, its n choices still differ."""
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k in (None, 0) else self.top_k,
+                min_p=self.min_p or 0.0,
+                seed=None if self.seed is None else (self.seed + choice) % 2**63,
+                stop=self.stop or None,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:
+            param = str(exc).split("=")[0].removeprefix("sampling parameter ").strip()
+            raise APIError(400, str(exc), param=param) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+
+    def validate(self) -> None:
+        self.check_supported()
+        if not self.messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        if self.tools:
+            raise APIError(400, "tools / function calling are not supported by radixserve", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+                for i, m in enumerate(self.messages)]
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def validate(self) -> list[str | list[int]]:
+        """The prompts: strings, or token-id lists."""
+        self.check_supported()
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by radixserve", param="suffix")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, "best_of other than n is not supported by radixserve", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            prompts = [p]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = list(p)
+        elif p and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+            prompts = list(p)
+        else:
+            raise APIError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list of "
+                                "token-id lists", param="prompt")
+        if any(isinstance(x, str) and not x for x in prompts):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return prompts
+
+    @property
+    def max_new_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+    @property
+    def logprobs_count(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
+
+
+class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """SGLang's /generate."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # token ids, or a list of token-id lists
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
+    rid: str | None = None
+
+
+class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
+    rid: str

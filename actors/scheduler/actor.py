@@ -1,0 +1,119 @@
+"""The scheduler actor: the Scheduler core behind an inbox (no torch here either).
+
+Overlap: as soon as a step's result arrives, the next plan goes to the runner *before* this step's tokens go
+to the tokenizer, so detokenizing and HTTP streaming run while the model computes the next step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from radixserve.actors.messages import (
+    AddReq, FinishReq, FlushCacheReq, FlushDone, ForwardResult, Rejected, SchedulerInbox, Status, TokenBatch,
+    array, to_bytes,
+)
+from radixserve.actors.scheduler.req import Req
+from radixserve.actors.scheduler.scheduler import Scheduler, build_scheduler
+from radixserve.actors.transport import ActorSpec, Channel, run_actor
+
+STATUS_INTERVAL_S = 0.25
+
+
+class SchedulerActor:
+    def __init__(self, scheduler: Scheduler, channel: Channel) -> None:
+        self.scheduler = scheduler
+        self.channel = channel
+        self.inflight = False
+        self._last_status = 0.0
+        self._dirty = True  # something changed since the last Status
+
+    async def run(self) -> None:
+        sched = self.scheduler
+        await self.maybe_status()  # the api knows the pool from the start
+        while True:
+            if self.inflight or not sched.has_work:
+                await self.handle(await self.channel.recv())  # nothing to plan: wait
+            for msg in await self.channel.recv_ready():
+                await self.handle(msg)
+            if not self.inflight:
+                await self.launch()
+            await self.maybe_status()
+
+    async def launch(self) -> None:
+        plan = self.scheduler.schedule() if self.scheduler.has_work else None
+        if plan is not None:
+            await self.channel.send("runner", plan)
+            self.inflight = True
+
+    async def handle(self, msg: Any) -> None:
+        sched = self.scheduler
+        self._dirty = True
+        if isinstance(msg, ForwardResult):
+            self.inflight = False
+            updated = sched.process(msg)
+            await self.launch()  # the runner starts the next step now ...
+            if updated:  # ... while the tokenizer turns this step's tokens into text
+                await self.channel.send("tokenizer", token_batch(updated))
+        elif isinstance(msg, AddReq):
+            try:
+                req = sched.add_request(msg.rid, array(msg.input_ids).tolist(), msg.params, msg.logprobs)
+            except ValueError as exc:
+                await self.channel.send("tokenizer", Rejected(msg.rid, str(exc)))
+                return
+            if req.finished:  # max_new_tokens == 0: done without a step
+                await self.channel.send("tokenizer", token_batch([req], new_token=False))
+        elif isinstance(msg, FinishReq):
+            sched.finish(msg.rid, msg.reason)
+        elif isinstance(msg, FlushCacheReq):
+            await self.channel.send("api", FlushDone(msg.reply_id, sched.cache.flush()))
+
+    async def maybe_status(self) -> None:
+        """Tell the api how things stand: every STATUS_INTERVAL_S while busy, once more when going idle."""
+        now = time.monotonic()
+        if now - self._last_status >= STATUS_INTERVAL_S or (self._dirty and not self.scheduler.has_work):
+            self._last_status, self._dirty = now, False
+            await self.channel.send("api", status_of(self.scheduler))
+
+
+def token_batch(reqs: list[Req], new_token: bool = True) -> TokenBatch:
+    """One message for the whole step: each request's newest token (-1 if none) and, for finished ones, why."""
+    batch = TokenBatch(
+        rids=[r.rid for r in reqs],
+        token_ids=to_bytes([r.output_ids[-1] if new_token else -1 for r in reqs]),
+        prompt_tokens=to_bytes([len(r.prompt_ids) for r in reqs]),
+        cached_tokens=to_bytes([r.cached_tokens or 0 for r in reqs]),
+        finished={i: r.finish_reason for i, r in enumerate(reqs) if r.finish_reason is not None},
+    )
+    if new_token and any(r.logprobs >= 0 for r in reqs):
+        lps = [r.output_logprobs[-1] if r.logprobs >= 0 else (np.nan, []) for r in reqs]
+        batch.logprob = to_bytes([lp for lp, _ in lps], np.float32)
+        batch.top_counts = to_bytes([len(top) for _, top in lps])
+        batch.top_ids = to_bytes([t for _, top in lps for t, _ in top])
+        batch.top_logprobs = to_bytes([v for _, top in lps for _, v in top], np.float32)
+    return batch
+
+
+def status_of(sched: Scheduler) -> Status:
+    cache = sched.cache
+    return Status(
+        running=len(sched.running) + (sched.chunked is not None),
+        waiting=len(sched.waiting),
+        capacity=cache.capacity,
+        free=cache.allocator.num_free,
+        evictable=cache.evictable,
+        protected=cache.protected,
+        retractions=sched.stats.retractions,
+        evicted_tokens=cache.evicted_tokens,
+        steps=sched.stats.steps,
+    )
+
+
+def build(spec: ActorSpec, channel: Channel) -> tuple[SchedulerActor, dict[str, Any]]:
+    scheduler = build_scheduler(spec.server_args, spec.scheduler_config)
+    return SchedulerActor(scheduler, channel), {"capacity": scheduler.cache.capacity}
+
+
+def main(spec: ActorSpec) -> None:
+    run_actor("scheduler", spec, SchedulerInbox, ("runner", "tokenizer", "api"), build)

@@ -1,0 +1,112 @@
+"""Start the server: ``python -m radixserve.launch_server [flags]`` (same flags as ``radixserve serve``).
+
+The main process is the launcher/supervisor and the api actor (aiohttp on uvloop); tokenizer, scheduler and
+runner are child processes. Any actor dying ends the server with a non-zero exit; SIGINT/SIGTERM end it cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+import time
+
+from radixserve import __version__
+from radixserve.server_args import ServerArgs, add_cli_args, from_cli
+
+log = logging.getLogger("radixserve")
+SUPERVISE_INTERVAL_S = 0.25
+
+
+def serve(args: ServerArgs) -> int:
+    """Run until a signal (exit 0) or an actor's death (exit 1). Raises ValueError/FileNotFoundError early."""
+    import uvloop
+
+    from radixserve.actors.launcher import Launcher
+    from radixserve.prepare import prepare
+
+    prepared = prepare(args)
+    launcher = Launcher(prepared)
+    launcher.start()
+    try:
+        return uvloop.run(_serve(prepared, launcher))
+    finally:
+        launcher.shutdown()
+        log.info("stopped")
+
+
+async def _serve(prepared, launcher) -> int:
+    from aiohttp import web
+
+    from radixserve.actors.api.app import make_app
+    from radixserve.actors.api.server import ApiServer
+
+    args = prepared.args
+    info = {
+        "version": __version__,
+        "model": prepared.model_name,
+        "model_path": str(prepared.files.source),
+        "context_length": args.context_length,
+        "max_total_tokens": args.max_total_tokens,
+        "started": int(time.time()),
+        "server_args": {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"},
+        "actors": launcher.info,
+    }
+    server = ApiServer(launcher.endpoints, info)
+    server.start()
+    runner = web.AppRunner(make_app(server, args.api_key), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        await runner.cleanup()
+        await server.close()
+        return 2
+    log.info("radixserve %s serving %s on http://%s:%d", __version__, prepared.model_name, args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    while not stop.is_set():
+        dead = launcher.dead()
+        if dead:
+            reason = "; ".join(f"the {name} actor exited with code {c}" for name, c in dead)
+            log.error("%s -- shutting down", reason)
+            info["unhealthy_reason"] = reason
+            server.fail_all(f"{reason}; the server is shutting down")
+            code = 1
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)  # let waiting handlers answer 503
+            break
+        try:
+            await asyncio.wait_for(stop.wait(), SUPERVISE_INTERVAL_S)
+        except asyncio.TimeoutError:
+            pass
+    await runner.cleanup()
+    await server.close()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixserve serve", description="Start the OpenAI-compatible server")
+    add_cli_args(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+def run_cli(namespace: argparse.Namespace) -> int:
+    logging.basicConfig(level=namespace.log_level.upper(), format="%(asctime)s [api] %(name)s: %(message)s")
+    try:
+        return serve(from_cli(namespace))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # LaunchError: an actor failed to start
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Everything decided once, before the engine starts: the model files, its config, the resolved (frozen)
+server arguments and the scheduler's config. Shared by the server's launcher and the offline Engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.actors.scheduler.scheduler import SchedulerConfig
+from radixserve.model.config import ModelConfig
+from radixserve.model.loader import ModelFiles, load_configs, resolve_model
+from radixserve.policies import load_eviction_policy, load_schedule_policy
+from radixserve.server_args import ServerArgs
+
+
+@dataclass
+class Prepared:
+    args: ServerArgs  # resolved
+    files: ModelFiles
+    model: ModelConfig
+    scheduler_config: SchedulerConfig
+    model_name: str  # what /v1/models lists and clients pass as "model"
+
+
+def prepare(args: ServerArgs) -> Prepared:
+    """Resolve ``args`` against the model; fails fast (ValueError / FileNotFoundError) on bad names or paths."""
+    if args.tp != 1:
+        raise ValueError(f"tensor parallelism (--tp {args.tp}) is not supported yet; use --tp 1")
+    files = resolve_model(args.model_path)
+    model = ModelConfig.from_hf(*load_configs(files.path))
+    args = args.resolved(model.kv_values_per_token, model.max_position_embeddings)
+    load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
+    cfg = SchedulerConfig(
+        context_length=args.context_length,
+        vocab_size=model.vocab_size,
+        eos_ids=model.eos_token_ids,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        check_invariants=args.check_invariants,
+    )
+    name = args.served_model_name or (files.source.stem.split(".")[0] if files.source.suffix == ".gguf"
+                                        else files.source.resolve().name)
+    return Prepared(args, files, model, cfg, name)
