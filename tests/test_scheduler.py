@@ -147,7 +147,7 @@ def test_validation_errors_are_clear():
         sched.add_request("x", [], SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         sched.add_request("x", [1, VOCAB], SamplingParams())
-    with pytest.raises(ValueError, match=r"the prompt has 150 tokens; the KV pool holds 100"):
+    with pytest.raises(ValueError, match=r"the prompt has 150 tokens; the KV pool holds only 100"):
         sched.add_request("x", [1] * 150, SamplingParams())
     with pytest.raises(ValueError, match=r"lower max_new_tokens to at most 90"):
         sched.add_request("x", [1] * 10, SamplingParams(max_new_tokens=95))

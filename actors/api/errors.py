@@ -49,9 +49,8 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except APIError as exc:
         return exc.response()
-    except web.HTTPRequestEntityTooLarge as exc:
-        return APIError(413, f"request body too large ({exc.actual_size} bytes; the limit is {exc.max_size})",
-                        code="request_too_large").response()
+    except web.HTTPRequestEntityTooLarge as exc:  # its text names the limit and the size
+        return APIError(413, f"request body too large: {exc.text}", code="request_too_large").response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -97,9 +97,11 @@ class Scheduler:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         limit = min(ctx, cap)
-        if n >= limit:
-            what = f"this model's context is {ctx}" if ctx <= cap else f"the KV pool holds {cap} (--max-total-tokens)"
-            raise ValueError(f"the prompt has {n} tokens; {what} and at least one token must be generated")
+        if n >= ctx:
+            raise ValueError(f"the prompt has {n} tokens; this model's context is {ctx} tokens "
+                             "and at least one token must be generated")
+        if n >= cap:
+            raise ValueError(f"the prompt has {n} tokens; the KV pool holds only {cap} (--max-total-tokens)")
         if params.max_new_tokens is None:
             return min(DEFAULT_MAX_NEW_TOKENS, limit - n)
         if n + params.max_new_tokens > limit:

@@ -1,0 +1,106 @@
+"""Bad input gets a 4xx with OpenAI's error object and loses nothing: the table below is the contract."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return {"model": "tiny", "messages": MSG, "max_tokens": 4, **kw}
+
+
+# (name, method, path, body (dict -> JSON, bytes -> raw), status, param or None)
+CASES = [
+    ("invalid JSON", "POST", CHAT, b'{"model": "tiny", "messages": [', 400, None),
+    ("empty body", "POST", CHAT, b"", 400, None),
+    ("body is a list", "POST", CHAT, b"[1, 2]", 400, None),
+    ("messages not a list", "POST", CHAT, {"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ("missing messages", "POST", CHAT, {"model": "tiny"}, 400, "messages"),
+    ("missing model", "POST", CHAT, {"messages": MSG}, 400, "model"),
+    ("empty messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
+    ("unknown role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+    ("content a number", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+    ("image content part", "POST", CHAT,
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages[0].content[0]"),
+    ("max_tokens 0", "POST", CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens negative", "POST", COMP, {"model": "tiny", "prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens a string", "POST", CHAT, chat(max_tokens="ten"), 400, "max_tokens"),
+    ("max_tokens beyond context", "POST", CHAT, chat(max_tokens=5000), 400, "max_tokens"),
+    ("prompt beyond context", "POST", COMP, {"model": "tiny", "prompt": [5] * 2100}, 400, "prompt"),
+    ("prompt beyond the KV pool", "POST", COMP, {"model": "tiny", "prompt": [5] * 1500}, 400, "prompt"),
+    ("token id outside vocabulary", "POST", COMP, {"model": "tiny", "prompt": [1, 10**7]}, 400, "prompt"),
+    ("token id negative", "POST", COMP, {"model": "tiny", "prompt": [1, -4]}, 400, "prompt"),
+    ("empty prompt", "POST", COMP, {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("prompt of mixed types", "POST", COMP, {"model": "tiny", "prompt": ["a", 3]}, 400, "prompt"),
+    ("unknown model", "POST", CHAT, chat(model="gpt-5"), 404, "model"),
+    ("n = 0", "POST", CHAT, chat(n=0), 400, "n"),
+    ("temperature 5", "POST", CHAT, chat(temperature=5), 400, "temperature"),
+    ("top_p 0", "POST", CHAT, chat(top_p=0), 400, "top_p"),
+    ("top_logprobs 30", "POST", CHAT, chat(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
+    ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("stop a number", "POST", CHAT, chat(stop=5), 400, "stop"),
+    ("stop with an empty string", "POST", CHAT, chat(stop=[""]), 400, "stop"),
+    ("unknown field", "POST", CHAT, chat(temprature=0.5), 400, "temprature"),
+    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("presence_penalty", "POST", CHAT, chat(presence_penalty=1.0), 400, "presence_penalty"),
+    ("stream_options without stream", "POST", CHAT, chat(stream_options={"include_usage": True}), 400,
+     "stream_options"),
+    ("json response_format", "POST", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("generate: text and input_ids", "POST", GEN, {"text": "a", "input_ids": [1]}, 400, "text"),
+    ("generate: bad sampling param", "POST", GEN, {"text": "a", "sampling_params": {"top_k": -7}}, 400,
+     "sampling_params"),
+    ("generate: unknown sampling param", "POST", GEN, {"text": "a", "sampling_params": {"foo": 1}}, 400,
+     "sampling_params"),
+    ("abort: unknown rid", "POST", "/abort_request", {"rid": "nope"}, 404, "rid"),
+    ("abort: no rid", "POST", "/abort_request", {}, 400, "rid"),
+    ("unknown route", "GET", "/v2/whatever", None, 404, None),
+    ("wrong method", "GET", CHAT, None, 405, None),
+    ("body too large", "POST", CHAT, b'{"model": "tiny", "messages": "' + b"x" * (9 * 2**20) + b'"}', 413, None),
+]
+
+
+@pytest.mark.parametrize("name,method,path,body,status,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(tiny_server, name, method, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+    r = httpx.request(method, tiny_server.url + path, timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    if status == 404 and path == CHAT:
+        assert err["code"] == "model_not_found"
+
+
+def test_error_messages_say_what_to_do(tiny_server):
+    r = httpx.post(tiny_server.url + COMP, json={"model": "tiny", "prompt": [5] * 2100})
+    assert "2100 tokens" in r.json()["error"]["message"] and "2048" in r.json()["error"]["message"]
+    r = httpx.post(tiny_server.url + CHAT, json=chat(max_tokens=5000))
+    assert "lower max_new_tokens to at most" in r.json()["error"]["message"]
+
+
+def test_server_keeps_serving_after_bad_input(tiny_server):
+    for _, method, path, body, _, _ in CASES[:12]:
+        kw = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+        httpx.request(method, tiny_server.url + path, **kw)
+    assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok"}
+    ok = httpx.post(tiny_server.url + CHAT, json=chat(), timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+    info = httpx.get(tiny_server.url + "/get_server_info").json()
+    assert info["status"]["protected"] == 0 and info["status"]["running"] == 0
+
+
+def print_table() -> str:
+    """The table for humans: python -c 'import tests.test_server_bad_input as t; print(t.print_table())'."""
+    return "\n".join(f"| {n} | {m} {p} | {s} |" for n, m, p, _, s, _ in CASES)
+
+
+def test_streaming_request_refused_before_the_stream_starts(tiny_server):
+    r = httpx.post(tiny_server.url + COMP, json={"model": "tiny", "prompt": [5] * 2100, "stream": True})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert json.loads(r.text)["error"]["param"] == "prompt"

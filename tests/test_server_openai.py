@@ -1,0 +1,82 @@
+"""The stock `openai` client against a real server subprocess on the bundled SmolLM2."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(smol_server):
+    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused")
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=20)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_with_usage(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=20,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_and_stop_sequences(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens <= 8
+    full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=20)
+    cut = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=20, stop=["Paris"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert "Paris" not in cut.choices[0].message.content
+    assert full.choices[0].message.content.startswith(cut.choices[0].message.content)
+    streamed = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0,
+                                         stop=[" 7"], stream=True)
+    text = "".join(c.choices[0].text for c in streamed)
+    assert "7" not in text and "5" in text
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a short poem about rain."}],
+              temperature=1.0, top_p=0.95, max_tokens=24, seed=1234)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+    two = client.chat.completions.create(**kw, n=2)
+    assert two.choices[0].message.content == a, "choice 0 uses the seed itself"
+    assert len(two.choices) == 2
+
+
+def test_shared_system_prompt_is_cached(client):
+    system = {"role": "system", "content": "You are a meticulous librarian. Answer in one sentence. " * 8}
+    client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "Hi!"}], max_tokens=4)
+    r = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "Hello?"}],
+                                       max_tokens=4)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 80
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=5, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].token == item.token, "greedy picks the most likely token"
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.tokens) == 3 and all(len(t) == 2 for t in c.choices[0].logprobs.top_logprobs)
