@@ -1,0 +1,85 @@
+"""Per-hop IPC cost of the actor transport: msgspec encode + ZMQ PUSH/PULL over ipc:// + decode, for the real
+messages of a step. A child process echoes every message back (decoding and re-encoding it); one hop is half
+the measured round trip.
+
+    python benchmarks/ipc_cost.py [--iters 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+
+import msgspec
+import numpy as np
+import zmq
+
+from radixserve.actors.messages import (
+    AbortReq, Delta, ForwardPlan, ForwardResult, TextBatch, TokenBatch, to_bytes,
+)
+
+Any = ForwardPlan | ForwardResult | TokenBatch | TextBatch | AbortReq
+
+
+def samples(batch: int, context: int) -> dict[str, msgspec.Struct]:
+    col = lambda v, dt=np.int32: to_bytes(np.full(batch, v), dt)  # noqa: E731
+    return {
+        "AbortReq (tiny)": AbortReq("chatcmpl-0123456789abcdef-0"),
+        f"ForwardPlan decode, batch {batch}, {context}-token rows": ForwardPlan(
+            step=1, mode="decode", input_ids=col(5), prefix_lens=col(context - 1), extend_lens=col(1),
+            slots=to_bytes(np.arange(batch * context)), sample=col(1, np.uint8), temperature=col(0, np.float32),
+            top_p=col(1, np.float32), top_k=col(-1), min_p=col(0, np.float32), seed=col(-1, np.int64),
+            sample_index=col(3), logprobs=col(-1), all_greedy=True),
+        f"ForwardResult, batch {batch}": ForwardResult(1, col(7)),
+        f"TokenBatch, batch {batch}": TokenBatch([f"chatcmpl-{i:032x}-0" for i in range(batch)], col(7), col(100),
+                                                 col(50), {}),
+        f"TextBatch, batch {batch}": TextBatch([Delta(f"chatcmpl-{i:032x}-0", " word", [7], 100, 3, 50)
+                                                for i in range(batch)]),
+    }
+
+
+def echo(addr_in: str, addr_out: str) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(addr_in)
+    push.connect(addr_out)
+    dec, enc = msgspec.msgpack.Decoder(Any), msgspec.msgpack.Encoder()
+    while True:
+        msg = dec.decode(pull.recv(copy=False))
+        if isinstance(msg, AbortReq) and msg.rid == "stop":
+            return
+        push.send(enc.encode(msg), copy=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=2048)
+    args = ap.parse_args()
+    d = tempfile.mkdtemp()
+    a_in, a_out = f"ipc://{d}/echo-in", f"ipc://{d}/echo-out"
+    child = mp.get_context("spawn").Process(target=echo, args=(a_in, a_out))
+    child.start()
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    pull.bind(a_out)
+    push.connect(a_in)
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Any)
+    print(f"{'message':52} {'bytes':>9} {'one hop (us)':>13}")
+    for name, msg in samples(args.batch, args.context).items():
+        times = []
+        for _ in range(args.iters):
+            t = time.perf_counter()
+            push.send(enc.encode(msg), copy=False)
+            dec.decode(pull.recv(copy=False))
+            times.append(time.perf_counter() - t)
+        print(f"{name:52} {len(enc.encode(msg)):>9} {statistics.median(times) / 2 * 1e6:>13.1f}")
+    push.send(enc.encode(AbortReq("stop")))
+    child.join(5)
+
+
+if __name__ == "__main__":
+    main()
