@@ -48,8 +48,9 @@ class TokenizerActor:
     async def on_generate(self, msg: GenerateReq) -> None:
         try:
             ids = self.encode(msg)
-        except ValueError as exc:
-            await self.channel.send("api", ErrorOut(msg.rid, str(exc), param="messages" if msg.messages else None))
+        except Exception as exc:  # a template or tokenizer error is the request's problem, never this actor's
+            text = str(exc) if isinstance(exc, ValueError) else f"could not tokenize the request: {exc}"
+            await self.channel.send("api", ErrorOut(msg.rid, text, param="messages" if msg.messages else "prompt"))
             return
         self.live[msg.rid] = Tracked(self.core.detokenizer(msg.params), msg.logprobs)
         await self.channel.send("scheduler", AddReq(msg.rid, to_bytes(ids), msg.params, msg.logprobs))
@@ -58,6 +59,9 @@ class TokenizerActor:
         if msg.messages is not None:
             return self.core.apply_chat_template(msg.messages)
         if msg.input_ids is not None:
+            bad = [t for t in msg.input_ids if not 0 <= t < 2**31]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary")
             return msg.input_ids
         return self.core.encode(msg.text or "")
 

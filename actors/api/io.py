@@ -48,6 +48,19 @@ async def send_done(resp: web.StreamResponse) -> None:
     await resp.write_eof()
 
 
+async def stream_events(request: web.Request, events: AsyncIterator[Any]) -> web.StreamResponse:
+    """Send ``events`` as SSE, then ``[DONE]``. An error after the stream started (the headers are gone) is sent
+    as an OpenAI error event, so the client learns why it ended."""
+    resp = await open_sse(request)
+    try:
+        async for body in events:
+            await send_event(resp, body)
+    except APIError as exc:
+        await send_event(resp, exc.body())
+    await send_done(resp)
+    return resp
+
+
 async def merged(streams: list[RequestStream], firsts: list[Delta]) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) as they arrive from all ``streams``, starting with their already-read ``firsts``."""
     queue: asyncio.Queue[tuple[int, Delta | APIError]] = asyncio.Queue()

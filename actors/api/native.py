@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.io import decode_body, json_response, merged, open_sse, send_done, send_event
+from radixserve.actors.api.io import decode_body, json_response, merged, stream_events
 from radixserve.actors.api.protocol import AbortBody, NativeGenerateRequest
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.messages import Delta, GenerateReq
@@ -99,12 +99,12 @@ class NativeRoutes:
                     outputs[i].add(delta)
                 bodies = [o.body() for o in outputs]
                 return json_response(bodies[0] if single else bodies)
-            resp = await open_sse(request)
-            async for i, delta in merged(streams, firsts):
-                outputs[i].add(delta)
-                await send_event(resp, {**outputs[i].body(), "index": i})  # cumulative text, as SGLang streams
-            await send_done(resp)
-            return resp
+            async def events():
+                async for i, delta in merged(streams, firsts):
+                    outputs[i].add(delta)
+                    yield {**outputs[i].body(), "index": i}  # cumulative text, as SGLang streams
+
+            return await stream_events(request, events())
 
     async def abort(self, request: web.Request) -> web.Response:
         rid = (await decode_body(request, AbortBody)).rid

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.io import decode_body, json_response, merged, open_sse, send_done, send_event
+from radixserve.actors.api.io import decode_body, json_response, merged, stream_events
 from radixserve.actors.api.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.messages import Delta, FinishReason, GenerateReq, TokenLogprob
@@ -129,33 +129,35 @@ class OpenAIRoutes:
                 async for i, delta in merged(streams, firsts):
                     choices[i].add(delta)
                 return json_response(self.final_body(kind, rid, created, choices, body, echo))
-            resp = await open_sse(request)
-            head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                    "created": created, "model": self.model_name}
-            extra = {"usage": None} if body.include_usage else {}
-            if kind == "chat":
-                for c in choices:
-                    await send_event(resp, {**head, "choices": [{"index": c.index, "delta": {"role": "assistant",
-                                     "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
-            for i, text in enumerate(echo or ()):
-                if text:
-                    await send_event(resp, {**head, "choices": [{"index": i, "text": text, "logprobs": None,
-                                                                 "finish_reason": None}], **extra})
-            async for i, delta in merged(streams, firsts):
-                c = choices[i]
-                offset = len(c.text)
-                c.add(delta)
-                if delta.text or delta.logprobs:
-                    await send_event(resp, {**head, "choices": [self.chunk(kind, i, delta, offset)], **extra})
-                if delta.finish is not None:
-                    choice = {"index": i, "finish_reason": finish_reason(delta.finish), "logprobs": None,
-                              "matched_stop": delta.finish.matched}
-                    choice.update({"delta": {}} if kind == "chat" else {"text": ""})
-                    await send_event(resp, {**head, "choices": [choice], **extra})
-            if body.include_usage:
-                await send_event(resp, {**head, "choices": [], "usage": usage(choices, body.n)})
-            await send_done(resp)
-            return resp
+            return await stream_events(request, self.events(kind, rid, created, body, streams, firsts, choices, echo))
+
+    async def events(self, kind: Kind, rid: str, created: int, body, streams, firsts, choices: list[Choice],
+                     echo: list[str] | None):
+        """The SSE bodies of a streamed response, OpenAI's order: role, content deltas, finish, usage."""
+        head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": created, "model": self.model_name}
+        extra = {"usage": None} if body.include_usage else {}
+        if kind == "chat":
+            for c in choices:
+                yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}], **extra}
+        for i, text in enumerate(echo or ()):
+            if text:
+                yield {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
+                       **extra}
+        async for i, delta in merged(streams, firsts):
+            c = choices[i]
+            offset = len(c.text)
+            c.add(delta)
+            if delta.text or delta.logprobs:
+                yield {**head, "choices": [self.chunk(kind, i, delta, offset)], **extra}
+            if delta.finish is not None:
+                choice = {"index": i, "finish_reason": finish_reason(delta.finish), "logprobs": None,
+                          "matched_stop": delta.finish.matched}
+                choice.update({"delta": {}} if kind == "chat" else {"text": ""})
+                yield {**head, "choices": [choice], **extra}
+        if body.include_usage:
+            yield {**head, "choices": [], "usage": usage(choices, body.n)}
 
     def chunk(self, kind: Kind, i: int, delta: Delta, offset: int) -> dict[str, Any]:
         lp = None
