@@ -53,6 +53,7 @@ async def _serve(prepared, launcher) -> int:
         "started": int(time.time()),
         "server_args": {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"},
         "actors": launcher.info,
+        "runtime_dir": launcher.runtime_dir,
     }
     server = ApiServer(launcher.endpoints, info)
     server.start()

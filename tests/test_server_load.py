@@ -119,10 +119,42 @@ def test_sigterm_is_a_clean_exit(tiny_models):
         assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
         ok = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sesame"})
         assert ok.status_code == 200
-        pids = [a["pid"] for a in ok and httpx.get(server.url + "/get_server_info", headers={
-            "Authorization": "Bearer sesame"}).json()["actors"].values()]
+        info = httpx.get(server.url + "/get_server_info", headers={"Authorization": "Bearer sesame"}).json()
+        pids = [a["pid"] for a in info["actors"].values()]
+        assert "sesame" not in str(info), "the key is not shown"
     finally:
         code = server.stop()
     assert code == 0
     time.sleep(0.5)
     assert not any(alive(p) for p in pids)
+    assert not os.path.exists(info["runtime_dir"]), "the runtime dir was removed"
+
+
+def test_generate_flush_and_metrics(tiny_server):
+    url = tiny_server.url
+    one = httpx.post(url + "/generate", timeout=60, json={"text": "metrics check prompt, fairly long " * 3,
+                                                          "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert one.status_code == 200 and one.json()["meta_info"]["completion_tokens"] == 4
+    batch = httpx.post(url + "/generate", timeout=60, json={"input_ids": [[1, 2, 3], [4, 5]],
+                                                            "sampling_params": {"max_new_tokens": 2}})
+    assert [len(r["output_ids"]) for r in batch.json()] == [2, 2]
+    with httpx.stream("POST", url + "/generate", timeout=60, json={
+            "text": "stream me", "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and '"completion_tokens":3' in events[-2]
+    again = httpx.post(url + "/generate", timeout=60, json={"text": "metrics check prompt, fairly long " * 3,
+                                                            "sampling_params": {"max_new_tokens": 4}})
+    assert again.json()["meta_info"]["cached_tokens"] > 0
+    flushed = httpx.post(url + "/flush_cache", timeout=60).json()
+    assert flushed["tokens_freed"] > 0
+    cold = httpx.post(url + "/generate", timeout=60, json={"text": "metrics check prompt, fairly long " * 3,
+                                                           "sampling_params": {"max_new_tokens": 4}})
+    assert cold.json()["meta_info"]["cached_tokens"] == 0
+    metrics = httpx.get(url + "/metrics").text
+    for name in ("radixserve_cache_hit_rate", "radixserve_cached_tokens_total", "radixserve_prompt_tokens_total",
+                 "radixserve_generation_tokens_total", "radixserve_time_to_first_token_seconds_bucket",
+                 "radixserve_inter_token_latency_seconds_bucket", "radixserve_e2e_request_latency_seconds_bucket",
+                 "radixserve_num_running_requests", "radixserve_num_queued_requests", "radixserve_kv_pool_usage"):
+        assert name in metrics, name
+    hit = [line for line in metrics.splitlines() if line.startswith("radixserve_cache_hit_rate ")][0]
+    assert 0 < float(hit.split()[1]) < 1
