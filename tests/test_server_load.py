@@ -158,3 +158,22 @@ def test_generate_flush_and_metrics(tiny_server):
         assert name in metrics, name
     hit = [line for line in metrics.splitlines() if line.startswith("radixserve_cache_hit_rate ")][0]
     assert 0 < float(hit.split()[1]) < 1
+
+
+def test_an_actor_failing_to_start_is_named(tiny_models, tmp_path):
+    """A checkpoint with a weight missing: the runner cannot start, and the error says so (exit 1, no hang)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_models["llama"], broken)
+    weights = load_file(broken / "model.safetensors")
+    weights.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(weights, broken / "model.safetensors")
+    proc = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--model-path", str(broken), "--port", "0"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    assert "the runner actor failed to start: ValueError: checkpoint is missing 1 weights" in proc.stderr
