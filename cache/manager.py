@@ -27,6 +27,7 @@ class KVHandle:
     kv_len: int = 0
     tree_len: int = 0
     node: TreeNode | None = None  # deepest locked node; None when nothing is locked
+    priority: int = 0  # the request's, passed on to the tree nodes it uses
 
     def __post_init__(self) -> None:
         assert 0 <= self.tree_len <= self.kv_len <= len(self.row)
@@ -48,7 +49,7 @@ class CacheManager:
         self.tree: RadixTree | None = (
             None if disable_radix_cache else RadixTree(eviction_policy, self.allocator.free, clock)
         )
-        self.eviction_policy = eviction_policy
+        self._eviction_policy = eviction_policy  # kept for when there is no tree
         self.owned_by_requests = 0
         self.evicted_tokens = 0
 
@@ -69,24 +70,32 @@ class CacheManager:
         """Slots a request could get right now: free plus evictable."""
         return self.allocator.num_free + self.evictable
 
+    @property
+    def eviction_policy(self) -> EvictionPolicy:
+        return self.tree.policy if self.tree else self._eviction_policy
+
     def set_eviction_policy(self, policy: EvictionPolicy) -> None:
-        self.eviction_policy = policy
+        """Swap the policy between steps (ValueError, old one kept, if it fails on the current cache)."""
         if self.tree:
             self.tree.set_policy(policy)
+        self._eviction_policy = policy
 
     # -- CacheView ---------------------------------------------------------------------------------------
     def match_len(self, tokens: Sequence[int]) -> int:
         return self.tree.match_len(tokens) if self.tree else 0
 
+    def match_path(self, tokens: Sequence[int]) -> list[int]:
+        return self.tree.match_path(tokens) if self.tree else []
+
     # -- request lifecycle -------------------------------------------------------------------------------
-    def open(self, tokens: Sequence[int], max_tokens: int) -> KVHandle:
+    def open(self, tokens: Sequence[int], max_tokens: int, priority: int = 0) -> KVHandle:
         """Start a request's row: reuse (and lock) the longest cached prefix of ``tokens``.
 
         The match is capped at len-1 so at least one token is computed: its logits give the next token.
         """
-        handle = KVHandle(row=np.zeros(max_tokens, dtype=SLOT_DTYPE))
+        handle = KVHandle(row=np.zeros(max_tokens, dtype=SLOT_DTYPE), priority=priority)
         if self.tree and len(tokens) > 1:
-            slots, node = self.tree.match_prefix(tokens[: len(tokens) - 1])
+            slots, node = self.tree.match_prefix(tokens[: len(tokens) - 1], priority=priority)
             handle.row[: len(slots)] = slots
             handle.kv_len = handle.tree_len = len(slots)
             self._relock(handle, node)
@@ -114,7 +123,7 @@ class CacheManager:
         if not self.tree or handle.kv_len == handle.tree_len:
             return
         kv = handle.kv_len
-        self.tree.insert(tokens[:kv], handle.row[:kv])
+        self.tree.insert(tokens[:kv], handle.row[:kv], handle.priority)
         # Re-match: where another request cached the same tokens first, ours were freed and we use the tree's.
         slots, node = self.tree.match_prefix(tokens[:kv], hit=False)
         assert len(slots) == kv, "an unlocked insert was evicted before it could be locked"
@@ -128,7 +137,7 @@ class CacheManager:
         evictable (the next turn of a chat, or the retried request, may reuse it), or is freed without a tree."""
         own = handle.kv_len - handle.tree_len
         if self.tree:
-            self.tree.insert(tokens[: handle.kv_len], handle.row[: handle.kv_len])
+            self.tree.insert(tokens[: handle.kv_len], handle.row[: handle.kv_len], handle.priority)
         else:
             self.allocator.free(handle.row[handle.tree_len : handle.kv_len])
         self.owned_by_requests -= own

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from radixserve.cache.allocator import SLOT_DTYPE
-from radixserve.cache.evictable import EvictableLeaves
+from radixserve.cache.evictable import EvictionQueue
 
 if TYPE_CHECKING:
     from radixserve.policies.base import EvictionPolicy
@@ -83,41 +83,51 @@ class RadixTree:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
-        self.policy = policy
-        self._leaves = EvictableLeaves(self._key)
+        self._queue = EvictionQueue(policy, self.evictable_leaves, clock)
 
     # -- policy ------------------------------------------------------------------------------------------
-    def _key(self, node: TreeNode):
-        return self.policy.key(node, self.clock())
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._queue.policy
+
+    @property
+    def policy_errors(self) -> list[str]:
+        return self._queue.errors
 
     def set_policy(self, policy: EvictionPolicy) -> None:
-        """Swap the eviction policy; node metadata is policy-neutral, so only the queue is re-keyed."""
-        self.policy = policy
-        self._leaves.rebuild(self.evictable_leaves())
+        """Swap the eviction policy; node metadata is policy-neutral, so only the queue is re-keyed. The policy
+        it replaces becomes the fallback should the new one fail (ValueError if it fails right away)."""
+        self._queue.set_policy(policy)
 
     # -- lookups -----------------------------------------------------------------------------------------
     def match_len(self, tokens: list[int] | tuple[int, ...]) -> int:
         """Read-only: how many leading tokens are cached. Splits nothing, touches nothing."""
         return sum(n for _, n in self._path(tokens))
 
-    def match_prefix(self, tokens: list[int] | tuple[int, ...], hit: bool = True) -> tuple[np.ndarray, TreeNode]:
+    def match_path(self, tokens: list[int] | tuple[int, ...]) -> list[int]:
+        """Read-only: ids of the nodes the cached prefix of ``tokens`` runs through (a partial last node too)."""
+        return [id(node) for node, _ in self._path(tokens)]
+
+    def match_prefix(self, tokens: list[int] | tuple[int, ...], hit: bool = True,
+                     priority: int = 0) -> tuple[np.ndarray, TreeNode]:
         """Longest cached prefix of ``tokens``: its slots and the node it ends on (root if none).
 
-        Refreshes the access time of every node on the path and, if ``hit``, counts a hit on each (a request
-        re-finding what it just inserted itself is not a hit).
+        Refreshes the access time of every node on the path, raises its priority to at least ``priority`` and,
+        if ``hit``, counts a hit on each (a request re-finding what it just inserted itself is not a hit).
         """
         now = self.clock()
         node, parts = self.root, []
         for node in self._walk(tokens):
             node.last_access = now
             node.hit_count += hit
+            node.priority = max(node.priority, priority)
             self._requeue(node)
             parts.append(node.slots)
         slots = np.concatenate(parts) if parts else EMPTY_SLOTS
         return slots, node
 
     # -- mutation ----------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int] | tuple[int, ...], slots: np.ndarray) -> int:
+    def insert(self, tokens: list[int] | tuple[int, ...], slots: np.ndarray, priority: int = 0) -> int:
         """Cache ``tokens`` with their ``slots``; returns how many leading tokens were already cached."""
         assert len(tokens) == len(slots), f"{len(tokens)} tokens but {len(slots)} slots"
         now = self.clock()
@@ -128,6 +138,7 @@ class RadixTree:
             if dup.any():  # computed twice: keep the tree's copy, give ours back
                 self.free_slots(mine[dup])
             node.last_access = now
+            node.priority = max(node.priority, priority)
             self._requeue(node)
             pos = node.depth
         cached = pos
@@ -139,10 +150,11 @@ class RadixTree:
                 depth=node.depth + len(tokens) - pos,
                 created=now,
                 last_access=now,
+                priority=priority,
             )
             node.children[leaf.tokens[0]] = leaf
             self.evictable_size += leaf.num_tokens
-            self._leaves.push(leaf)
+            self._queue.push(leaf)
         return cached
 
     def lock(self, node: TreeNode) -> None:
@@ -163,17 +175,18 @@ class RadixTree:
                 self.protected_size -= node.num_tokens
                 self.evictable_size += node.num_tokens
                 if not node.children:
-                    self._leaves.push(node)
+                    self._queue.push(node)
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots from unlocked leaves, policy order; returns tokens freed."""
         freed = 0
         while freed < num_tokens:
-            leaf = self._leaves.pop()
-            if leaf is None:
+            popped = self._queue.pop()
+            if popped is None:
                 break
-            self._on_evict(leaf)
+            leaf, key = popped
+            self._queue.evicted(leaf, key)
             self.free_slots(leaf.slots)
             freed += leaf.num_tokens
             self.evictable_size -= leaf.num_tokens
@@ -181,14 +194,9 @@ class RadixTree:
             del parent.children[leaf.tokens[0]]
             leaf.parent = None
             if parent.is_evictable_leaf:
-                self._leaves.push(parent)
-        self._leaves.maybe_compact(self.evictable_leaves, self.evictable_size)
+                self._queue.push(parent)
+        self._queue.maybe_compact(self.evictable_size)
         return freed
-
-    def _on_evict(self, node: TreeNode) -> None:
-        hook = getattr(self.policy, "on_evict", None)
-        if hook is not None:
-            hook(node, self.clock())
 
     # -- internals ---------------------------------------------------------------------------------------
     def _path(self, tokens: list[int] | tuple[int, ...]) -> Iterator[tuple[TreeNode, int]]:
@@ -215,7 +223,7 @@ class RadixTree:
 
     def _requeue(self, node: TreeNode) -> None:
         if node.is_evictable_leaf:  # its key may depend on the metadata that just changed
-            self._leaves.push(node)
+            self._queue.push(node)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child`` after ``n`` tokens; returns the new upper node (the lower keeps identity)."""

@@ -1,26 +1,119 @@
-"""Built-in scheduling policies: the order in which waiting requests are admitted."""
+"""Built-in scheduling policies: the order in which waiting requests are admitted (see base.SchedulePolicy)."""
 from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Hashable
 
 from radixserve.policies.base import R, CacheView
 
+MAX_QUEUE_FOR_MATCHING = 1024  # prefix matching is O(prompt) per request: longer queues fall back to FCFS
+
+
+def by_arrival(waiting: list[R]) -> list[R]:
+    return sorted(waiting, key=lambda r: r.arrival)
+
 
 class FCFS:
-    """First come, first served (retracted requests keep their original arrival, so they go first again)."""
+    """First come, first served (a retracted request keeps its arrival time, so it goes first again)."""
 
     name = "fcfs"
+    cache_aware = False
 
-    def order(self, waiting: list[R], cache: CacheView) -> list[R]:
-        return sorted(waiting, key=lambda r: r.arrival)
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        return by_arrival(waiting)
 
 
 class LongestPrefixMatch:
     """Longest cached prefix first: requests that reuse most of the cache run while it is still there.
-    Ties go by arrival. Matching is O(prompt) per request, so very long queues fall back to FCFS."""
+    Ties by arrival. Can starve a request that matches nothing while matching ones keep coming (see lpm-aging)."""
 
     name = "lpm"
-    max_queue_for_matching = 256
+    cache_aware = True
 
-    def order(self, waiting: list[R], cache: CacheView) -> list[R]:
-        if len(waiting) > self.max_queue_for_matching:
-            return sorted(waiting, key=lambda r: r.arrival)
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        if len(waiting) > MAX_QUEUE_FOR_MATCHING:
+            return by_arrival(waiting)
         return sorted(waiting, key=lambda r: (-cache.match_len(r.fill_ids), r.arrival))
+
+
+class LPMAging:
+    """LPM with a bound on waiting: a request that has waited ``max_wait_s`` goes ahead of every younger one
+    (oldest first), so no request waits much longer than max_wait_s plus the time to serve those ahead of it."""
+
+    name = "lpm-aging"
+    cache_aware = True
+    max_wait_s = 5.0
+
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        overdue = by_arrival([r for r in waiting if now - r.arrival >= self.max_wait_s])
+        fresh = [r for r in waiting if now - r.arrival < self.max_wait_s]
+        return overdue + LongestPrefixMatch().order(fresh, cache, now)
+
+
+class DFSWeight:
+    """Walk the cached-prefix tree of the waiting requests depth first, heaviest subtree (most waiting
+    requests) first: requests sharing a prefix run back to back, the most shared prefixes first."""
+
+    name = "dfs-weight"
+    cache_aware = True
+
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        if len(waiting) > MAX_QUEUE_FOR_MATCHING:
+            return by_arrival(waiting)
+        root: Hashable = ()
+        children: dict[Hashable, list[Hashable]] = defaultdict(list)
+        ends: dict[Hashable, list[R]] = defaultdict(list)  # requests whose cached prefix ends at a node
+        weight: dict[Hashable, int] = defaultdict(int)
+        for req in by_arrival(waiting):
+            parent = root
+            weight[root] += 1
+            for node in cache.match_path(req.fill_ids):
+                if node not in weight:
+                    children[parent].append(node)
+                weight[node] += 1
+                parent = node
+            ends[parent].append(req)
+        out: list[R] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            out.extend(ends[node])
+            stack.extend(sorted(children[node], key=lambda c: weight[c]))  # heaviest popped first
+        return out
+
+
+class LongestOutputFirst:
+    """Largest output budget (max_new_tokens) first: long generations start early, short ones fill in."""
+
+    name = "lof"
+    cache_aware = False
+
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        return sorted(waiting, key=lambda r: (-r.max_new_tokens, r.arrival))
+
+
+class Random:
+    """A random order from the policy's own seeded generator: the baseline every other policy should beat."""
+
+    name = "random"
+    cache_aware = False
+    seed = 0
+
+    def __init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        out = by_arrival(waiting)
+        self.rng.shuffle(out)
+        return out
+
+
+class Priority:
+    """Highest request priority first, first come first served among equals."""
+
+    name = "priority"
+    cache_aware = False
+
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        return sorted(waiting, key=lambda r: (-r.priority, r.arrival))

@@ -59,7 +59,7 @@ def test_bad_server_args(tiny_models):
         Engine(path, max_totl_tokens=5)
     with pytest.raises(ValueError, match="unknown eviction policy 'nope'; available: .*lru"):
         Engine(path, eviction_policy="nope")
-    with pytest.raises(ValueError, match="unknown schedule policy 'nope'; available: fcfs, lpm"):
+    with pytest.raises(ValueError, match="unknown schedule policy .nope.; available: dfs-weight, fcfs, lof, lpm"):
         Engine(path, schedule_policy="nope")
     with pytest.raises(ValueError, match="dtype='int8'"):
         Engine(path, dtype="int8")

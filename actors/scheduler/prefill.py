@@ -33,7 +33,7 @@ class PrefillAdder:
             return False
         fresh = req.kv is None
         if fresh:
-            req.kv = self.cache.open(req.fill_ids, req.max_seq_len)
+            req.kv = self.cache.open(req.fill_ids, req.max_seq_len, req.priority)
         want = req.extend_len
         if want <= self.tokens_left:
             n = want

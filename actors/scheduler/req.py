@@ -17,6 +17,8 @@ class Req:
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     arrival: float
     logprobs: int = -1  # -1: none; else how many top alternatives to return with each token's logprob
+    priority: int = 0  # larger = more important (priority schedule / eviction policies)
+    first_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     # per output token when logprobs >= 0: (logprob, [(token_id, logprob) of the top alternatives])
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)

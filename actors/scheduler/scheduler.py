@@ -16,11 +16,16 @@ from radixserve.actors.messages import ForwardPlan, ForwardResult, array
 from radixserve.actors.scheduler.plan import build_plan
 from radixserve.actors.scheduler.prefill import PrefillAdder
 from radixserve.actors.scheduler.req import FinishReason, Req
+from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
 from radixserve.cache.manager import CacheManager
-from radixserve.policies.base import SchedulePolicy
+from radixserve.cache.radix_tree import RadixTree
+from radixserve.policies.base import EvictionPolicy, SchedulePolicy
+from radixserve.policies.eviction import LRU
+from radixserve.policies.schedule import FCFS
 from radixserve.sampling_params import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128
+DEDUP_MIN_TOKENS = 32  # an uncached prefix shared with a request admitted this step is worth waiting for
 
 
 @dataclass(frozen=True)
@@ -40,16 +45,6 @@ class SchedulerConfig:
     check_invariants: bool = False
 
 
-@dataclass
-class SchedulerStats:
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    retractions: int = 0
-    steps: int = 0
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, policy: SchedulePolicy,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -63,11 +58,16 @@ class Scheduler:
         self.chunked: Req | None = None  # mid-prefill: continues in the next prefill step
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
+        self.schedule_fallback: SchedulePolicy = FCFS()
+        self.policy_errors: list[str] = []
+        self.epochs: list[PolicyEpoch] = []
+        self._new_epoch()
         self._step = 0
         self._inflight: tuple[ForwardPlan, list[Req]] | None = None
 
     # -- requests in and out -----------------------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, logprobs: int = -1) -> Req:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, logprobs: int = -1,
+                    priority: int = 0) -> Req:
         """Queue a request; ValueError (nothing queued) if it can never run. ``logprobs``: -1 none, else how many
         top alternatives to record with each output token's logprob."""
         if rid in self.live:
@@ -77,7 +77,7 @@ class Scheduler:
         if not params.ignore_eos:
             stop_ids |= self.config.eos_ids
         req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock(),
-                  logprobs=logprobs)
+                  logprobs=logprobs, priority=priority)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
         if max_new == 0:  # nothing to generate
@@ -140,18 +140,23 @@ class Scheduler:
         self._inflight = None
         updated = []
         logprobs = _Logprobs(result, reqs)
+        now = self.clock()
         for i, (req, next_id) in enumerate(zip(reqs, array(result.next_ids).tolist())):
             if req.finished:  # aborted while its step ran
                 continue
-            if next_id < 0:  # a prefill chunk: let others reuse it already, keep it locked for us
+            if plan.mode == "extend":  # what was just computed is reusable by others at once (kept locked)
                 self.cache.cache_prefix(req.kv, req.fill_ids)
+            if next_id < 0:  # a prefill chunk that is not the last
                 continue
             if req is self.chunked:
                 self.chunked = None
             req.output_ids.append(next_id)
+            if req.first_token_at is None:
+                req.first_token_at = now
             if req.logprobs >= 0:
                 req.output_logprobs.append(logprobs.of(i))
             self.stats.generated_tokens += 1
+            self.epochs[-1].generated_tokens += 1
             updated.append(req)
             req.finish_reason = req.check_finished()
             if req.finished:
@@ -183,9 +188,14 @@ class Scheduler:
             return None  # the chunked request goes first; until it fits, decoding frees room
         room = cfg.max_running_requests - len(self.running) - (self.chunked is not None)
         if self.waiting and room > 0:
-            for req in self.policy.order(self.waiting, self.cache)[:room]:
+            dedup = InBatchDedup(self.cache) if getattr(self.policy, "cache_aware", False) and self.cache.tree else None
+            for req in self._ordered_waiting()[:room]:
+                if dedup is not None and dedup.defer(req, bool(adder.reqs)):
+                    continue  # shares a prefix that this step computes for another request: reuse it next step
                 if not adder.add(req):
                     break
+                if dedup is not None:
+                    dedup.admitted(req)
         if not adder.reqs:
             return None
         admitted = {id(r) for r in adder.reqs}
@@ -210,6 +220,42 @@ class Scheduler:
         plan = build_plan(self._step, mode, reqs, starts)
         self._inflight = (plan, reqs)
         return plan
+
+    # -- policies ----------------------------------------------------------------------------------------
+    def set_policies(self, eviction: EvictionPolicy | None = None, schedule: SchedulePolicy | None = None) -> None:
+        """Swap policies between steps: no cached entry and no request is lost; a new stats epoch starts.
+        ValueError (nothing changed) if the eviction policy fails on the current cache."""
+        if eviction is not None:
+            self.cache.set_eviction_policy(eviction)
+        if schedule is not None:
+            self.schedule_fallback, self.policy = self.policy, schedule
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        now = self.clock()
+        if self.epochs:
+            self.epochs[-1].close(now, self.cache.evicted_tokens)
+        self.epochs.append(PolicyEpoch(self.cache.eviction_policy.name, self.policy.name, now,
+                                       self.cache.evicted_tokens))
+
+    def _ordered_waiting(self, attempt: int = 0) -> list[Req]:
+        """The waiting queue in the policy's order; a policy that raises or loses/invents requests is replaced by
+        the one before it (FCFS at worst), the error is kept in policy_errors, and scheduling goes on."""
+        try:
+            ordered = self.policy.order(list(self.waiting), self.cache, self.clock())
+            if len(ordered) != len(self.waiting) or {id(r) for r in ordered} != {id(r) for r in self.waiting}:
+                raise ValueError("order() did not return a permutation of the waiting requests")
+            return ordered
+        except Exception as exc:
+            bad = self.policy
+            self.policy = self.schedule_fallback if self.schedule_fallback is not bad else FCFS()
+            self.schedule_fallback = FCFS()
+            self.policy_errors.append(f"schedule policy {bad.name!r} raised {type(exc).__name__}: {exc}; "
+                                      f"switched to {self.policy.name!r}")
+            self._new_epoch()
+            if attempt >= 2:  # not even the fallbacks work: arrival order needs no policy at all
+                return sorted(self.waiting, key=lambda r: r.arrival)
+            return self._ordered_waiting(attempt + 1)
 
     # -- retraction --------------------------------------------------------------------------------------
     def _future_tokens(self, req: Req) -> float:
@@ -241,6 +287,8 @@ class Scheduler:
         if req.finished:
             self.live.pop(req.rid, None)
             self.stats.cached_tokens += req.cached_tokens or 0
+            ttft = req.first_token_at - req.arrival if req.first_token_at is not None else None
+            self.epochs[-1].finished(len(req.prompt_ids), req.cached_tokens or 0, ttft)
 
     # -- invariants --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -281,3 +329,22 @@ class _Logprobs:
     def of(self, i: int) -> tuple[float, list[tuple[int, float]]]:
         start, end = self.spans.get(i, (0, 0))
         return float(self.chosen[i]), list(zip(self.top_ids[start:end], self.top_lp[start:end]))
+
+
+class InBatchDedup:
+    """Of several waiting requests that share a prefix nobody has cached yet, the first admitted computes it;
+    the others wait one step and then find it in the tree (each prefill is cached right after it runs)."""
+
+    def __init__(self, cache: CacheManager) -> None:
+        self.cache = cache
+        self.batch = RadixTree(LRU(), lambda slots: None)  # this step's admitted prompts (slots unused)
+
+    def defer(self, req: Req, anything_admitted: bool) -> bool:
+        if not anything_admitted:
+            return False
+        tokens = req.fill_ids
+        return self.batch.match_len(tokens) - self.cache.match_len(tokens) >= DEDUP_MIN_TOKENS
+
+    def admitted(self, req: Req) -> None:
+        tokens = req.fill_ids
+        self.batch.insert(tokens, np.zeros(len(tokens), dtype=np.int32))

@@ -1,0 +1,76 @@
+"""Statistics per policy epoch: a new epoch starts whenever the eviction or schedule policy changes, so policies
+can be compared on the same server (GET /cache/stats)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TTFT_SAMPLES = 20000  # per epoch; enough for stable p99
+
+
+@dataclass
+class SchedulerStats:
+    """Totals since start."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    steps: int = 0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+@dataclass
+class PolicyEpoch:
+    """What happened while one (eviction, schedule) pair was in charge. Requests count in the epoch they
+    finish in; TTFT is the scheduler's (arrival to first token, no HTTP)."""
+
+    eviction: str
+    schedule: str
+    started: float
+    evicted_at_start: int
+    ended: float | None = None
+    evicted_at_end: int | None = None
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+
+    def finished(self, prompt_tokens: int, cached_tokens: int, ttft: float | None) -> None:
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        if ttft is not None and len(self.ttft) < MAX_TTFT_SAMPLES:
+            self.ttft.append(ttft)
+
+    def close(self, now: float, evicted_total: int) -> None:
+        self.ended, self.evicted_at_end = now, evicted_total
+
+    def to_dict(self, now: float, evicted_total: int) -> dict[str, Any]:
+        end = self.ended if self.ended is not None else now
+        evicted = (self.evicted_at_end if self.evicted_at_end is not None else evicted_total) - self.evicted_at_start
+        duration = max(end - self.started, 1e-9)
+        return {
+            "eviction": self.eviction,
+            "schedule": self.schedule,
+            "started": self.started,
+            "duration_s": end - self.started,
+            "current": self.ended is None,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "evicted_tokens": evicted,
+            "generated_tokens": self.generated_tokens,
+            "throughput_tokens_per_s": self.generated_tokens / duration,
+            "ttft_p50_s": percentile(self.ttft, 50),
+            "ttft_p99_s": percentile(self.ttft, 99),
+        }
