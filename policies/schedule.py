@@ -52,8 +52,9 @@ class LPMAging:
 
 
 class DFSWeight:
-    """Walk the cached-prefix tree of the waiting requests depth first, heaviest subtree (most waiting
-    requests) first: requests sharing a prefix run back to back, the most shared prefixes first."""
+    """Walk the cached-prefix tree of the waiting requests depth first, heaviest subtree (most waiting requests)
+    first, deepest prefixes before the requests that stop higher up: requests sharing a prefix run back to back,
+    the most shared first; requests matching nothing come last."""
 
     name = "dfs-weight"
     cache_aware = True
@@ -75,11 +76,14 @@ class DFSWeight:
                 parent = node
             ends[parent].append(req)
         out: list[R] = []
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            out.extend(ends[node])
-            stack.extend(sorted(children[node], key=lambda c: weight[c]))  # heaviest popped first
+        stack: list[tuple[Hashable, bool]] = [(root, False)]
+        while stack:  # iterative post-order: a node's subtrees (heaviest first), then its own requests
+            node, expanded = stack.pop()
+            if expanded:
+                out.extend(ends[node])
+                continue
+            stack.append((node, True))
+            stack.extend((c, False) for c in sorted(children[node], key=lambda c: weight[c]))
         return out
 
 

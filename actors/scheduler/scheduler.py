@@ -221,6 +221,22 @@ class Scheduler:
         self._inflight = (plan, reqs)
         return plan
 
+    # -- statistics --------------------------------------------------------------------------------------
+    def cache_stats(self) -> dict:
+        """Pool state now, totals since start, and one record per policy epoch (GET /cache/stats)."""
+        cache, st, now = self.cache, self.stats, self.clock()
+        prompt = sum(e.prompt_tokens for e in self.epochs)  # of finished requests, like cached
+        cached = sum(e.cached_tokens for e in self.epochs)
+        return {
+            "pool": {"capacity": cache.capacity, "free": cache.allocator.num_free, "evictable": cache.evictable,
+                     "protected": cache.protected, "owned_by_requests": cache.owned_by_requests},
+            "totals": {"requests_received": st.requests, "requests_finished": sum(e.requests for e in self.epochs),
+                       "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
+                       "generated_tokens": st.generated_tokens, "evicted_tokens": cache.evicted_tokens,
+                       "retractions": st.retractions, "steps": st.steps},
+            "epochs": [e.to_dict(now, cache.evicted_tokens) for e in self.epochs],
+        }
+
     # -- policies ----------------------------------------------------------------------------------------
     def set_policies(self, eviction: EvictionPolicy | None = None, schedule: SchedulePolicy | None = None) -> None:
         """Swap policies between steps: no cached entry and no request is lost; a new stats epoch starts.
