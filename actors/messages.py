@@ -2,7 +2,7 @@
 
     client -HTTP-> api --GenerateReq/AbortReq--> tokenizer --AddReq/FinishReq--> scheduler --ForwardPlan--> runner
                    api <------TextBatch/ErrorOut-- tokenizer <--TokenBatch/Rejected-- scheduler <-ForwardResult- runner
-                   api <-------------------------------Status/FlushDone------------- scheduler
+                   api <---------------------------Status/ControlReply--ControlReq--> scheduler
     every actor --Ready/Failed--> launcher
 
 Token and slot arrays travel as raw little-endian bytes (``int32`` unless noted) -- compact and copy-cheap --
@@ -48,6 +48,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     logprobs: int = -1  # -1: none; 0: the sampled token's logprob; k > 0: also the k most likely
+    priority: int = 0
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -61,6 +62,7 @@ class AddReq(msgspec.Struct, tag="add"):
     input_ids: bytes
     params: SamplingParams
     logprobs: int = -1
+    priority: int = 0
 
 
 class FinishReq(msgspec.Struct, tag="finish"):
@@ -120,13 +122,19 @@ class ErrorOut(msgspec.Struct, tag="error"):
 
 
 # -- api <-> scheduler (control) ----------------------------------------------------------------------------
-class FlushCacheReq(msgspec.Struct, tag="flush"):
+class ControlReq(msgspec.Struct, tag="control"):
+    """Between two steps: flush the cache, read or switch the policies, read the per-policy statistics."""
+
     reply_id: int
+    op: Literal["flush_cache", "get_policies", "set_policies", "cache_stats"]
+    eviction: str | None = None
+    schedule: str | None = None
 
 
-class FlushDone(msgspec.Struct, tag="flushed"):
+class ControlReply(msgspec.Struct, tag="reply"):
     reply_id: int
-    tokens_freed: int
+    body: dict[str, Any]
+    error: str | None = None  # the request was refused (e.g. an unknown policy); nothing changed
 
 
 class Status(msgspec.Struct, tag="status"):
@@ -141,6 +149,12 @@ class Status(msgspec.Struct, tag="status"):
     retractions: int
     evicted_tokens: int
     steps: int
+    eviction: str  # the policies in charge, and what finished under them (the current epoch)
+    schedule: str
+    epoch_requests: int
+    epoch_prompt_tokens: int
+    epoch_cached_tokens: int
+    epoch_evicted_tokens: int
 
 
 # -- scheduler -> runner ------------------------------------------------------------------------------------
@@ -195,8 +209,8 @@ class Failed(msgspec.Struct, tag="failed"):
 
 
 # What each inbox accepts (decoders are typed by these unions).
-ApiInbox = TextBatch | ErrorOut | Status | FlushDone
+ApiInbox = TextBatch | ErrorOut | Status | ControlReply
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | Rejected
-SchedulerInbox = AddReq | FinishReq | ForwardResult | FlushCacheReq
+SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq
 RunnerInbox = ForwardPlan
 LauncherInbox = Ready | Failed

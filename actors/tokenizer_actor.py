@@ -53,7 +53,7 @@ class TokenizerActor:
             await self.channel.send("api", ErrorOut(msg.rid, text, param="messages" if msg.messages else "prompt"))
             return
         self.live[msg.rid] = Tracked(self.core.detokenizer(msg.params), msg.logprobs)
-        await self.channel.send("scheduler", AddReq(msg.rid, to_bytes(ids), msg.params, msg.logprobs))
+        await self.channel.send("scheduler", AddReq(msg.rid, to_bytes(ids), msg.params, msg.logprobs, msg.priority))
 
     def encode(self, msg: GenerateReq) -> list[int]:
         if msg.messages is not None:

@@ -43,7 +43,8 @@ class Engine:
 
     # -- public API --------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: TokenIds = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0) -> dict[str, Any] | list[dict[str, Any]]:
+                 return_logprob: bool = False, top_logprobs_num: int = 0, priority: int = 0,
+                 ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list, same order).
 
         Give ``prompt`` (text) or ``input_ids`` (token ids), not both. ``sampling_params`` is one dict /
@@ -74,12 +75,26 @@ class Engine:
             raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, 20]")
         logprobs = top_logprobs_num if return_logprob else -1
         with self._lock:
-            results = self._run(ids, params, logprobs)
+            results = self._run(ids, params, logprobs, priority)
         return results[0] if single else results
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: Params = None) -> dict[str, Any]:
         """One chat turn: the model's chat template is applied to ``messages``."""
         return self.generate(input_ids=self.tokenizer.apply_chat_template(messages), sampling_params=sampling_params)
+
+    def set_policies(self, eviction: str | None = None, schedule: str | None = None) -> dict[str, Any]:
+        """Switch the eviction and/or schedule policy by name (built-in or plugin); returns ``policies()``."""
+        with self._lock:
+            self.scheduler.switch_policies(eviction, schedule)
+        return self.policies()
+
+    def policies(self) -> dict[str, Any]:
+        """``{"eviction": {"current", "available"}, "schedule": {...}, "errors": [...]}``"""
+        return self.scheduler.policies_info()
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Pool state, totals and one record per policy epoch (as GET /cache/stats)."""
+        return self.scheduler.cache_stats()
 
     def flush_cache(self) -> int:
         """Drop every cached prefix that no running request holds; returns tokens freed."""
@@ -104,14 +119,15 @@ class Engine:
         one = SamplingParams.coerce(params)
         return [one] * n
 
-    def _run(self, ids: list[list[int]], params: list[SamplingParams], logprobs: int) -> list[dict[str, Any]]:
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], logprobs: int,
+             priority: int) -> list[dict[str, Any]]:
         sched = self.scheduler
         for p, sp in zip(ids, params):  # validate all before queueing any: a bad prompt loses nothing
             sched.validate(p, sp)
         reqs: list[Req] = []
         detoks: dict[str, Detokenizer] = {}
         for p, sp in zip(ids, params):
-            req = sched.add_request(f"engine-{next(self._ids)}", p, sp, logprobs)
+            req = sched.add_request(f"engine-{next(self._ids)}", p, sp, logprobs, priority)
             reqs.append(req)
             detoks[req.rid] = self.tokenizer.detokenizer(sp)
         while not all(r.finished for r in reqs):

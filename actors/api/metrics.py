@@ -34,6 +34,17 @@ class Metrics:
         self.kv_tokens = Gauge("radixserve_kv_pool_tokens", "KV slots by state", ["state"], registry=r)
         self.retractions = Gauge("radixserve_retractions", "requests retracted since start", registry=r)
         self.evicted = Gauge("radixserve_evicted_tokens", "cached tokens evicted since start", registry=r)
+        labels = ["eviction", "schedule"]  # one series per policy pair; its last epoch's figures
+        self.policy_requests = Gauge("radixserve_policy_requests", "requests finished under the policies",
+                                     labels, registry=r)
+        self.policy_prompt = Gauge("radixserve_policy_prompt_tokens", "prompt tokens under the policies", labels,
+                                   registry=r)
+        self.policy_cached = Gauge("radixserve_policy_cached_tokens", "cached tokens under the policies", labels,
+                                   registry=r)
+        self.policy_hit_rate = Gauge("radixserve_policy_cache_hit_rate", "hit rate under the policies", labels,
+                                     registry=r)
+        self.policy_evicted = Gauge("radixserve_policy_evicted_tokens", "tokens evicted under the policies",
+                                    labels, registry=r)
 
     def finished(self, reason: str, prompt: int, cached: int, e2e: float) -> None:
         self.requests.labels(reason).inc()
@@ -51,6 +62,13 @@ class Metrics:
             self.kv_tokens.labels(state).set(getattr(s, state))
         self.retractions.set(s.retractions)
         self.evicted.set(s.evicted_tokens)
+        pair = (s.eviction, s.schedule)
+        self.policy_requests.labels(*pair).set(s.epoch_requests)
+        self.policy_prompt.labels(*pair).set(s.epoch_prompt_tokens)
+        self.policy_cached.labels(*pair).set(s.epoch_cached_tokens)
+        self.policy_hit_rate.labels(*pair).set(s.epoch_cached_tokens / s.epoch_prompt_tokens
+                                               if s.epoch_prompt_tokens else 0.0)
+        self.policy_evicted.labels(*pair).set(s.epoch_evicted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

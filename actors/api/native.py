@@ -2,7 +2,6 @@
 /metrics."""
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -13,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.io import decode_body, json_response, merged, stream_events
-from radixserve.actors.api.protocol import AbortBody, NativeGenerateRequest
+from radixserve.actors.api.protocol import AbortBody, NativeGenerateRequest, PoliciesBody
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.messages import Delta, GenerateReq
 from radixserve.sampling_params import SamplingParams
@@ -75,6 +74,9 @@ class NativeRoutes:
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort)
         r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/policies", self.get_policies)
+        r.add_post("/policies", self.set_policies)
+        r.add_get("/cache/stats", self.cache_stats)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics)
@@ -89,7 +91,8 @@ class NativeRoutes:
         base = body.rid or uuid.uuid4().hex
         logprobs = body.top_logprobs_num if body.return_logprob else -1
         rids = [base] if single else [f"{base}-{i}" for i in range(len(prompts))]
-        gens = [GenerateReq(rid, params, logprobs=logprobs, **kw) for rid, kw in zip(rids, prompts)]
+        gens = [GenerateReq(rid, params, logprobs=logprobs, priority=body.priority, **kw)
+                for rid, kw in zip(rids, prompts)]
         outputs = [Output(rid, logprobs) for rid in rids]
         async with AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(self.server.stream(g)) for g in gens]
@@ -114,11 +117,25 @@ class NativeRoutes:
         return json_response({"aborted": aborted})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        try:
-            freed = await self.server.flush_cache()
-        except asyncio.TimeoutError:
-            raise APIError(503, "the scheduler did not answer the flush in time", type="service_unavailable")
-        return json_response({"message": "cache flushed", "tokens_freed": freed})
+        reply = await self.server.control("flush_cache")
+        return json_response({"message": "cache flushed", **reply.body})
+
+    async def get_policies(self, request: web.Request) -> web.Response:
+        return json_response((await self.server.control("get_policies")).body)
+
+    async def set_policies(self, request: web.Request) -> web.Response:
+        body = await decode_body(request, PoliciesBody)
+        if body.eviction is None and body.schedule is None:
+            raise APIError(400, "send {\"eviction\": NAME} and/or {\"schedule\": NAME}", param="eviction")
+        reply = await self.server.control("set_policies", eviction=body.eviction, schedule=body.schedule)
+        if reply.error is not None:
+            param = "schedule" if "schedule policy" in reply.error else "eviction"
+            raise APIError(400, reply.error, param=param, code="unknown_policy" if "unknown" in reply.error
+                           else "policy_failed")
+        return json_response(reply.body)
+
+    async def cache_stats(self, request: web.Request) -> web.Response:
+        return json_response((await self.server.control("cache_stats")).body)
 
     async def server_info(self, request: web.Request) -> web.Response:
         return json_response(self.server.server_info())

@@ -98,7 +98,7 @@ class OpenAIRoutes:
         messages = body.template_messages()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gens = [GenerateReq(f"{rid}-{i}", body.sampling_params(body.max_new_tokens, i), messages=messages,
-                            logprobs=body.logprobs_count) for i in range(body.n)]
+                            logprobs=body.logprobs_count, priority=body.priority) for i in range(body.n)]
         return await self.respond(request, "chat", rid, body, gens)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -112,7 +112,7 @@ class OpenAIRoutes:
                 i = p * body.n + j
                 kw = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
                 gens.append(GenerateReq(f"{rid}-{i}", body.sampling_params(body.max_new_tokens, j),
-                                        logprobs=body.logprobs_count, **kw))
+                                        logprobs=body.logprobs_count, priority=body.priority, **kw))
         echo = [prompts[i // body.n] if body.echo and isinstance(prompts[i // body.n], str) else ""
                 for i in range(len(gens))]
         return await self.respond(request, "completion", rid, body, gens, echo)

@@ -63,6 +63,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    priority: int = 0  # for the priority schedule / eviction policies; larger = more important
 
     def check_supported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -186,7 +187,13 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
     rid: str | None = None
+    priority: int = 0
 
 
 class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
     rid: str
+
+
+class PoliciesBody(msgspec.Struct, forbid_unknown_fields=True):
+    eviction: str | None = None
+    schedule: str | None = None

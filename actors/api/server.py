@@ -17,7 +17,7 @@ import msgspec
 from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.metrics import Metrics
 from radixserve.actors.messages import (
-    AbortReq, ApiInbox, Delta, ErrorOut, FlushCacheReq, FlushDone, GenerateReq, Status, TextBatch,
+    AbortReq, ApiInbox, ControlReply, ControlReq, Delta, ErrorOut, GenerateReq, Status, TextBatch,
 )
 from radixserve.actors.transport import Channel, Endpoints
 
@@ -79,7 +79,7 @@ class ApiServer:
         self.metrics = Metrics()
         self.status: Status | None = None
         self.healthy = True
-        self._flushes: dict[int, asyncio.Future[int]] = {}
+        self._replies: dict[int, asyncio.Future[ControlReply]] = {}
         self._ids = itertools.count()
         self._reader: asyncio.Task | None = None
 
@@ -109,17 +109,23 @@ class ApiServer:
             elif isinstance(msg, Status):
                 self.status = msg
                 self.metrics.status(msg)
-            elif isinstance(msg, FlushDone):
-                fut = self._flushes.pop(msg.reply_id, None)
+            elif isinstance(msg, ControlReply):
+                fut = self._replies.pop(msg.reply_id, None)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg.tokens_freed)
+                    fut.set_result(msg)
 
-    async def flush_cache(self, timeout: float = 30.0) -> int:
-        reply = next(self._ids)
+    async def control(self, op: str, timeout: float = 30.0, **kw: str | None) -> ControlReply:
+        """Ask the scheduler (it answers between two steps)."""
+        reply_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._flushes[reply] = fut
-        await self.channel.send("scheduler", FlushCacheReq(reply))
-        return await asyncio.wait_for(fut, timeout)
+        self._replies[reply_id] = fut
+        await self.channel.send("scheduler", ControlReq(reply_id, op, **kw))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            self._replies.pop(reply_id, None)
+            raise APIError(503, f"the scheduler did not answer {op} within {timeout:.0f}s",
+                           type="service_unavailable") from None
 
     async def abort(self, rid: str) -> list[str]:
         """Abort ``rid`` and any choice of it (``rid-0``, ``rid-1``, ...); returns the ids aborted."""

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from radixserve.actors.messages import (
-    AddReq, FinishReq, FlushCacheReq, FlushDone, ForwardResult, Rejected, SchedulerInbox, Status, TokenBatch,
-    array, to_bytes,
+    AddReq, ControlReply, ControlReq, FinishReq, ForwardResult, Rejected, SchedulerInbox, Status, TokenBatch, array,
+    to_bytes,
 )
 from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler.scheduler import Scheduler, build_scheduler
@@ -58,7 +58,8 @@ class SchedulerActor:
                 await self.channel.send("tokenizer", token_batch(updated))
         elif isinstance(msg, AddReq):
             try:
-                req = sched.add_request(msg.rid, array(msg.input_ids).tolist(), msg.params, msg.logprobs)
+                req = sched.add_request(msg.rid, array(msg.input_ids).tolist(), msg.params, msg.logprobs,
+                                        msg.priority)
             except ValueError as exc:
                 await self.channel.send("tokenizer", Rejected(msg.rid, str(exc)))
                 return
@@ -66,8 +67,8 @@ class SchedulerActor:
                 await self.channel.send("tokenizer", token_batch([req], new_token=False))
         elif isinstance(msg, FinishReq):
             sched.finish(msg.rid, msg.reason)
-        elif isinstance(msg, FlushCacheReq):
-            await self.channel.send("api", FlushDone(msg.reply_id, sched.cache.flush()))
+        elif isinstance(msg, ControlReq):
+            await self.channel.send("api", control(sched, msg))
 
     async def maybe_status(self) -> None:
         """Tell the api how things stand: every STATUS_INTERVAL_S while busy, once more when going idle."""
@@ -75,6 +76,20 @@ class SchedulerActor:
         if now - self._last_status >= STATUS_INTERVAL_S or (self._dirty and not self.scheduler.has_work):
             self._last_status, self._dirty = now, False
             await self.channel.send("api", status_of(self.scheduler))
+
+
+def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
+    """Control requests run between steps, so a policy switch never lands in the middle of one."""
+    try:
+        if msg.op == "flush_cache":
+            return ControlReply(msg.reply_id, {"tokens_freed": sched.cache.flush()})
+        if msg.op == "cache_stats":
+            return ControlReply(msg.reply_id, sched.cache_stats())
+        if msg.op == "set_policies":
+            sched.switch_policies(msg.eviction, msg.schedule)
+        return ControlReply(msg.reply_id, sched.policies_info())
+    except ValueError as exc:
+        return ControlReply(msg.reply_id, sched.policies_info(), error=str(exc))
 
 
 def token_batch(reqs: list[Req], new_token: bool = True) -> TokenBatch:
@@ -96,7 +111,7 @@ def token_batch(reqs: list[Req], new_token: bool = True) -> TokenBatch:
 
 
 def status_of(sched: Scheduler) -> Status:
-    cache = sched.cache
+    cache, epoch = sched.cache, sched.epochs[-1]
     return Status(
         running=len(sched.running) + (sched.chunked is not None),
         waiting=len(sched.waiting),
@@ -107,6 +122,12 @@ def status_of(sched: Scheduler) -> Status:
         retractions=sched.stats.retractions,
         evicted_tokens=cache.evicted_tokens,
         steps=sched.stats.steps,
+        eviction=epoch.eviction,
+        schedule=epoch.schedule,
+        epoch_requests=epoch.requests,
+        epoch_prompt_tokens=epoch.prompt_tokens,
+        epoch_cached_tokens=epoch.cached_tokens,
+        epoch_evicted_tokens=cache.evicted_tokens - epoch.evicted_at_start,
     )
 
 

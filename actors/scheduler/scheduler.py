@@ -247,6 +247,24 @@ class Scheduler:
             self.schedule_fallback, self.policy = self.policy, schedule
         self._new_epoch()
 
+    def switch_policies(self, eviction: str | None = None, schedule: str | None = None) -> None:
+        """``set_policies`` by registered name (built-in or plugin); ValueError naming the problem."""
+        from radixserve.policies import load_eviction_policy, load_schedule_policy
+
+        if eviction is None and schedule is None:
+            raise ValueError("give an eviction and/or a schedule policy name")
+        self.set_policies(load_eviction_policy(eviction) if eviction else None,
+                          load_schedule_policy(schedule) if schedule else None)
+
+    def policies_info(self) -> dict:
+        """What GET /policies shows: the current policies, the available ones, errors of failed policies."""
+        from radixserve.policies import available
+
+        errors = self.policy_errors + (self.cache.tree.policy_errors if self.cache.tree else [])
+        return {"eviction": {"current": self.cache.eviction_policy.name, "available": available("eviction")},
+                "schedule": {"current": self.policy.name, "available": available("schedule")},
+                "errors": errors[-20:]}
+
     def _new_epoch(self) -> None:
         now = self.clock()
         if self.epochs:
