@@ -66,6 +66,11 @@ class CacheManager:
         return self.tree.protected_size if self.tree else 0
 
     @property
+    def version(self) -> int:
+        """Changes whenever what is cached changes (so a prefix match may give another answer)."""
+        return self.tree.version if self.tree else 0
+
+    @property
     def available(self) -> int:
         """Slots a request could get right now: free plus evictable."""
         return self.allocator.num_free + self.evictable

@@ -83,6 +83,7 @@ class RadixTree:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
+        self.version = 0  # bumped whenever the set of cached tokens changes (insert of new tokens, eviction)
         self._queue = EvictionQueue(policy, self.evictable_leaves, clock)
 
     # -- policy ------------------------------------------------------------------------------------------
@@ -153,6 +154,7 @@ class RadixTree:
                 priority=priority,
             )
             node.children[leaf.tokens[0]] = leaf
+            self.version += 1
             self.evictable_size += leaf.num_tokens
             self._queue.push(leaf)
         return cached
@@ -189,6 +191,7 @@ class RadixTree:
             self._queue.evicted(leaf, key)
             self.free_slots(leaf.slots)
             freed += leaf.num_tokens
+            self.version += 1
             self.evictable_size -= leaf.num_tokens
             parent = leaf.parent
             del parent.children[leaf.tokens[0]]

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 
 from radixserve.policies.base import R, CacheView
 
-MAX_QUEUE_FOR_MATCHING = 1024  # prefix matching is O(prompt) per request: longer queues fall back to FCFS
+MAX_MATCHED = 256  # prefix matching is O(prompt) per request: the oldest this many are matched, the rest wait
 
 
 def by_arrival(waiting: list[R]) -> list[R]:
@@ -26,15 +26,16 @@ class FCFS:
 
 class LongestPrefixMatch:
     """Longest cached prefix first: requests that reuse most of the cache run while it is still there.
-    Ties by arrival. Can starve a request that matches nothing while matching ones keep coming (see lpm-aging)."""
+    Ties by arrival. Can starve a request that matches nothing while matching ones keep coming (see lpm-aging).
+    Of a very long queue, the oldest MAX_MATCHED are ordered so, the rest follow by arrival."""
 
     name = "lpm"
     cache_aware = True
 
     def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
-        if len(waiting) > MAX_QUEUE_FOR_MATCHING:
-            return by_arrival(waiting)
-        return sorted(waiting, key=lambda r: (-cache.match_len(r.fill_ids), r.arrival))
+        queue = by_arrival(waiting)
+        head, tail = queue[:MAX_MATCHED], queue[MAX_MATCHED:]
+        return sorted(head, key=lambda r: (-cache.match_len(r.fill_ids), r.arrival)) + tail
 
 
 class LPMAging:
@@ -60,13 +61,15 @@ class DFSWeight:
     cache_aware = True
 
     def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
-        if len(waiting) > MAX_QUEUE_FOR_MATCHING:
-            return by_arrival(waiting)
+        queue = by_arrival(waiting)
+        return self._dfs(queue[:MAX_MATCHED], cache) + queue[MAX_MATCHED:]
+
+    def _dfs(self, waiting: list[R], cache: CacheView) -> list[R]:
         root: Hashable = ()
         children: dict[Hashable, list[Hashable]] = defaultdict(list)
         ends: dict[Hashable, list[R]] = defaultdict(list)  # requests whose cached prefix ends at a node
         weight: dict[Hashable, int] = defaultdict(int)
-        for req in by_arrival(waiting):
+        for req in waiting:
             parent = root
             weight[root] += 1
             for node in cache.match_path(req.fill_ids):

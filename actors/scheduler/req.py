@@ -39,8 +39,8 @@ class Req:
 
     @property
     def fill_ids(self) -> list[int]:
-        """Every token whose KV the request needs: the prompt and the output so far."""
-        return self.prompt_ids + self.output_ids
+        """Every token whose KV the request needs: the prompt and the output so far. Read-only."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     @property
     def kv_len(self) -> int:

@@ -6,6 +6,7 @@ request one more slot, first retracting the requests that lose least if the pool
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from radixserve.sampling_params import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEDUP_MIN_TOKENS = 32  # an uncached prefix shared with a request admitted this step is worth waiting for
+POLICY_WINDOW = 1024  # the schedule policy orders the oldest this many waiting requests (keeps a step O(1))
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Scheduler:
         self.policy = policy
         self.clock = clock
         self.live: dict[str, Req] = {}
-        self.waiting: list[Req] = []
+        self.waiting: list[Req] = []  # in arrival order
         self.running: list[Req] = []  # decoding
         self.chunked: Req | None = None  # mid-prefill: continues in the next prefill step
         self.new_token_ratio = config.init_new_token_ratio
@@ -63,6 +65,9 @@ class Scheduler:
         self.epochs: list[PolicyEpoch] = []
         self._new_epoch()
         self._step = 0
+        self._queue_version = 0  # bumped when requests join the queue (new or retracted)
+        self._blocked: tuple[tuple[int, int], float] | None = None  # (queue, cache) state and room of the last
+        # prefill that admitted nothing
         self._inflight: tuple[ForwardPlan, list[Req]] | None = None
 
     # -- requests in and out -----------------------------------------------------------------------------
@@ -86,6 +91,7 @@ class Scheduler:
             return req
         self.live[rid] = req
         self.waiting.append(req)
+        self._queue_version += 1
         return req
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -122,6 +128,11 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         return req
+
+    @property
+    def inflight(self) -> list[Req]:
+        """The requests of the plan being computed, in batch order (empty when none is)."""
+        return list(self._inflight[1]) if self._inflight else []
 
     @property
     def has_work(self) -> bool:
@@ -176,11 +187,16 @@ class Scheduler:
             return None
         cfg = self.config
         chunking = cfg.chunked_prefill_size > 0
+        reserved = sum(map(self._future_tokens, self.running))
+        room_tokens = self.cache.available - reserved
+        state = (self._queue_version, self.cache.version)
+        if self._blocked is not None and self.running and self._blocked[0] == state and room_tokens <= self._blocked[1]:
+            return None  # nothing fitted last time; same queue, same cache, no more room: it would not fit now
         adder = PrefillAdder(
             self.cache,
             token_budget=cfg.chunked_prefill_size if chunking else cfg.max_prefill_tokens,
             chunking=chunking,
-            reserved=sum(map(self._future_tokens, self.running)),
+            reserved=reserved,
             new_token_ratio=self.new_token_ratio,
             clip_max_new_tokens=cfg.clip_max_new_tokens,
         )
@@ -197,9 +213,12 @@ class Scheduler:
                 if dedup is not None:
                     dedup.admitted(req)
         if not adder.reqs:
+            self._blocked = (state, room_tokens)
             return None
+        self._blocked = None
         admitted = {id(r) for r in adder.reqs}
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        head = self.waiting[:POLICY_WINDOW]  # everything admitted came from the window
+        self.waiting = [r for r in head if id(r) not in admitted] + self.waiting[POLICY_WINDOW:]
         if adder.partial is not None:
             self.chunked = adder.partial
         return self._launch("extend", adder.reqs, adder.starts)
@@ -273,11 +292,14 @@ class Scheduler:
                                        self.cache.evicted_tokens))
 
     def _ordered_waiting(self, attempt: int = 0) -> list[Req]:
-        """The waiting queue in the policy's order; a policy that raises or loses/invents requests is replaced by
-        the one before it (FCFS at worst), the error is kept in policy_errors, and scheduling goes on."""
+        """The oldest POLICY_WINDOW waiting requests in the policy's order. A policy that raises, or (a plugin)
+        loses or invents requests, is replaced by the one before it (FCFS at worst), the error is kept in
+        policy_errors, and scheduling goes on."""
+        window = self.waiting[:POLICY_WINDOW]
         try:
-            ordered = self.policy.order(list(self.waiting), self.cache, self.clock())
-            if len(ordered) != len(self.waiting) or {id(r) for r in ordered} != {id(r) for r in self.waiting}:
+            ordered = self.policy.order(list(window), self.cache, self.clock())
+            if not type(self.policy).__module__.startswith("radixserve.") and (
+                    len(ordered) != len(window) or {id(r) for r in ordered} != {id(r) for r in window}):
                 raise ValueError("order() did not return a permutation of the waiting requests")
             return ordered
         except Exception as exc:
@@ -288,7 +310,7 @@ class Scheduler:
                                       f"switched to {self.policy.name!r}")
             self._new_epoch()
             if attempt >= 2:  # not even the fallbacks work: arrival order needs no policy at all
-                return sorted(self.waiting, key=lambda r: r.arrival)
+                return window
             return self._ordered_waiting(attempt + 1)
 
     # -- retraction --------------------------------------------------------------------------------------
@@ -304,7 +326,8 @@ class Scheduler:
             return False
         victim = min(candidates, key=lambda r: (r is not self.chunked, len(r.output_ids), -r.seq_len))
         self._release(victim)
-        self.waiting.append(victim)
+        bisect.insort(self.waiting, victim, key=lambda r: r.arrival)  # back in line where it arrived
+        self._queue_version += 1
         self.stats.retractions += 1
         self.new_token_ratio = self.config.init_new_token_ratio
         return True
