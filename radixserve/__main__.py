@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     add_cli_args(p_serve)
+    p_compare = sub.add_parser("compare", help="compare eviction/schedule policies (simulated and/or live)",
+                               description="Compare policy pairs on one workload; see radixserve.compare.cli")
+    from radixserve.compare.cli import add_args as add_compare_args
+
+    add_compare_args(p_compare)
     p_demo = sub.add_parser("demo", help="chat with the offline Engine in the terminal")
     add_cli_args(p_demo)
     p_demo.add_argument("--max-new-tokens", type=int, default=128)
@@ -56,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         from radixserve.launch_server import run_cli
 
         return run_cli(args)
+    if args.command == "compare":
+        from radixserve.compare.cli import run
+
+        try:
+            return run(args)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"radixserve compare: error: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(name)s: %(message)s")
     try:
         return demo(args)

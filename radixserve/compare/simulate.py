@@ -92,13 +92,14 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_tokens: int, cost: CostModel,
-             max_running: int = 64, chunk: int = 2048, progress=None) -> SimResult:
+             max_running: int = 64, chunk: int = 2048, progress=None, check_invariants: bool = False) -> SimResult:
     """Replay ``trace`` through the real scheduler on a simulated clock; returns what a client would measure."""
     wall = time.perf_counter()
     clock = SimClock()
     longest = max(len(r.prompt) + r.max_tokens for r in trace)
     cfg = SchedulerConfig(context_length=longest + 1, vocab_size=max(max(r.prompt) for r in trace) + 1 + 2**20,
-                          eos_ids=frozenset(), max_running_requests=max_running, chunked_prefill_size=chunk)
+                          eos_ids=frozenset(), max_running_requests=max_running, chunked_prefill_size=chunk,
+                          check_invariants=check_invariants)
     cache = CacheManager(cache_tokens, load_eviction_policy(eviction), clock=clock)
     sched = Scheduler(cfg, cache, load_schedule_policy(schedule), clock=clock)
     runner = CostModelRunner(cost, clock, {r.id: r.output or [1] * r.max_tokens for r in trace})

@@ -1,0 +1,123 @@
+"""``radixserve compare``: one workload, several policy pairs, in the simulator and/or against a live server.
+
+    radixserve compare --workload shared-prefix --requests 2000 --eviction lru,lfu,gdsf --schedule fcfs,lpm \\
+        --simulate --cache-sizes 1024,2048,4096,8192
+    radixserve compare --trace my.jsonl --live http://127.0.0.1:30000 --simulate   # side by side, same trace
+    radixserve compare --workload few-shot --save-trace few-shot.jsonl            # just write the trace
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from radixserve.compare import report, trace as trace_io
+from radixserve.compare.simulate import CostModel, simulate
+from radixserve.compare.workloads import KINDS, WorkloadSpec, build
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload (built in, seeded) or --trace")
+    w.add_argument("--workload", default="shared-prefix", choices=KINDS)
+    for f in dataclasses.fields(WorkloadSpec):
+        if f.name != "kind":
+            w.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    w.add_argument("--trace", help="a JSONL trace file instead of a built-in workload (format: radixserve.compare.trace)")
+    w.add_argument("--save-trace", help="write the workload as a JSONL trace here")
+    p.add_argument("--eviction", default="lru,lfu,gdsf", help="comma-separated eviction policies")
+    p.add_argument("--schedule", default="fcfs,lpm", help="comma-separated schedule policies")
+    s = p.add_argument_group("simulator")
+    s.add_argument("--simulate", action="store_true", help="run the cost-model simulator")
+    s.add_argument("--cache-sizes", default="2048,4096,8192,16384", help="KV cache sizes (tokens) to sweep")
+    s.add_argument("--max-running", type=int, default=64)
+    s.add_argument("--chunk", type=int, default=2048, help="chunked prefill size")
+    cost = CostModel()
+    s.add_argument("--prefill-cost", type=float, default=cost.prefill_per_token, help="seconds per prompt token")
+    s.add_argument("--decode-step-cost", type=float, default=cost.decode_per_step, help="seconds per decode step")
+    s.add_argument("--decode-seq-cost", type=float, default=cost.decode_per_seq, help="seconds per sequence in it")
+    s.add_argument("--step-overhead", type=float, default=cost.step_overhead, help="seconds per step")
+    s.add_argument("--calibrate", metavar="URL", help="fit the four costs to a running server first")
+    live = p.add_argument_group("live")
+    live.add_argument("--live", metavar="URL", help="replay against a running server, once per policy pair")
+    live.add_argument("--time-scale", type=float, default=1.0, help="stretch (>1) or squeeze arrival times")
+    p.add_argument("--out", default="compare-results", help="folder for the JSON and PNG files")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trace:
+        requests = trace_io.load(args.trace)
+        spec = {"trace": args.trace}
+    else:
+        ws = WorkloadSpec(kind=args.workload, **{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkloadSpec)
+                                                 if f.name != "kind"})
+        requests = build(ws)
+        spec = dataclasses.asdict(ws)
+    print(f"workload: {len(requests)} requests, {sum(len(r.prompt) for r in requests)} prompt tokens", file=sys.stderr)
+    if args.save_trace:
+        trace_io.save(requests, args.save_trace)
+        print(f"wrote {args.save_trace}", file=sys.stderr)
+        if not (args.simulate or args.live):
+            return 0
+    pairs = list(itertools.product(args.eviction.split(","), args.schedule.split(",")))
+    from radixserve.policies import load_eviction_policy, load_schedule_policy
+
+    for ev, sc in pairs:  # fail fast on a typo, before minutes of work
+        load_eviction_policy(ev), load_schedule_policy(sc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    payload: dict = {"workload": spec, "pairs": pairs}
+    live_results = []
+    if args.live:
+        from radixserve.compare.live import live
+
+        live_results = live(args.live, requests, pairs, args.time_scale,
+                            progress_factory=lambda d: tqdm(total=len(requests), desc=d, leave=False))
+        rows += [{"mode": "live", **r.to_dict()} for r in live_results]
+    if args.simulate or not args.live:
+        cost = CostModel(args.prefill_cost, args.decode_step_cost, args.decode_seq_cost, args.step_overhead)
+        if args.calibrate:
+            from radixserve.compare.live import calibrate
+
+            cost = calibrate(args.calibrate)
+            print(f"calibrated: {cost}", file=sys.stderr)
+        payload["cost_model"] = dataclasses.asdict(cost)
+        sizes = sorted({int(x) for x in args.cache_sizes.split(",")} | {r.cache_tokens for r in live_results})
+        jobs = [(ev, sc, size) for size in sizes for ev, sc in pairs]
+        with tqdm(total=len(jobs) * len(requests), desc="simulating", unit="req") as bar:
+            for ev, sc, size in jobs:
+                result = simulate(requests, ev, sc, size, cost, args.max_running, args.chunk, progress=bar)
+                rows.append({"mode": "sim", **result.to_dict()})
+    payload["results"] = rows
+    print(report.table(rows))
+    if live_results:
+        size = live_results[0].cache_tokens
+        sim_same = [r for r in rows if r["mode"] == "sim" and r["cache_tokens"] == size]
+        live_rows = [r for r in rows if r["mode"] == "live"]
+        payload["ranking"] = {
+            "live": report.ranking(live_rows), "sim": report.ranking(sim_same),
+            "same_order": report.ranking(live_rows) == report.ranking(sim_same),
+        }
+        print(f"\nby hit rate at {size} tokens -- live: {' > '.join(payload['ranking']['live'])}")
+        print(f"                       simulated: {' > '.join(payload['ranking']['sim'])}")
+    report.write_json(out / "compare.json", payload)
+    name = spec.get("kind", "trace")
+    written = [out / "compare.json"]
+    sim_rows = [r for r in rows if r["mode"] == "sim"]
+    if sim_rows:
+        report.plot_hit_rate_vs_cache(sim_rows, out / "hit_rate_vs_cache.png", f"{name}: hit rate vs cache size")
+        written.append(out / "hit_rate_vs_cache.png")
+    largest = max((r["cache_tokens"] for r in sim_rows), default=None)
+    ttft_rows = [r for r in rows if r["mode"] == "live"]
+    if live_results:
+        ttft_rows += [r for r in sim_rows if r["cache_tokens"] == live_results[0].cache_tokens]
+    else:
+        ttft_rows += [r for r in sim_rows if r["cache_tokens"] == largest]
+    report.plot_ttft(ttft_rows, out / "ttft.png", f"{name}: TTFT")
+    written.append(out / "ttft.png")
+    print(f"\nwrote {', '.join(map(str, written))}", file=sys.stderr)
+    return 0

@@ -1,0 +1,83 @@
+"""Results of a comparison: a table on the terminal, a JSON file, PNG plots (matplotlib)."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def fmt_s(v: float) -> str:
+    return "-" if v != v else (f"{v * 1000:.0f}ms" if v < 10 else f"{v:.1f}s")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'mode':5} {'eviction':10} {'schedule':11} {'cache':>7} {'reqs':>6} {'hit rate':>8} {'TTFT p50':>9} " \
+           f"{'TTFT p99':>9} {'tok/s':>8} {'evicted':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['mode']:5} {r['eviction']:10} {r['schedule']:11} {r['cache_tokens']:>7} {r['requests']:>6} "
+                     f"{r['hit_rate']:>8.3f} {fmt_s(r['ttft_p50_s']):>9} {fmt_s(r['ttft_p99_s']):>9} "
+                     f"{r['throughput_tokens_per_s']:>8.1f} {r.get('evicted_tokens', '-')!s:>8}")
+    return "\n".join(lines)
+
+
+def ranking(rows: list[dict[str, Any]], key: str = "hit_rate") -> list[str]:
+    """Policy pairs from best to worst by ``key`` (higher is better)."""
+    return [f"{r['eviction']}/{r['schedule']}" for r in sorted(rows, key=lambda r: -r[key])]
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2, default=str))
+
+
+def plot_hit_rate_vs_cache(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in rows:
+        series[f"{r['eviction']}/{r['schedule']}"].append((r["cache_tokens"], r["hit_rate"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV cache size (tokens)")
+    ax.set_ylabel("cache hit rate (cached / prompt tokens)")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ttft(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """TTFT p50 and p99 per policy pair; simulated and live side by side when both are there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({f"{r['eviction']}/{r['schedule']}" for r in rows})
+    modes = sorted({r["mode"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(max(6, 1.3 * len(names)) * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        by_name = {f"{r['eviction']}/{r['schedule']}": r for r in rows if r["mode"] == mode}
+        xs = range(len(names))
+        p50 = [by_name[n]["ttft_p50_s"] if n in by_name else 0 for n in names]
+        p99 = [by_name[n]["ttft_p99_s"] if n in by_name else 0 for n in names]
+        ax.bar([x - 0.2 for x in xs], p50, width=0.4, label="p50")
+        ax.bar([x + 0.2 for x in xs], p99, width=0.4, label="p99")
+        ax.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("time to first token (s)")
+        ax.set_title(f"{title} ({mode})")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
