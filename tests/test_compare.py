@@ -76,6 +76,8 @@ def test_cli_simulates_and_writes_table_json_and_plots(tmp_path):
 
 
 def test_live_replay_against_a_server(tiny_server, tmp_path):
+    import httpx
+
     out = tmp_path / "live"
     proc = subprocess.run([sys.executable, "-m", "radixserve", "compare", "--workload", "shared-prefix",
                            "--requests", "24", "--groups", "3", "--prefix-tokens", "64", "--output-tokens", "4",
@@ -88,3 +90,4 @@ def test_live_replay_against_a_server(tiny_server, tmp_path):
     assert len(live) == 2 and all(r["requests"] == 24 and r["hit_rate"] > 0 for r in live)
     assert all(r["server_epoch"]["requests"] == 24 for r in live), "each pair ran in an epoch of its own"
     assert set(data["ranking"]) == {"live", "sim", "same_order"}
+    httpx.post(tiny_server.url + "/policies", json={"eviction": "lru", "schedule": "fcfs"})  # shared server: restore

@@ -10,7 +10,8 @@ PROMPTS = [[{"role": "user", "content": f"Switch test {i}: say something about {
 
 def test_get_and_bad_posts(tiny_server):
     url = tiny_server.url
-    info = httpx.get(url + "/policies").json()
+    info = httpx.post(url + "/policies", json={"eviction": "lru", "schedule": "fcfs"}).json()
+    assert info == httpx.get(url + "/policies").json()
     assert info["eviction"]["current"] == "lru" and "gdsf" in info["eviction"]["available"]
     assert info["schedule"]["current"] == "fcfs" and "lpm-aging" in info["schedule"]["available"]
     bad = httpx.post(url + "/policies", json={"eviction": "nope"})
