@@ -28,7 +28,7 @@ class _Extend:
 @dataclass
 class _Decode:
     index: torch.Tensor  # [B, max_len] slot of each position, dummy slot 0 where padded
-    mask: torch.Tensor  # [B, 1, 1, max_len] True where the position is real
+    mask: torch.Tensor  # [B, 1, 1, max_len] additive: 0 where the position is real, -inf where padded
 
 
 def _starts(lengths: list[int]) -> list[int]:
@@ -49,7 +49,9 @@ class TorchAttention:
             real = torch.arange(int(lens.max()), device=device)[None, :] < lens[:, None]
             index = torch.zeros(real.shape, dtype=torch.int64, device=device)
             index[real] = batch.slots  # row-major fill = the rows back to back
-            return _Decode(index, real[:, None, None, :])
+            # an additive mask in the model's dtype: SDPA would otherwise convert a boolean one in every layer
+            bias = torch.zeros(real.shape, dtype=batch.dtype, device=device).masked_fill_(~real, float("-inf"))
+            return _Decode(index, bias[:, None, None, :])
         masks = []
         for p, e in zip(batch.prefix_lens, batch.extend_lens):
             if p == 0:

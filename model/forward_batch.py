@@ -29,17 +29,19 @@ class KVPool:
 
 
 class RopeTable:
-    """cos/sin for every position, computed once in float32 (as the reference does per call)."""
+    """cos/sin for every position: computed in float32 and then cast to the model's dtype, once (the reference
+    does both per call; the values are the same)."""
 
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, device: torch.device) -> None:
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scaling).to(device)
-        self.sin = (emb.sin() * scaling).to(device)
+        self.cos = (emb.cos() * scaling).to(dtype).to(device)
+        self.sin = (emb.sin() * scaling).to(dtype).to(device)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [tokens, 1, head_dim]: broadcast over heads
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
 @dataclass
@@ -71,9 +73,10 @@ class ForwardBatch:
             extend_lens=extend.tolist(),
             slots=slots,
             out_slots=slots[torch.from_numpy(out_idx).to(device)],
+            dtype=dtype,
         )
         attn.backend_data = backend.prepare(attn)
-        cos, sin = rope.lookup(positions_t, dtype)
+        cos, sin = rope.lookup(positions_t)
         return cls(
             input_ids=torch.from_numpy(array(plan.input_ids).astype(np.int64)).to(device),
             positions=positions_t,

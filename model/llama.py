@@ -76,14 +76,9 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
-            dim=-1,
-        )
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), batch.cos, batch.sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), batch.cos, batch.sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        n, h, kv = x.shape[0], self.num_heads, self.num_kv_heads
+        qk, v = self.qkv_proj(x).view(n, h + 2 * kv, self.head_dim).split([h + kv, kv], dim=1)
+        q, k = apply_rope(qk, batch.cos, batch.sin).split([h, kv], dim=1)  # q and k heads in one go
         k_pool, v_pool = batch.kv.layer(self.layer_id)
         attn, meta = batch.attn_backend, batch.attn
         attn.store_kv(k_pool, v_pool, meta, k, v)
