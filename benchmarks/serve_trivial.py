@@ -8,15 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import ServerProcess  # noqa: E402
+from radixserve.server_process import ServerProcess
 
 
 async def run(url: str, model: str, n: int, concurrency: int) -> tuple[float, list[float]]:

@@ -37,7 +37,9 @@ class RopeTable:
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(dtype).to(device)
-        self.sin = (emb.sin() * scaling).to(dtype).to(device)
+        sin = (emb.sin() * scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device)  # the rotate_half sign, folded in
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [tokens, 1, head_dim]: broadcast over heads

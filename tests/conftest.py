@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.server_process import ServerProcess  # noqa: E402  (tests import it from here)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -67,55 +69,6 @@ def hf_models(tiny_models):
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(Path(os.environ.get("PYTEST_TINY_TMP", "/nonexistent")), ignore_errors=True)
-
-
-class ServerProcess:
-    """`radixserve serve` in a subprocess, on a free port; stopped (and checked for leftovers) at teardown."""
-
-    def __init__(self, *args: str, env: dict | None = None) -> None:
-        import socket
-        import subprocess
-        import sys
-        import time
-
-        import httpx
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(f"/tmp/radixserve-test-{self.port}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(self.port), *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> int:
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")
