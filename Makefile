@@ -26,7 +26,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 bench: install
-	$(PY) benchmarks/forward_speed.py
+	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

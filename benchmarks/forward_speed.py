@@ -73,10 +73,8 @@ class Ours:
 
 
 class HF:
-    def __init__(self, path: Path, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    def __init__(self, model) -> None:
+        self.model = model
 
     @torch.inference_mode()
     def prefill(self, n: int, seed: int) -> float:
@@ -117,7 +115,9 @@ def main() -> None:
     engine = Engine(args.model_path, dtype=args.dtype, max_total_tokens=max(4096, max(prefill_lens) * 2,
                     max(batches) * (args.decode_prompt + args.decode_steps + 4)), chunked_prefill_size=8192)
     ours = Ours(engine)
-    hf = HF(engine.model_files.path, engine.runner.dtype)
+    from transformers import AutoModelForCausalLM
+
+    hf = HF(AutoModelForCausalLM.from_pretrained(engine.model_files.path, dtype=engine.runner.dtype).eval())
     ours.prefill(64, 0), hf.prefill(64, 0)  # warm-up
 
     rows = []

@@ -53,32 +53,49 @@ def echo(addr_in: str, addr_out: str) -> None:
         push.send(enc.encode(msg), copy=False)
 
 
+class Echo:
+    """A child process that echoes messages back; ``hop(msg)`` is half the median round trip, in seconds."""
+
+    def __enter__(self) -> Echo:
+        d = tempfile.mkdtemp()
+        a_in, a_out = f"ipc://{d}/echo-in", f"ipc://{d}/echo-out"
+        self.child = mp.get_context("spawn").Process(target=echo, args=(a_in, a_out))
+        self.child.start()
+        self.ctx = zmq.Context()
+        self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.pull.bind(a_out)
+        self.push.connect(a_in)
+        self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Any)
+        return self
+
+    def hop(self, msg: msgspec.Struct, iters: int = 500) -> float:
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            self.push.send(self.enc.encode(msg), copy=False)
+            self.dec.decode(self.pull.recv(copy=False))
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) / 2
+
+    def __exit__(self, *exc: object) -> None:
+        self.push.send(self.enc.encode(AbortReq("stop")))
+        self.child.join(5)
+        self.push.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
     args = ap.parse_args()
-    d = tempfile.mkdtemp()
-    a_in, a_out = f"ipc://{d}/echo-in", f"ipc://{d}/echo-out"
-    child = mp.get_context("spawn").Process(target=echo, args=(a_in, a_out))
-    child.start()
-    ctx = zmq.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    pull.bind(a_out)
-    push.connect(a_in)
-    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Any)
+    enc = msgspec.msgpack.Encoder()
     print(f"{'message':52} {'bytes':>9} {'one hop (us)':>13}")
-    for name, msg in samples(args.batch, args.context).items():
-        times = []
-        for _ in range(args.iters):
-            t = time.perf_counter()
-            push.send(enc.encode(msg), copy=False)
-            dec.decode(pull.recv(copy=False))
-            times.append(time.perf_counter() - t)
-        print(f"{name:52} {len(enc.encode(msg)):>9} {statistics.median(times) / 2 * 1e6:>13.1f}")
-    push.send(enc.encode(AbortReq("stop")))
-    child.join(5)
+    with Echo() as e:
+        for name, msg in samples(args.batch, args.context).items():
+            print(f"{name:52} {len(enc.encode(msg)):>9} {e.hop(msg, args.iters) * 1e6:>13.1f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""``make bench``: every scenario against radixserve (radix cache on and off) and HF transformers on the same
+model, dtype and prompts, measured side by side in one run; writes benchmarks/results/REPORT.md, PNG plots and
+results.json. See benchmarks/README.md.
+
+    python benchmarks/bench.py [--quick] [--out benchmarks/results] [--only shared,multiturn,unique,forward,overhead]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import machine  # noqa: E402
+import report  # noqa: E402
+from forward_speed import HF, Ours  # noqa: E402
+from harness import best_hf, load_hf  # noqa: E402
+from scenarios import MultiTurn, SeedSmallCase, SharedPrefix, Unique  # noqa: E402
+
+from radixserve.actors.tokenizer import TokenizerCore  # noqa: E402
+from radixserve.model.config import ModelConfig  # noqa: E402
+from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
+from radixserve.server_process import ServerProcess  # noqa: E402
+
+STAGES = ("shared", "multiturn", "unique", "forward", "overhead")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--only", default=",".join(STAGES))
+    ap.add_argument("--model-path", default=None)
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    q = args.quick
+    files = resolve_model(args.model_path)
+    tok = TokenizerCore(files.path)
+    cfg = ModelConfig.from_hf(*load_configs(files.path))
+    model_name = "SmolLM2-135M-Instruct" if args.model_path is None else Path(args.model_path).stem
+    shared = SharedPrefix(tok, n=16 if q else 32, max_new=16 if q else 32)
+    small = SeedSmallCase(tok)
+    unique = Unique(tok, n=16 if q else 32, words=150 if q else 300, max_new=16 if q else 32)
+    multi = MultiTurn(conversations=4 if q else 8, rounds=5, max_new=40)
+    res: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": q, "threads": torch.get_num_threads(),
+                 "model": model_name, "dtype": "bfloat16", "system_prompt_tokens": shared.system_tokens}
+    # Both servers stay up and take turns (an idle server costs no CPU), so drifting machine load hits both alike.
+    # LPM: the cache-aware policy that also computes a prefix shared within one step only once.
+    serve_args = ["--max-total-tokens", "40000", "--max-running-requests", "64", "--schedule-policy", "lpm"]
+    if args.model_path:
+        serve_args += ["--model-path", args.model_path]
+    systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
+    bar = tqdm(total=4, desc="bench", unit="stage")
+    if only & {"shared", "multiturn", "unique"}:
+        servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
+        try:
+            for label, server in servers.items():
+                if "shared" in only:
+                    res.setdefault("shared", []).append(shared.radix(server.url, label).summary())
+                    res.setdefault("seed_small", []).append(small.radix(server.url, label))
+                if "multiturn" in only:
+                    res.setdefault("multiturn", []).append(multi.radix(server.url, label, model_name))
+            if "unique" in only:  # on, off, on, off: the cache must cost nothing, a claim that needs low noise
+                runs = {label: [] for label in servers}
+                for _ in range(2):
+                    for label, server in servers.items():
+                        runs[label].append(unique.radix(server.url, label))
+                res["unique"] = [mean_of(r) for r in runs.values()]
+        finally:
+            for server in servers.values():
+                server.stop()
+    bar.update()
+    hf = load_hf(files.path, torch.bfloat16) if only & {"shared", "unique", "forward"} else None
+    pad = cfg.hf_config.pad_token_id or 0
+    for key, scenario in (("shared", shared), ("unique", unique)):
+        if key in only:
+            runs = scenario.hf(hf, pad)
+            res[key] += [r.summary() for r in runs]
+            res[f"{key}_best_hf"] = best_hf(*runs).system
+    bar.update()
+    if "forward" in only:
+        from radixserve import Engine
+
+        engine = Engine(args.model_path, max_total_tokens=70000, chunked_prefill_size=8192)
+        res["forward"] = forward_rows(Ours(engine), HF(hf), (128, 512, 1024, 2048), (1, 8, 32, 64), 2 if q else 3)
+        engine.shutdown()
+        del engine
+    bar.update()
+    if "overhead" in only or "forward" in only:
+        res["machine"] = {"bf16_matmul_flops": machine.matmul_peak(), "copy_bandwidth_bytes": machine.copy_bandwidth(),
+                          **machine.model_costs(cfg)}
+    if "overhead" in only:
+        res["overhead"] = [machine.scheduler_overhead(b) for b in (1, 8, 32, 64)]
+    bar.update()
+    bar.close()
+    (out / "results.json").write_text(json.dumps(res, indent=2))
+    report.write(res, out)
+    print(f"wrote {out / 'REPORT.md'}")
+
+
+def mean_of(runs) -> dict:
+    """Several runs of one system: their summaries averaged (throughput, TTFT)."""
+    rows = [r.summary() for r in runs]
+    out = dict(rows[0])
+    for key in ("throughput_tok_s", "ttft_p50_s", "ttft_p90_s", "e2e_mean_s", "makespan_s"):
+        out[key] = sum(r[key] for r in rows) / len(rows)
+    out["runs"] = len(rows)
+    return out
+
+
+def forward_rows(ours: Ours, hf: HF, prefill: tuple, batches: tuple, repeats: int) -> list[dict]:
+    ours.prefill(64, 0), hf.prefill(64, 0)  # warm-up
+    rows = []
+    for kind, size in tqdm([("prefill", n) for n in prefill] + [("decode", b) for b in batches], desc="forward",
+                           leave=False):
+        o, h = [], []
+        for r in range(repeats):  # alternate: drifting load hits both alike
+            if kind == "prefill":
+                o.append(ours.prefill(size, r))
+                h.append(hf.prefill(size, r))
+            else:
+                o.append(ours.decode(size, 128, 16, 100 * r))
+                h.append(hf.decode(size, 128, 16, 100 * r))
+        rows.append({"kind": kind, "size": size, "ours_tok_s": size / sorted(o)[len(o) // 2],
+                     "hf_tok_s": size / sorted(h)[len(h) // 2]})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""REPORT.md and the PNG plots of ``make bench``, from results.json."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f} ms"
+
+
+def pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def by_system(rows: list[dict], system: str) -> dict:
+    return next(r for r in rows if r["system"] == system)
+
+
+def serving_table(rows: list[dict], best_hf: str) -> list[str]:
+    best = by_system(rows, best_hf)["throughput_tok_s"]
+    lines = ["| system | throughput (tok/s) | vs best HF | TTFT p50 | TTFT p90 | cache hit rate |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['throughput_tok_s']:.1f} | {r['throughput_tok_s'] / best:.2f}x | "
+                     f"{ms(r['ttft_p50_s'])} | {ms(r['ttft_p90_s'])} | {pct(r['hit_rate'])} |")
+    return lines
+
+
+def check(name: str, value: float, ok: bool, target: str) -> str:
+    return f"| {name} | {value:.3g} | {target} | {'met' if ok else '**not met**'} |"
+
+
+def write(res: dict, out: Path) -> None:
+    L = [f"# radixserve benchmark report", "",
+         f"{res['model']}, {res['dtype']}, {res['threads']} torch threads, started {res['started']}"
+         f"{' (--quick sizes)' if res['quick'] else ''}. Every number in this file comes from one run of "
+         f"`make bench` (`python benchmarks/bench.py`): all systems side by side, same prompts (token ids), "
+         f"greedy, each request generating exactly its max_new_tokens.", ""]
+    targets = ["| target | measured | wanted | |", "|---|---|---|---|"]
+    if "shared" in res:
+        rows, best = res["shared"], res["shared_best_hf"]
+        on = by_system(rows, "radixserve, radix cache on")
+        bh = by_system(rows, best)
+        L += [f"## Shared prefix", "",
+              f"One {res['system_prompt_tokens']}-token system prompt, {on['requests']} different questions, all sent "
+              f"at once. Best HF baseline: {best}.", "", *serving_table(rows, best), ""]
+        ratio = on["throughput_tok_s"] / bh["throughput_tok_s"]
+        targets.append(check("shared prefix: throughput / best HF", ratio, ratio >= 8, ">= 8"))
+        targets.append(check("shared prefix: TTFT p50 / best HF's", on["ttft_p50_s"] / bh["ttft_p50_s"],
+                             on["ttft_p50_s"] < bh["ttft_p50_s"] / 4, "far below 1 (< 0.25)"))
+        plot_serving(rows, out / "shared_prefix.png", "shared prefix")
+        L += ["![shared prefix](shared_prefix.png)", ""]
+        L += ["### The seed's small case", "",
+              "A one-line shared system prompt: 3 questions sharing it vs 3 questions with a one-line prompt each, "
+              "sent one after another (cache flushed first).", "",
+              "| system | latency shared / unique | reduction | TTFT shared / unique | reduction | cached tokens |",
+              "|---|---|---|---|---|---|"]
+        for r in res["seed_small"]:
+            L.append(f"| {r['system']} | {ms(r['shared_latency_s'])} / {ms(r['unique_latency_s'])} | "
+                     f"{pct(r['latency_reduction'])} | {ms(r['shared_ttft_s'])} / {ms(r['unique_ttft_s'])} | "
+                     f"{pct(r['ttft_reduction'])} | {r['shared_cached_tokens']} |")
+        L.append("")
+    if "multiturn" in res:
+        L += ["## Multi-turn chat", "", "Each round, every conversation sends its whole history plus a new question, "
+              "all at once; the server's answers join the history.", "",
+              "| round | " + " | ".join(f"TTFT ({r['system']})" for r in res["multiturn"]) + " | " +
+              " | ".join(f"hit rate ({r['system']})" for r in res["multiturn"]) + " |",
+              "|---" * (1 + 2 * len(res["multiturn"])) + "|"]
+        for i in range(len(res["multiturn"][0]["rounds"])):
+            rounds = [r["rounds"][i] for r in res["multiturn"]]
+            L.append(f"| {i + 1} | " + " | ".join(ms(x["ttft_mean_s"]) for x in rounds) + " | " +
+                     " | ".join(pct(x["hit_rate"]) for x in rounds) + " |")
+        L.append("| last / first | " + " | ".join(f"{r['ttft_ratio_last_first']:.2f}" for r in res["multiturn"]) +
+                 " | |" * len(res["multiturn"]))
+        L.append("")
+        on = by_system(res["multiturn"], "radixserve, radix cache on")
+        targets.append(check("multi-turn: TTFT round 5 / round 1 (radix on)", on["ttft_ratio_last_first"],
+                             on["ttft_ratio_last_first"] <= 1.05, "<= 1.05"))
+        targets.append(check("multi-turn: round-5 hit rate", on["rounds"][-1]["hit_rate"],
+                             on["rounds"][-1]["hit_rate"] >= 0.9, ">= 0.90"))
+        plot_multiturn(res["multiturn"], out / "multi_turn.png")
+        L += ["![multi-turn](multi_turn.png)", ""]
+    if "unique" in res:
+        rows, best = res["unique"], res["unique_best_hf"]
+        on, off = by_system(rows, "radixserve, radix cache on"), by_system(rows, "radixserve, radix cache off")
+        L += ["## Unique prompts", "", f"{on['requests']} prompts sharing nothing, all at once: what the cache costs "
+              "when it cannot help.", "", *serving_table(rows, best), ""]
+        ratio = on["throughput_tok_s"] / by_system(rows, best)["throughput_tok_s"]
+        diff = on["throughput_tok_s"] / off["throughput_tok_s"] - 1
+        targets.append(check("unique: throughput / best HF", ratio, ratio >= 1.5, ">= 1.5"))
+        targets.append(check("unique: radix on vs off throughput", diff, abs(diff) <= 0.03, "within ±3%"))
+    if "forward" in res:
+        m = res["machine"]
+        L += ["## Forward speed", "", f"The model runner vs HF's forward on the same weights. Machine, same run: bf16 "
+              f"matmul peak {m['bf16_matmul_flops'] / 1e9:.0f} GFLOP/s, copy bandwidth "
+              f"{m['copy_bandwidth_bytes'] / 1e9:.1f} GB/s (read + write). Weights read per decode step: "
+              f"{m['decode_weight_bytes'] / 1e6:.0f} MB, so one sequence cannot decode faster than "
+              f"{m['copy_bandwidth_bytes'] / m['decode_weight_bytes']:.0f} tok/s.", "",
+              "| | size | radixserve tok/s | HF tok/s | ratio | radixserve GFLOP/s or GB/s | of the machine's limit |",
+              "|---|---|---|---|---|---|---|"]
+        for r in res["forward"]:
+            if r["kind"] == "prefill":
+                flops = r["ours_tok_s"] * (m["flops_per_token"] + m["attention_flops_per_token_per_position"] *
+                                           r["size"] / 2)
+                frac, rate = flops / m["bf16_matmul_flops"], f"{flops / 1e9:.0f} GFLOP/s"
+            else:
+                bw = r["ours_tok_s"] / r["size"] * m["decode_weight_bytes"]
+                frac, rate = bw / m["copy_bandwidth_bytes"], f"{bw / 1e9:.1f} GB/s"
+            r["fraction_of_limit"] = frac
+            L.append(f"| {r['kind']} | {r['size']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | "
+                     f"{r['ours_tok_s'] / r['hf_tok_s']:.2f}x | {rate} | {pct(frac)} |")
+        L.append("")
+        fw = {(r["kind"], r["size"]): r for r in res["forward"]}
+        pre = [r for r in res["forward"] if r["kind"] == "prefill"]
+        worst = min(pre, key=lambda r: r["ours_tok_s"] / r["hf_tok_s"])
+        targets.append(check(f"prefill / HF (worst length: {worst['size']})", worst["ours_tok_s"] / worst["hf_tok_s"],
+                             worst["ours_tok_s"] >= worst["hf_tok_s"], ">= 1.0"))
+        low = min(pre, key=lambda r: r["fraction_of_limit"])
+        targets.append(check(f"prefill, fraction of bf16 matmul peak (lowest: {low['size']})",
+                             low["fraction_of_limit"], low["fraction_of_limit"] >= 0.6, ">= 0.60"))
+        d1, d32 = fw[("decode", 1)], fw[("decode", 32)]
+        targets.append(check("decode batch 1 / HF", d1["ours_tok_s"] / d1["hf_tok_s"],
+                             d1["ours_tok_s"] >= 1.5 * d1["hf_tok_s"], ">= 1.5"))
+        targets.append(check("decode batch 1, fraction of the bandwidth limit", d1["fraction_of_limit"],
+                             d1["fraction_of_limit"] >= 0.5, ">= 0.50"))
+        targets.append(check("decode batch 32 / HF", d32["ours_tok_s"] / d32["hf_tok_s"],
+                             d32["ours_tok_s"] >= d32["hf_tok_s"], ">= 1.0"))
+        plot_forward(res["forward"], out / "forward.png")
+        L += ["![forward speed](forward.png)", ""]
+    if "overhead" in res:
+        steps = {r["size"]: r["size"] / r["ours_tok_s"] for r in res.get("forward", []) if r["kind"] == "decode"}
+        L += ["## Scheduler + IPC overhead", "", "Per decode step, with a runner that computes nothing: the "
+              "scheduler core (plan + process) and one hop each for the plan, the result, the tokens and the text "
+              "(msgspec + ZeroMQ ipc, measured against an echo process).", "",
+              "| batch | scheduler | IPC hops | total | real decode step | fraction |", "|---|---|---|---|---|---|"]
+        for r in res["overhead"]:
+            hops = r["total_s"] - r["scheduler_s"]
+            step = steps.get(r["batch"])
+            r["fraction"] = r["total_s"] / step if step else None
+            L.append(f"| {r['batch']} | {r['scheduler_s'] * 1e3:.2f} ms | {hops * 1e3:.2f} ms | "
+                     f"{r['total_s'] * 1e3:.2f} ms | {ms(step)} | {pct(r['fraction'])} |")
+        L.append("")
+        at32 = next((r for r in res["overhead"] if r["batch"] == 32 and r["fraction"] is not None), None)
+        if at32:
+            targets.append(check("scheduler + IPC / step time at batch 32", at32["fraction"], at32["fraction"] <= 0.05,
+                                 "<= 0.05"))
+    L[4:4] = ["## Targets", "", *targets, ""]
+    (out / "REPORT.md").write_text("\n".join(L) + "\n")
+
+
+def plot_serving(rows: list[dict], path: Path, title: str) -> None:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["system"].replace("radixserve, ", "") for r in rows]
+    a.bar(names, [r["throughput_tok_s"] for r in rows], color="tab:blue")
+    a.set_ylabel("output tokens / s")
+    b.bar(names, [r["ttft_p50_s"] for r in rows], color="tab:orange", label="p50")
+    b.set_ylabel("time to first token p50 (s)")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=25, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_multiturn(runs: list[dict], path: Path) -> None:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        rounds = [x["round"] for x in r["rounds"]]
+        a.plot(rounds, [x["ttft_mean_s"] for x in r["rounds"]], marker="o", label=r["system"])
+        b.plot(rounds, [x["hit_rate"] for x in r["rounds"]], marker="o", label=r["system"])
+    a.set_ylabel("mean TTFT (s)")
+    b.set_ylabel("cache hit rate")
+    b.set_ylim(0, 1)
+    for ax in (a, b):
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_forward(rows: list[dict], path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, kind, xlabel in zip(axes, ("prefill", "decode"), ("prompt tokens", "batch size")):
+        sel = [r for r in rows if r["kind"] == kind]
+        ax.plot([r["size"] for r in sel], [r["ours_tok_s"] for r in sel], marker="o", label="radixserve")
+        ax.plot([r["size"] for r in sel], [r["hf_tok_s"] for r in sel], marker="s", label="HF transformers")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("tokens / s")
+        ax.set_title(kind)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
