@@ -62,6 +62,9 @@ def main() -> None:
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
         try:
+            warm = SharedPrefix(tok, n=8, max_new=8, seed=99)  # first requests pay oneDNN's kernel set-up
+            for server in servers.values():
+                warm.radix(server.url, "warm-up")
             for label, server in servers.items():
                 if "shared" in only:
                     res.setdefault("shared", []).append(shared.radix(server.url, label).summary())

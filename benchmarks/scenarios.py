@@ -52,6 +52,9 @@ class SharedPrefix:
         self.max_new = max_new
 
     def radix(self, url: str, label: str) -> RunResult:
+        import httpx
+
+        httpx.post(url + "/flush_cache")
         return radix_run(label, url, self.prompts, self.max_new)
 
     def hf(self, model, pad_id: int) -> list[RunResult]:
@@ -97,6 +100,9 @@ class Unique:
         self.max_new = max_new
 
     def radix(self, url: str, label: str) -> RunResult:
+        import httpx
+
+        httpx.post(url + "/flush_cache")  # runs repeat: nothing may be cached from the last one
         return radix_run(label, url, self.prompts, self.max_new)
 
     def hf(self, model, pad_id: int) -> list[RunResult]:

@@ -14,13 +14,19 @@ def _torch() -> AttentionBackend:
     return TorchAttention()
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch}
+def _triton() -> AttentionBackend:
+    from radixserve.kernels.triton_backend import TritonAttention  # imports triton: only when asked for
+
+    return TritonAttention()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton}
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: Triton on CUDA once it exists, torch otherwise."""
+    """``auto``: Triton on CUDA, torch on CPU."""
     if name == "auto":
-        name = "torch"
+        name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(BACKENDS))}")
     return BACKENDS[name]()

@@ -17,8 +17,9 @@ class KVPool:
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         shape = (num_layers, num_slots, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # zero_() touches every page now: otherwise the first requests pay the page faults of a fresh pool
+        self.k = torch.empty(shape, dtype=dtype, device=device).zero_()
+        self.v = torch.empty(shape, dtype=dtype, device=device).zero_()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]

@@ -49,7 +49,7 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
                  attention_backend: str = "auto", num_threads: int | None = None) -> None:
-        if num_threads or device == "cpu":
+        if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         self.cfg = cfg
         self.device = torch.device(device)

@@ -35,7 +35,8 @@ class Engine:
         self.model_files = prepared.files
         self.tokenizer = TokenizerCore(prepared.files.path)
         self.runner = ModelRunner(prepared.model, prepared.files.path, dtype=args.dtype,
-                                  num_slots=args.max_total_tokens, num_threads=args.num_threads)
+                                  num_slots=args.max_total_tokens, device=args.device,
+                                  attention_backend=args.attention_backend, num_threads=args.num_threads)
         self.scheduler = build_scheduler(args, prepared.scheduler_config)
         self._ids = itertools.count()
         self._closed = False

@@ -32,6 +32,8 @@ class ServerArgs:
     api_key: str | None = None
     served_model_name: str | None = None  # None: from the model file or folder name
     num_threads: int | None = None  # torch threads of the runner; None: all cores
+    device: str = "auto"  # auto: cuda if torch sees a GPU, else cpu
+    attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
     check_invariants: bool = False  # assert pool accounting after every step (tests, debugging)
 
     def __post_init__(self) -> None:
@@ -64,6 +66,11 @@ class ServerArgs:
         ``kv_values_per_token``: K and V elements one token takes over all layers (2 * layers * kv_heads * head_dim).
         """
         dtype = "bfloat16" if self.dtype == "auto" else self.dtype
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         kv_bytes_per_token = kv_values_per_token * (4 if dtype == "float32" else 2)
         context = min(self.context_length or model_context, model_context)
         total = self.max_total_tokens
@@ -72,7 +79,7 @@ class ServerArgs:
             # not forced up to the context: a long-context model on a small machine gets a smaller pool (requests
             # that cannot fit are refused with a message naming --max-total-tokens) instead of running out of RAM
             total = max(256, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
-        return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total)
+        return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total, device=device)
 
 
 HELP = {
@@ -93,6 +100,8 @@ HELP = {
     "tp": "tensor-parallel ranks (only 1 is supported yet)",
     "log_level": "debug, info, warning or error",
     "num_threads": "torch threads for the model (default: all cores)",
+    "device": "auto (cuda if available), cuda or cpu",
+    "attention_backend": "auto (triton on cuda, torch on cpu), triton or torch",
     "check_invariants": "assert KV pool accounting after every step (slow; for debugging)",
 }
 

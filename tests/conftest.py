@@ -12,6 +12,17 @@ from radixserve.server_process import ServerProcess  # noqa: E402  (tests import
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _interpret_triton_without_a_gpu() -> None:
+    """Triton reads TRITON_INTERPRET when a kernel is decorated, so it is set before anything imports one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from radixserve.model.loader import resolve_model

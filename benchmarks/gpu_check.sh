@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# For a GPU machine (no internet; torch, triton, transformers installed there): the Triton kernel tests on CUDA,
+# a microbenchmark of extend/decode vs torch SDPA on the same gathered K/V (and FlashAttention if importable),
+# and `radixserve serve` in bf16 under a short shared-prefix load. Under 5 minutes. Log: $OUT/gpu_check.log
+# (or benchmarks/results/gpu_check.log).
+#   bash benchmarks/gpu_check.sh
+# Serving also needs msgspec, pyzmq, aiohttp, uvloop, prometheus_client and tqdm: if the machine lacks them,
+# carry their wheels in .gpu-wheels/ (pip download -d .gpu-wheels ...); they are installed from there offline.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${OUT:-benchmarks/results}/gpu_check.log
+mkdir -p "$(dirname "$LOG")"
+PY=${PY:-python}
+{
+  echo "== $(date) $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+  if [ -d .gpu-wheels ]; then
+    $PY -m pip install -q --no-index --find-links .gpu-wheels msgspec pyzmq aiohttp uvloop prometheus_client tqdm
+  fi
+  if ! $PY -c "import radixserve.kernels" 2>/dev/null; then  # not installed here: into a folder of its own
+    $PY -m pip install -q --no-deps --no-build-isolation --target .gpu-site . && export PYTHONPATH=$PWD/.gpu-site
+  fi
+  $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
+  echo "== kernel tests on CUDA"
+  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_kernels_torch.py 2>&1 | tail -5
+  echo "== microbenchmark"
+  timeout 120 $PY benchmarks/gpu_attention_bench.py 2>&1
+  echo "== radixserve serve on the GPU, 32 shared-prefix requests"
+  timeout 200 $PY benchmarks/gpu_serve_check.py 2>&1 | grep -v "it/s]" | tail -12
+} 2>&1 | tee "$LOG"
