@@ -22,6 +22,7 @@ class AttentionBatch:
     slots: torch.Tensor  # int64 [sum(prefix_lens + extend_lens)]: every request's whole row
     out_slots: torch.Tensor  # int64 [sum(extend_lens)]: where the new tokens' K/V go
     dtype: torch.dtype = torch.float32  # of queries and the pool
+    group: int = 1  # query heads per kv head
     backend_data: Any = None  # whatever the backend's prepare() precomputes
 
     @property

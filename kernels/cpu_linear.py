@@ -1,28 +1,39 @@
-"""Linear layers with weights pre-packed for oneDNN (CPU, bf16/fp16).
+"""Linear layers for CPU inference in bf16/fp16, as fast as this machine allows.
 
-Measured here (2 cores, avx512_bf16, torch 2.13): a bf16 matrix-vector product through F.linear streams weights
-at ~10 GB/s; the same product on a weight reordered once into oneDNN's blocked layout streams at ~14 GB/s, close
-to the machine's read bandwidth -- and decoding one token is exactly one pass over every weight. The results are
-bitwise the same (checked when packing; a layer that differs or fails to pack keeps F.linear).
+Measured here (2 cores, avx512_bf16 without AMX, torch 2.13):
+- decoding streams every weight once per step, so small batches are bandwidth-bound: a weight reordered once into
+  oneDNN's blocked layout streams at ~14 GB/s vs ~10 GB/s through F.linear, bitwise the same result;
+- large batches (prefill, M >= 64 rows) are compute-bound, and this CPU's bf16 GEMM (~150 GFLOP/s) is slower than
+  its float32 GEMM (~300 GFLOP/s): there a float32 copy of the weight is 1.3-1.4x faster end to end, and more
+  exact. Whether that holds is measured when the model is packed (machines with AMX are the other way round), so
+  the float32 copy exists only where it pays.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
 
+F32_MIN_ROWS = 64  # below this a product is bandwidth-bound: the packed low-precision weight wins
+
 
 class PackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, float32_copy: bool) -> None:
         super().__init__()
-        self.out_features = weight.shape[0]
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         self.bias = None if bias is None else bias.detach()
+        self.w32 = weight.detach().float() if float32_copy else None
+        self.b32 = None if bias is None or not float32_copy else bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w32 is not None and x.shape[0] >= F32_MIN_ROWS:
+            return F.linear(x.float(), self.w32, self.b32).to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -30,23 +41,44 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
 
 
+def float32_gemm_pays(dtype: torch.dtype, rows: int = 256, features: int = 1024) -> bool:
+    """Is a float32 GEMM (with the casts) clearly faster than a packed ``dtype`` one on this machine?"""
+    w = torch.randn(4 * features, features, dtype=dtype)
+    x = torch.randn(rows, features, dtype=dtype)
+    low, high = PackedLinear(w, None, False), PackedLinear(w, None, True)
+
+    def best(layer: PackedLinear) -> float:
+        layer(x)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            layer(x)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best(high) < 0.85 * best(low)
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear of ``model`` (CPU, bf16/fp16) for a PackedLinear that gives identical results;
-    returns how many were swapped. Modules keep their names, so nothing else changes."""
+    """Swap every nn.Linear of ``model`` (CPU, bf16/fp16) for a PackedLinear; returns how many were swapped.
+    A layer whose packed product is not bitwise F.linear's, or that cannot be packed, stays as it is."""
+    linears = [(p, n, c) for p in model.modules() for n, c in p.named_children() if isinstance(c, nn.Linear)
+               and can_pack(c.weight.dtype, c.weight.device)]
+    if not linears:
+        return 0
+    float32_copy = float32_gemm_pays(linears[0][2].weight.dtype)
+    log.info("CPU linears: %s", "packed low precision for small batches, float32 for large ones" if float32_copy
+             else "packed low precision")
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or not can_pack(child.weight.dtype, child.weight.device):
+    for parent, name, child in linears:
+        try:
+            packed = PackedLinear(child.weight, child.bias, float32_copy)
+            probe = torch.randn(3, child.in_features, dtype=child.weight.dtype)
+            if not torch.equal(packed(probe), child(probe)):
                 continue
-            try:
-                packed = PackedLinear(child.weight, child.bias)
-                probe = torch.randn(3, child.in_features, dtype=child.weight.dtype)
-                if not torch.equal(packed(probe), child(probe)):
-                    continue
-            except RuntimeError as exc:  # this torch build cannot pack: plain F.linear it is
-                log.debug("not packing %s: %s", name, exc)
-                continue
-            packed.in_features = child.in_features
-            setattr(parent, name, packed)
-            swapped += 1
+        except RuntimeError as exc:  # this torch build cannot pack: plain F.linear it is
+            log.debug("not packing %s: %s", name, exc)
+            continue
+        setattr(parent, name, packed)
+        swapped += 1
     return swapped

@@ -60,7 +60,7 @@ class ForwardBatch:
 
     @classmethod
     def from_plan(cls, plan: ForwardPlan, kv: KVPool, rope: RopeTable, backend: AttentionBackend,
-                  dtype: torch.dtype, device: torch.device) -> ForwardBatch:
+                  dtype: torch.dtype, device: torch.device, group: int = 1) -> ForwardBatch:
         prefix, extend = array(plan.prefix_lens), array(plan.extend_lens)
         slots = torch.from_numpy(array(plan.slots).astype(np.int64)).to(device)
         ext_ends = np.cumsum(extend)
@@ -77,6 +77,7 @@ class ForwardBatch:
             slots=slots,
             out_slots=slots[torch.from_numpy(out_idx).to(device)],
             dtype=dtype,
+            group=group,
         )
         attn.backend_data = backend.prepare(attn)
         cos, sin = rope.lookup(positions_t)

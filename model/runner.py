@@ -64,7 +64,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> ForwardResult:
-        batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device)
+        batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
+                                       self.cfg.num_heads // self.cfg.num_kv_heads)
         next_ids = np.full(plan.batch_size, -1, dtype=np.int32)
         sampled = array(plan.sample, np.uint8).astype(bool)
         logprob = top_ids = top_logprobs = b""

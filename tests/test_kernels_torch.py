@@ -19,14 +19,23 @@ def reference(q, k_rows, v_rows, prefix):
     return torch.einsum("hel,lhd->ehd", scores.softmax(-1), v)
 
 
-def make_batch(mode, prefix_lens, extend_lens, num_slots, backend):
+def make_batch(mode, prefix_lens, extend_lens, num_slots, backend, group=1, shared=0):
+    """Rows of random distinct slots; with ``shared`` > 0 every row starts with the same ``shared`` slots."""
     total = sum(prefix_lens) + sum(extend_lens)
     slots = torch.randperm(num_slots - 1)[:total] + 1  # any slots, never the dummy 0
+    if shared:
+        rows, s = [], 0
+        for p, e in zip(prefix_lens, extend_lens):
+            row = slots[s : s + p + e].clone()
+            row[:shared] = slots[:shared]
+            rows.append(row)
+            s += p + e
+        slots = torch.cat(rows)
     out, s = [], 0
     for p, e in zip(prefix_lens, extend_lens):
         out.append(slots[s + p : s + p + e])
         s += p + e
-    batch = AttentionBatch(mode, prefix_lens, extend_lens, slots, torch.cat(out))
+    batch = AttentionBatch(mode, prefix_lens, extend_lens, slots, torch.cat(out), group=group)
     batch.backend_data = backend.prepare(batch)
     return batch
 
@@ -51,13 +60,15 @@ def test_extend_matches_reference(heads, kv_heads, prefix_lens, extend_lens):
         t, s = t + e, s + p + e
 
 
+@pytest.mark.parametrize("shared", [0, 30], ids=["distinct rows", "shared prefix"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
-def test_decode_matches_reference(heads, kv_heads):
+def test_decode_matches_reference(heads, kv_heads, shared):
     torch.manual_seed(1)
     d, num_slots = 16, 256
-    prefix_lens = [0, 3, 40, 17]
+    prefix_lens = [0, 3, 40, 17] if not shared else [40, 33, 31, 35]
     backend = get_backend("torch", torch.device("cpu"))
-    batch = make_batch("decode", prefix_lens, [1] * 4, num_slots, backend)
+    batch = make_batch("decode", prefix_lens, [1] * 4, num_slots, backend, heads // kv_heads, shared)
+    assert (type(batch.backend_data).__name__ == "_SharedDecode") == bool(shared)
     k_pool, v_pool = torch.randn(num_slots, kv_heads, d), torch.randn(num_slots, kv_heads, d)
     q = torch.randn(4, heads, d)
     out = backend.decode(q, k_pool, v_pool, batch, d**-0.5)

@@ -6,35 +6,13 @@ import asyncio
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from radixserve.compare.simulate import CostModel, quantile
+from radixserve.compare.simulate import CostModel, RunResult, quantile
 from radixserve.compare.trace import TraceRequest
-
-
-@dataclass
-class LiveResult:
-    eviction: str
-    schedule: str
-    cache_tokens: int
-    requests: int
-    rejected: int
-    prompt_tokens: int
-    cached_tokens: int
-    hit_rate: float
-    ttft_p50_s: float
-    ttft_p99_s: float
-    e2e_p50_s: float
-    throughput_tokens_per_s: float
-    makespan_s: float
-    server_epoch: dict[str, Any]  # the server's own record of the run (GET /cache/stats)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Client:
@@ -100,7 +78,7 @@ async def _replay(client: Client, trace: list[TraceRequest], time_scale: float, 
 
 
 async def run_live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, str]], time_scale: float = 1.0,
-                   progress_factory=None) -> list[LiveResult]:
+                   progress_factory=None) -> list[RunResult]:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         client = Client(url, session)
@@ -118,7 +96,7 @@ async def run_live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, s
             prompt = sum(m["prompt_tokens"] for _, _, m in done)
             cached = sum(m["cached_tokens"] for _, _, m in done)
             generated = sum(m["completion_tokens"] for _, _, m in done)
-            results.append(LiveResult(
+            results.append(RunResult(
                 eviction=eviction, schedule=schedule, cache_tokens=cache_tokens, requests=len(done),
                 rejected=len(trace) - len(done), prompt_tokens=prompt, cached_tokens=cached,
                 hit_rate=cached / prompt if prompt else 0.0,
@@ -168,5 +146,5 @@ def calibrate(url: str) -> CostModel:
 
 
 def live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, str]], time_scale: float = 1.0,
-         progress_factory=None) -> list[LiveResult]:
+         progress_factory=None) -> list[RunResult]:
     return asyncio.run(run_live(url, trace, pairs, time_scale, progress_factory))

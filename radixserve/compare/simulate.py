@@ -62,7 +62,9 @@ class CostModelRunner:
 
 
 @dataclass
-class SimResult:
+class RunResult:
+    """One policy pair on one trace, simulated or live, as a client would measure it."""
+
     eviction: str
     schedule: str
     cache_tokens: int
@@ -76,10 +78,11 @@ class SimResult:
     e2e_p50_s: float
     throughput_tokens_per_s: float
     makespan_s: float
-    evicted_tokens: int
-    retractions: int
-    steps: int
-    wall_s: float
+    evicted_tokens: int | None = None  # simulated: from the cache manager
+    retractions: int | None = None
+    steps: int | None = None
+    wall_s: float | None = None
+    server_epoch: dict | None = None  # live: the server's own record of the run (GET /cache/stats)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +95,7 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_tokens: int, cost: CostModel,
-             max_running: int = 64, chunk: int = 2048, progress=None, check_invariants: bool = False) -> SimResult:
+             max_running: int = 64, chunk: int = 2048, progress=None, check_invariants: bool = False) -> RunResult:
     """Replay ``trace`` through the real scheduler on a simulated clock; returns what a client would measure."""
     wall = time.perf_counter()
     clock = SimClock()
@@ -148,7 +151,7 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
                 release(req.rid)
                 if progress is not None:
                     progress.update()
-    return SimResult(
+    return RunResult(
         eviction=eviction, schedule=schedule, cache_tokens=cache_tokens, requests=len(ttft), rejected=rejected,
         prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
         hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
