@@ -89,15 +89,22 @@ def write(res: dict, out: Path) -> None:
         rows, best = res["unique"], res["unique_best_hf"]
         on, off = by_system(rows, "radixserve, radix cache on"), by_system(rows, "radixserve, radix cache off")
         L += ["## Unique prompts", "", f"{on['requests']} prompts sharing nothing, all at once: what the cache costs "
-              "when it cannot help.", "", *serving_table(rows, best), ""]
+              f"when it cannot help. radixserve ran {on['runs']} times with the cache on and off alternately; the "
+              "table shows each one's median run.", "", *serving_table(rows, best), "",
+              *(f"- {r['system']}, every run (tok/s): " + ", ".join(f"{t:.1f}" for t in r["throughput_all_runs"])
+                for r in (on, off)), ""]
         ratio = on["throughput_tok_s"] / by_system(rows, best)["throughput_tok_s"]
         diff = on["throughput_tok_s"] / off["throughput_tok_s"] - 1
         targets.append(check("unique: throughput / best HF", ratio, ratio >= 1.5, ">= 1.5"))
         targets.append(check("unique: radix on vs off throughput", diff, abs(diff) <= 0.03, "within ±3%"))
     if "forward" in res:
         m = res["machine"]
+        fp32 = m.get("fp32_matmul_flops", 0.0)
+        peak = max(m["bf16_matmul_flops"], fp32)  # the runner multiplies large batches in float32 where that is faster
         L += ["## Forward speed", "", f"The model runner vs HF's forward on the same weights. Machine, same run: bf16 "
-              f"matmul peak {m['bf16_matmul_flops'] / 1e9:.0f} GFLOP/s, copy bandwidth "
+              f"matmul peak {m['bf16_matmul_flops'] / 1e9:.0f} GFLOP/s, float32 {fp32 / 1e9:.0f} GFLOP/s (prefill "
+              "runs its large products on a float32 copy of the weights where this CPU's float32 GEMM is the faster "
+              "one, so prefill is measured against the higher of the two peaks), copy bandwidth "
               f"{m['copy_bandwidth_bytes'] / 1e9:.1f} GB/s (read + write). Weights read per decode step: "
               f"{m['decode_weight_bytes'] / 1e6:.0f} MB, so one sequence cannot decode faster than "
               f"{m['copy_bandwidth_bytes'] / m['decode_weight_bytes']:.0f} tok/s.", "",
@@ -107,7 +114,8 @@ def write(res: dict, out: Path) -> None:
             if r["kind"] == "prefill":
                 flops = r["ours_tok_s"] * (m["flops_per_token"] + m["attention_flops_per_token_per_position"] *
                                            r["size"] / 2)
-                frac, rate = flops / m["bf16_matmul_flops"], f"{flops / 1e9:.0f} GFLOP/s"
+                frac, rate = flops / peak, f"{flops / 1e9:.0f} GFLOP/s"
+                r["fraction_of_bf16_peak"] = flops / m["bf16_matmul_flops"]
             else:
                 bw = r["ours_tok_s"] / r["size"] * m["decode_weight_bytes"]
                 frac, rate = bw / m["copy_bandwidth_bytes"], f"{bw / 1e9:.1f} GB/s"
@@ -122,6 +130,8 @@ def write(res: dict, out: Path) -> None:
                              worst["ours_tok_s"] >= worst["hf_tok_s"], ">= 1.0"))
         low = min(pre, key=lambda r: r["fraction_of_limit"])
         targets.append(check(f"prefill, fraction of bf16 matmul peak (lowest: {low['size']})",
+                             low["fraction_of_bf16_peak"], low["fraction_of_bf16_peak"] >= 0.6, ">= 0.60"))
+        targets.append(check(f"prefill, fraction of the best matmul peak, bf16 or float32 (lowest: {low['size']})",
                              low["fraction_of_limit"], low["fraction_of_limit"] >= 0.6, ">= 0.60"))
         d1, d32 = fw[("decode", 1)], fw[("decode", 32)]
         targets.append(check("decode batch 1 / HF", d1["ours_tok_s"] / d1["hf_tok_s"],
