@@ -89,8 +89,8 @@ def write(res: dict, out: Path) -> None:
         rows, best = res["unique"], res["unique_best_hf"]
         on, off = by_system(rows, "radixserve, radix cache on"), by_system(rows, "radixserve, radix cache off")
         L += ["## Unique prompts", "", f"{on['requests']} prompts sharing nothing, all at once: what the cache costs "
-              f"when it cannot help. radixserve ran {on['runs']} times with the cache on and off alternately; the "
-              "table shows each one's median run.", "", *serving_table(rows, best), "",
+              f"when it cannot help. radixserve ran {on['runs']} times with the cache on and off, in turns "
+              "(on, off, off, on, ...) and before the other scenarios; the table shows each one's median run.", "", *serving_table(rows, best), "",
               *(f"- {r['system']}, every run (tok/s): " + ", ".join(f"{t:.1f}" for t in r["throughput_all_runs"])
                 for r in (on, off)), ""]
         ratio = on["throughput_tok_s"] / by_system(rows, best)["throughput_tok_s"]
