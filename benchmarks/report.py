@@ -101,7 +101,8 @@ def write(res: dict, out: Path) -> None:
         m = res["machine"]
         fp32 = m.get("fp32_matmul_flops", 0.0)
         peak = max(m["bf16_matmul_flops"], fp32)  # the runner multiplies large batches in float32 where that is faster
-        L += ["## Forward speed", "", f"The model runner vs HF's forward on the same weights. Machine, same run: bf16 "
+        L += ["## Forward speed", "", f"The model runner vs HF's forward on the same weights. Machine, same run (the higher of "
+              f"a measurement before and one after the forward speed; noise only lowers them): bf16 "
               f"matmul peak {m['bf16_matmul_flops'] / 1e9:.0f} GFLOP/s, float32 {fp32 / 1e9:.0f} GFLOP/s (prefill "
               "runs its large products on a float32 copy of the weights where this CPU's float32 GEMM is the faster "
               "one, so prefill is measured against the higher of the two peaks), copy bandwidth "
