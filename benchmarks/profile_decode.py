@@ -41,7 +41,8 @@ def main() -> None:
     total = sum(e.self_cpu_time_total for e in ops)
     print(f"per step (batch {args.batch}, {args.prompt}-token prompts): {total / args.steps / 1e3:.1f} ms of op "
           f"time, of which linear layers {linear / args.steps / 1e3:.1f} ms, everything else "
-          f"{(total - linear) / args.steps / 1e3:.1f} ms in {sum(e.count for e in ops) // args.steps} profiled op calls, nested ones included")
+          f"{(total - linear) / args.steps / 1e3:.1f} ms in {sum(e.count for e in ops) // args.steps} profiled op "
+          "calls, nested ones included")
     engine.shutdown()
 
 

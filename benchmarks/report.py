@@ -90,7 +90,8 @@ def write(res: dict, out: Path) -> None:
         on, off = by_system(rows, "radixserve, radix cache on"), by_system(rows, "radixserve, radix cache off")
         L += ["## Unique prompts", "", f"{on['requests']} prompts sharing nothing, all at once: what the cache costs "
               f"when it cannot help. radixserve ran {on['runs']} times with the cache on and off, in turns "
-              "(on, off, off, on, ...) and before the other scenarios; the table shows each one's median run.", "", *serving_table(rows, best), "",
+              "(on, off, off, on, ...) and before the other scenarios; the table shows each one's median run.", "",
+              *serving_table(rows, best), "",
               *(f"- {r['system']}, every run (tok/s): " + ", ".join(f"{t:.1f}" for t in r["throughput_all_runs"])
                 for r in (on, off)), ""]
         ratio = on["throughput_tok_s"] / by_system(rows, best)["throughput_tok_s"]
@@ -101,8 +102,8 @@ def write(res: dict, out: Path) -> None:
         m = res["machine"]
         fp32 = m.get("fp32_matmul_flops", 0.0)
         peak = max(m["bf16_matmul_flops"], fp32)  # the runner multiplies large batches in float32 where that is faster
-        L += ["## Forward speed", "", f"The model runner vs HF's forward on the same weights. Machine, same run (the higher of "
-              f"a measurement before and one after the forward speed; noise only lowers them): bf16 "
+        L += ["## Forward speed", "", "The model runner vs HF's forward on the same weights. Machine, same run (the "
+              f"higher of a measurement before and one after the forward speed; noise only lowers them): bf16 "
               f"matmul peak {m['bf16_matmul_flops'] / 1e9:.0f} GFLOP/s, float32 {fp32 / 1e9:.0f} GFLOP/s (prefill "
               "runs its large products on a float32 copy of the weights where this CPU's float32 GEMM is the faster "
               "one, so prefill is measured against the higher of the two peaks), copy bandwidth "
@@ -188,9 +189,10 @@ def plot_multiturn(runs: list[dict], path: Path) -> None:
         b.plot(rounds, [x["hit_rate"] for x in r["rounds"]], marker="o", label=r["system"])
     a.set_ylabel("mean TTFT (s)")
     b.set_ylabel("cache hit rate")
-    b.set_ylim(0, 1)
+    b.set_ylim(0, 1.02)
     for ax in (a, b):
         ax.set_xlabel("round")
+        ax.set_xticks(rounds)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
