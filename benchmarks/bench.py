@@ -29,7 +29,7 @@ from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGES = ("shared", "multiturn", "unique", "forward", "overhead")
-UNIQUE_RUNS = 5  # alternating on, off, on, off, ...: the median of each
+UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
 def main() -> None:
