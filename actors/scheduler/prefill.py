@@ -2,8 +2,14 @@
 reserving room for every admitted or running request to keep decoding."""
 from __future__ import annotations
 
+import numpy as np
+
 from radixserve.actors.scheduler.req import Req
 from radixserve.cache.manager import CacheManager
+from radixserve.cache.radix_tree import RadixTree
+from radixserve.policies.eviction import LRU
+
+DEDUP_MIN_TOKENS = 32  # an uncached prefix shared with a request admitted this step is worth waiting for
 
 
 class PrefillAdder:
@@ -64,3 +70,22 @@ class PrefillAdder:
             self.cache.close(req.kv, req.fill_ids)
             req.kv = None
         return False
+
+
+class InBatchDedup:
+    """Of several waiting requests that share a prefix nobody has cached yet, the first admitted computes it;
+    the others wait one step and then find it in the tree (each prefill is cached right after it runs)."""
+
+    def __init__(self, cache: CacheManager) -> None:
+        self.cache = cache
+        self.batch = RadixTree(LRU(), lambda slots: None)  # this step's admitted prompts (slots unused)
+
+    def defer(self, req: Req, anything_admitted: bool) -> bool:
+        if not anything_admitted:
+            return False
+        tokens = req.fill_ids
+        return self.batch.match_len(tokens) - self.cache.match_len(tokens) >= DEDUP_MIN_TOKENS
+
+    def admitted(self, req: Req) -> None:
+        tokens = req.fill_ids
+        self.batch.insert(tokens, np.zeros(len(tokens), dtype=np.int32))

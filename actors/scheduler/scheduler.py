@@ -15,18 +15,15 @@ import numpy as np
 
 from radixserve.actors.messages import ForwardPlan, ForwardResult, array
 from radixserve.actors.scheduler.plan import build_plan
-from radixserve.actors.scheduler.prefill import PrefillAdder
+from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
 from radixserve.cache.manager import CacheManager
-from radixserve.cache.radix_tree import RadixTree
 from radixserve.policies.base import EvictionPolicy, SchedulePolicy
-from radixserve.policies.eviction import LRU
 from radixserve.policies.schedule import FCFS
 from radixserve.sampling_params import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128
-DEDUP_MIN_TOKENS = 32  # an uncached prefix shared with a request admitted this step is worth waiting for
 POLICY_WINDOW = 1024  # the schedule policy orders the oldest this many waiting requests (keeps a step O(1))
 
 
@@ -386,22 +383,3 @@ class _Logprobs:
     def of(self, i: int) -> tuple[float, list[tuple[int, float]]]:
         start, end = self.spans.get(i, (0, 0))
         return float(self.chosen[i]), list(zip(self.top_ids[start:end], self.top_lp[start:end]))
-
-
-class InBatchDedup:
-    """Of several waiting requests that share a prefix nobody has cached yet, the first admitted computes it;
-    the others wait one step and then find it in the tree (each prefill is cached right after it runs)."""
-
-    def __init__(self, cache: CacheManager) -> None:
-        self.cache = cache
-        self.batch = RadixTree(LRU(), lambda slots: None)  # this step's admitted prompts (slots unused)
-
-    def defer(self, req: Req, anything_admitted: bool) -> bool:
-        if not anything_admitted:
-            return False
-        tokens = req.fill_ids
-        return self.batch.match_len(tokens) - self.cache.match_len(tokens) >= DEDUP_MIN_TOKENS
-
-    def admitted(self, req: Req) -> None:
-        tokens = req.fill_ids
-        self.batch.insert(tokens, np.zeros(len(tokens), dtype=np.int32))
