@@ -1,7 +1,8 @@
 """The whole inter-actor protocol: every message is a msgspec Struct, grouped by direction.
 
     client -HTTP-> api --GenerateReq/AbortReq--> tokenizer --AddReq/FinishReq--> scheduler --ForwardPlan--> runner
-                   api <------TextBatch/ErrorOut-- tokenizer <--TokenBatch/Rejected-- scheduler <-ForwardResult- runner
+                   api <--TextBatch/RequestError-- tokenizer <--TokenBatch/Finished/--- scheduler <-ForwardResult- runner
+                                                                    RequestError
                    api <---------------------------Status/ControlReply--ControlReq--> scheduler
     every actor --Ready/Failed--> launcher
 
@@ -47,7 +48,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
-    logprobs: int = -1  # -1: none; 0: the sampled token's logprob; k > 0: also the k most likely
+    top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; k > 0: also the k most likely
     priority: int = 0
 
 
@@ -61,7 +62,7 @@ class AddReq(msgspec.Struct, tag="add"):
     rid: str
     input_ids: bytes
     params: SamplingParams
-    logprobs: int = -1
+    top_logprobs: int | None = None
     priority: int = 0
 
 
@@ -73,6 +74,14 @@ class FinishReq(msgspec.Struct, tag="finish"):
 
 
 # -- scheduler -> tokenizer ---------------------------------------------------------------------------------
+class Logprob(msgspec.Struct, array_like=True):
+    """The sampled token's log-probability and the ``top_logprobs`` most likely tokens, most likely first."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class TokenBatch(msgspec.Struct, tag="tokens"):
     """One new token for each of B requests; per-request arrays are in ``rids`` order."""
 
@@ -81,15 +90,30 @@ class TokenBatch(msgspec.Struct, tag="tokens"):
     prompt_tokens: bytes  # [B]
     cached_tokens: bytes  # [B]
     finished: dict[int, FinishReason]  # batch index -> why it ended (only the ones that did)
-    logprob: bytes = b""  # float32 [B] (NaN where not asked for); empty when nobody asked
-    top_counts: bytes = b""  # [B] how many alternatives each request has in top_ids / top_logprobs
-    top_ids: bytes = b""
-    top_logprobs: bytes = b""  # float32
+    logprobs: dict[int, Logprob] = {}  # batch index -> logprobs (only the requests that asked)
 
 
-class Rejected(msgspec.Struct, tag="rejected"):
+class Finished(msgspec.Struct, tag="finished"):
+    """A request that ended without a new token (e.g. max_new_tokens 0)."""
+
+    rid: str
+    reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+
+
+# -- scheduler -> tokenizer -> api --------------------------------------------------------------------------
+class RequestError(msgspec.Struct, tag="request_error"):
+    """One request failed (refused, timed out, or broke on our side); it is over and holds no KV.
+
+    ``status`` is the HTTP status the client gets: 4xx for the client's mistakes, 429/503 for load, 500 for ours.
+    """
+
     rid: str
     message: str
+    status: int = 400
+    param: str | None = None
+    code: str | None = None
 
 
 # -- tokenizer -> api ---------------------------------------------------------------------------------------
@@ -113,12 +137,6 @@ class Delta(msgspec.Struct):
 
 class TextBatch(msgspec.Struct, tag="text"):
     deltas: list[Delta]
-
-
-class ErrorOut(msgspec.Struct, tag="error"):
-    rid: str
-    message: str
-    param: str | None = None
 
 
 # -- api <-> scheduler (control) ----------------------------------------------------------------------------
@@ -155,15 +173,32 @@ class Status(msgspec.Struct, tag="status"):
     epoch_prompt_tokens: int
     epoch_cached_tokens: int
     epoch_evicted_tokens: int
+    queue_timeouts: int = 0
+    failed_requests: int = 0
 
 
 # -- scheduler -> runner ------------------------------------------------------------------------------------
+class SamplingBatch(msgspec.Struct, frozen=True):
+    """How to pick the next token of each request that samples this step (the plan's ``sample`` rows, in batch
+    order). Every value is explicit: ``top_k`` is the vocabulary size when there is no limit."""
+
+    temperature: bytes  # float32 [S]; 0 = greedy
+    top_p: bytes  # float32 [S]
+    top_k: bytes  # int32 [S], 1 ..= vocab
+    min_p: bytes  # float32 [S]
+    seeds: list[int | None]  # [S] None: unseeded
+    output_index: bytes  # int32 [S]: the position of the token being sampled in the request's output
+    top_logprobs: list[int | None]  # [S] None: no logprobs; else how many alternatives to return
+    all_greedy: bool = False
+
+
 class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     """One model step over a ragged batch. Per request i (B requests), in batch order:
 
     ``prefix_lens[i]`` tokens are already in the pool, ``extend_lens[i]`` new tokens are computed now, and
     ``slots`` holds the request's whole row -- prefix_lens[i] + extend_lens[i] slot indices, concatenated over
-    requests. The new tokens' K/V go to the last extend_lens[i] slots of that row.
+    requests. The new tokens' K/V go to the last extend_lens[i] slots of that row. ``sample[i]`` is 1 when
+    request i samples its next token this step (0: a prefill chunk that is not its last).
     """
 
     step: int
@@ -172,15 +207,8 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     prefix_lens: bytes  # [B]
     extend_lens: bytes  # [B]
     slots: bytes  # [sum(prefix_lens + extend_lens)]
-    sample: bytes  # uint8 [B]: 1 = sample a next token (0 = a prefill chunk that is not the last)
-    temperature: bytes  # float32 [B]
-    top_p: bytes  # float32 [B]
-    top_k: bytes  # int32 [B], -1 = no limit
-    min_p: bytes  # float32 [B]
-    seed: bytes  # int64 [B], -1 = unseeded
-    sample_index: bytes  # int32 [B]: index of the token being sampled in the request's output (seeded noise)
-    logprobs: bytes  # int32 [B]: -1 none, else how many top alternatives to return with the token's logprob
-    all_greedy: bool = False
+    sample: bytes  # uint8 [B]
+    sampling: SamplingBatch
 
     @property
     def batch_size(self) -> int:
@@ -189,11 +217,14 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
 
 # -- runner -> scheduler ------------------------------------------------------------------------------------
 class ForwardResult(msgspec.Struct, tag="result", frozen=True):
+    """``next_ids[j]``: the token sampled for the j-th sampling row of the plan, None where sampling it failed
+    (``errors[j]`` says why). ``error``: the whole step failed (nothing in it was computed)."""
+
     step: int
-    next_ids: bytes  # int32 [B]; -1 where the plan did not sample
-    logprob: bytes = b""  # float32 [B], NaN where not asked; empty when the plan asked for none
-    top_ids: bytes = b""  # int32, the requested top-k of each request back to back
-    top_logprobs: bytes = b""  # float32
+    next_ids: list[int | None] = []
+    logprobs: dict[int, Logprob] = {}  # sampling row -> logprobs (only the requests that asked)
+    errors: dict[int, str] = {}
+    error: str | None = None
 
 
 # -- actors -> launcher -------------------------------------------------------------------------------------
@@ -209,8 +240,8 @@ class Failed(msgspec.Struct, tag="failed"):
 
 
 # What each inbox accepts (decoders are typed by these unions).
-ApiInbox = TextBatch | ErrorOut | Status | ControlReply
-TokenizerInbox = GenerateReq | AbortReq | TokenBatch | Rejected
+ApiInbox = TextBatch | RequestError | Status | ControlReply
+TokenizerInbox = GenerateReq | AbortReq | TokenBatch | Finished | RequestError
 SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq
 RunnerInbox = ForwardPlan
 LauncherInbox = Ready | Failed

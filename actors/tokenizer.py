@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from radixserve.actors.messages import FinishReason
 from radixserve.sampling_params import SamplingParams
 
 
@@ -39,6 +40,44 @@ class TokenizerCore:
 
     def detokenizer(self, params: SamplingParams) -> Detokenizer:
         return Detokenizer(self, params.skip_special_tokens, params.stop_strings)
+
+    def output(self, params: SamplingParams) -> OutputText:
+        return OutputText(self.detokenizer(params))
+
+
+@dataclass
+class OutputText:
+    """One request's output as text, a token at a time: the text that is final so far, and whether a stop string
+    ended the request. The tokenizer actor and the offline Engine both go through ``add``: one rule for stops."""
+
+    detok: Detokenizer
+    emitted: int = 0  # characters of text already handed out
+    completion_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def add(self, token_id: int | None, finish: FinishReason | None) -> tuple[str, FinishReason | None, bool]:
+        """Take the step's token (None: the request ended without one) and the scheduler's finish reason.
+
+        Returns the text that became final since the last call, why the request ended (None: it goes on), and
+        whether a stop string ended it here -- then the scheduler does not know yet and must be told.
+        """
+        stop = None
+        if token_id is not None:
+            self.completion_tokens += 1
+            stop = self.detok.add([token_id])
+        stopped_here = stop is not None and finish is None
+        if stop is not None:  # the stop string wins over an EOS or length ending on the same token
+            finish = FinishReason("stop", matched=stop)
+        if finish is not None:
+            self.detok.flush()
+            text = self.detok.text
+        else:
+            text = self.detok.stable_text
+        new, self.emitted = text[self.emitted :], len(text)
+        return new, finish, stopped_here
 
 
 @dataclass
@@ -103,8 +142,9 @@ class Detokenizer:
             return self.text
         hold = 0
         for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    hold = max(hold, n)
+            tail = self.text[len(self.text) - min(len(s) - 1, len(self.text)) :]
+            for i in range(len(tail) - hold):  # the longest end of the text that begins the stop string
+                if s.startswith(tail[i:]):
+                    hold = len(tail) - i
                     break
         return self.text[: len(self.text) - hold]

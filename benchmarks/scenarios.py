@@ -54,7 +54,7 @@ class SharedPrefix:
     def radix(self, url: str, label: str) -> RunResult:
         import httpx
 
-        httpx.post(url + "/flush_cache")
+        httpx.post(url + "/flush_cache", json={})
         return radix_run(label, url, self.prompts, self.max_new)
 
     def hf(self, model, pad_id: int) -> list[RunResult]:
@@ -78,7 +78,7 @@ class SeedSmallCase:
     def radix(self, url: str, label: str) -> dict:
         import httpx
 
-        httpx.post(url + "/flush_cache")
+        httpx.post(url + "/flush_cache", json={})
         shared = radix_run(label, url, self.shared, self.max_new, sequential=True)
         unique = radix_run(label, url, self.unique, self.max_new, sequential=True)
         return {"system": label, "shared_latency_s": mean(shared.e2e), "unique_latency_s": mean(unique.e2e),
@@ -102,7 +102,7 @@ class Unique:
     def radix(self, url: str, label: str) -> RunResult:
         import httpx
 
-        httpx.post(url + "/flush_cache")  # runs repeat: nothing may be cached from the last one
+        httpx.post(url + "/flush_cache", json={})  # runs repeat: nothing may be cached from the last one
         return radix_run(label, url, self.prompts, self.max_new)
 
     def hf(self, model, pad_id: int) -> list[RunResult]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from radixserve.cache.invariants import require
+
 SLOT_DTYPE = np.int32
 DUMMY_SLOT = 0
 
@@ -43,7 +45,7 @@ class SlotAllocator:
         n = len(slots)
         if n == 0:
             return
-        assert self._top + n <= self.capacity, "freed more slots than the pool holds (double free?)"
+        require(self._top + n <= self.capacity, "freed more slots than the pool holds (double free?)")
         self._stack[self._top : self._top + n] = slots
         self._top += n
 
@@ -52,5 +54,5 @@ class SlotAllocator:
 
     def check(self) -> None:
         free = self._stack[: self._top]
-        assert len(np.unique(free)) == len(free), "a slot is free twice"
-        assert free.size == 0 or (free.min() >= 1 and free.max() <= self.capacity), "free slot out of range"
+        require(len(np.unique(free)) == len(free), "a slot is free twice")
+        require(free.size == 0 or (free.min() >= 1 and free.max() <= self.capacity), "free slot out of range")

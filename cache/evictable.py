@@ -3,7 +3,9 @@
 A plain heap rebuilt over every leaf on each eviction is SGLang's known hot spot. Here entries are pushed
 incrementally, whenever a node *becomes* an evictable leaf or its metadata changes, and stale entries are skipped
 lazily at pop time. An entry is stale when the node was pushed again since (its ``heap_version`` moved on) or is
-no longer an evictable leaf. When stale entries outnumber live ones the heap is rebuilt once (amortised O(1)).
+no longer an evictable leaf. Every push checks the heap against the tree's size: once it holds more than twice as
+many entries as the tree has nodes (plus a constant), it is rebuilt from the live leaves -- amortised O(1), and
+bounded even when nothing is ever evicted (a million hits on one cached prompt leave a heap of a few entries).
 
 The policy may be third-party code: if it raises (or returns keys that do not compare), it is replaced by the
 policy it replaced (LRU at worst), the error is recorded, and every key is recomputed -- never a mix of two
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from radixserve.policies.eviction import LRU
+
+COMPACT_SLACK = 1024  # stale entries tolerated beyond 2x the tree's size before a rebuild
 
 if TYPE_CHECKING:
     from radixserve.cache.radix_tree import TreeNode
@@ -25,11 +30,12 @@ if TYPE_CHECKING:
 
 class EvictionQueue:
     def __init__(self, policy: EvictionPolicy, leaves: Callable[[], Iterable[TreeNode]],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], num_nodes: Callable[[], int]) -> None:
         self.policy = policy
         self.fallback: EvictionPolicy = LRU()
-        self.errors: list[str] = []
+        self.errors: deque[str] = deque(maxlen=100)  # the newest failures of replaced policies
         self._leaves = leaves  # every evictable leaf of the tree, for rebuilds
+        self._num_nodes = num_nodes  # the tree's size: the most live entries there can be
         self._clock = clock
         self._heap: list[tuple[Any, int, int, TreeNode]] = []
         self._tiebreak = itertools.count()
@@ -54,7 +60,7 @@ class EvictionQueue:
             heapq.heappush(self._heap, (key, next(self._tiebreak), node.heap_version, node))
         except TypeError as exc:
             self._failed(exc)
-        if generation != self._generation:
+        if generation != self._generation or len(self._heap) > 2 * self._num_nodes() + COMPACT_SLACK:
             self.rebuild()
 
     def pop(self) -> tuple[TreeNode, Any] | None:
@@ -79,11 +85,6 @@ class EvictionQueue:
             hook(node, key, self._clock())
         except Exception as exc:
             self._failed(exc)
-            self.rebuild()
-
-    def maybe_compact(self, num_live_hint: int) -> None:
-        """Drop stale entries once they dominate the heap (keeps memory bounded under churn)."""
-        if len(self._heap) > 2 * num_live_hint + 1024:
             self.rebuild()
 
     def rebuild(self) -> None:

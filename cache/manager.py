@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixserve.cache.allocator import SLOT_DTYPE, SlotAllocator
+from radixserve.cache.invariants import require
 from radixserve.cache.radix_tree import RadixTree, TreeNode
 from radixserve.policies.base import EvictionPolicy
 
@@ -30,7 +31,7 @@ class KVHandle:
     priority: int = 0  # the request's, passed on to the tree nodes it uses
 
     def __post_init__(self) -> None:
-        assert 0 <= self.tree_len <= self.kv_len <= len(self.row)
+        require(0 <= self.tree_len <= self.kv_len <= len(self.row), "a KV handle's lengths are out of order")
 
     @property
     def slots(self) -> np.ndarray:
@@ -94,17 +95,23 @@ class CacheManager:
 
     # -- request lifecycle -------------------------------------------------------------------------------
     def open(self, tokens: Sequence[int], max_tokens: int, priority: int = 0) -> KVHandle:
-        """Start a request's row: reuse (and lock) the longest cached prefix of ``tokens``.
+        """Start a request's row: reuse (and lock) the longest cached prefix of ``tokens``. Nothing counts as
+        used until ``admit``: a request that does not fit after all is closed again and leaves no hit behind.
 
         The match is capped at len-1 so at least one token is computed: its logits give the next token.
         """
         handle = KVHandle(row=np.zeros(max_tokens, dtype=SLOT_DTYPE), priority=priority)
         if self.tree and len(tokens) > 1:
-            slots, node = self.tree.match_prefix(tokens[: len(tokens) - 1], priority=priority)
+            slots, node = self.tree.match_prefix(tokens[: len(tokens) - 1], touch=False)
             handle.row[: len(slots)] = slots
             handle.kv_len = handle.tree_len = len(slots)
             self._relock(handle, node)
         return handle
+
+    def admit(self, handle: KVHandle) -> None:
+        """The request ``open`` matched for is admitted: its cached prefix counts as a hit now (once)."""
+        if self.tree and handle.node is not None:
+            self.tree.touch(handle.node, hit=True, priority=handle.priority)
 
     def extend(self, handle: KVHandle, n: int) -> bool:
         """Allocate slots for the next ``n`` tokens, evicting if needed. False (nothing changed) if no room."""
@@ -130,12 +137,24 @@ class CacheManager:
         kv = handle.kv_len
         self.tree.insert(tokens[:kv], handle.row[:kv], handle.priority)
         # Re-match: where another request cached the same tokens first, ours were freed and we use the tree's.
-        slots, node = self.tree.match_prefix(tokens[:kv], hit=False)
-        assert len(slots) == kv, "an unlocked insert was evicted before it could be locked"
+        slots, node = self.tree.match_prefix(tokens[:kv], hit=False, priority=handle.priority)
+        require(len(slots) == kv, "an unlocked insert was evicted before it could be locked")
         handle.row[:kv] = slots
         self.owned_by_requests -= kv - handle.tree_len
         handle.tree_len = kv
         self._relock(handle, node)
+
+    def truncate(self, handle: KVHandle, kv_len: int) -> None:
+        """Give back the slots of tokens ``kv_len`` and later, which were allocated but never computed (a step that
+        failed or whose request was aborted while it ran): only computed KV may reach the tree.
+
+            row:  [0 .. tree_len) [tree_len .. kv_len) [kv_len .. old kv_len)
+                   tree's          still the request's  freed now
+        """
+        require(handle.tree_len <= kv_len <= handle.kv_len, "truncating into the tree's part of a row")
+        self.allocator.free(handle.row[kv_len : handle.kv_len])
+        self.owned_by_requests -= handle.kv_len - kv_len
+        handle.kv_len = kv_len
 
     def close(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         """The request leaves the pool (finished, retracted or aborted): its computed KV goes to the tree as
@@ -163,29 +182,30 @@ class CacheManager:
 
     # -- invariants --------------------------------------------------------------------------------------
     def check(self, handles: Iterable[KVHandle]) -> None:
-        """Assert pool accounting: every slot is in exactly one of free / tree / a request's own part."""
+        """Pool accounting (InvariantError if broken): every slot is in exactly one of free / tree / a request's
+        own part."""
         self.allocator.check()
         tree_parts = self.tree.check() if self.tree else []
         handles = list(handles)
         own_parts = [h.row[h.tree_len : h.kv_len] for h in handles]
         owned = sum(len(p) for p in own_parts)
-        assert owned == self.owned_by_requests, f"request-owned count drifted: {self.owned_by_requests} vs {owned}"
+        require(owned == self.owned_by_requests,
+                lambda: f"request-owned count drifted: {self.owned_by_requests} vs {owned}")
         every = np.concatenate([self.allocator.free_slots(), *tree_parts, *own_parts])
-        assert len(every) == self.capacity, (
+        require(len(every) == self.capacity, lambda: (
             f"pool accounting broken: free {self.allocator.num_free} + evictable {self.evictable} + protected "
-            f"{self.protected} + owned {owned} = {len(every)} != capacity {self.capacity}"
-        )
-        assert len(np.unique(every)) == self.capacity, "a slot is owned twice"
+            f"{self.protected} + owned {owned} = {len(every)} != capacity {self.capacity}"))
+        require(len(np.unique(every)) == self.capacity, "a slot is owned twice")
         tree_slots = np.concatenate(tree_parts) if tree_parts else np.zeros(0, dtype=SLOT_DTYPE)
         for h in handles:
-            assert np.isin(h.row[: h.tree_len], tree_slots).all(), "a request's cached prefix is not in the tree"
+            require(np.isin(h.row[: h.tree_len], tree_slots).all(), "a request's cached prefix is not in the tree")
         if self.tree:  # every lock is held by a live request: lock_ref == number of handles locking through it
             expected: dict[int, int] = {}
             for h in handles:
                 node = h.node
-                assert node is None or node.depth == h.tree_len, "a request's lock ends elsewhere than its prefix"
+                require(node is None or node.depth == h.tree_len, "a request's lock ends elsewhere than its prefix")
                 while node is not None and node is not self.tree.root:
                     expected[id(node)] = expected.get(id(node), 0) + 1
                     node = node.parent
             for node in self.tree.nodes():
-                assert node.lock_ref == expected.get(id(node), 0), "a lock is held by no running request (leak)"
+                require(node.lock_ref == expected.get(id(node), 0), "a lock is held by no running request (leak)")

@@ -18,6 +18,7 @@ import numpy as np
 
 from radixserve.cache.allocator import SLOT_DTYPE
 from radixserve.cache.evictable import EvictionQueue
+from radixserve.cache.invariants import require
 
 if TYPE_CHECKING:
     from radixserve.policies.base import EvictionPolicy
@@ -84,7 +85,8 @@ class RadixTree:
         self.evictable_size = 0
         self.protected_size = 0
         self.version = 0  # bumped whenever the set of cached tokens changes (insert of new tokens, eviction)
-        self._queue = EvictionQueue(policy, self.evictable_leaves, clock)
+        self.num_nodes = 0  # root excluded: bounds the eviction queue (it never holds more than ~2x this)
+        self._queue = EvictionQueue(policy, self.evictable_leaves, clock, lambda: self.num_nodes)
 
     # -- policy ------------------------------------------------------------------------------------------
     @property
@@ -93,7 +95,7 @@ class RadixTree:
 
     @property
     def policy_errors(self) -> list[str]:
-        return self._queue.errors
+        return list(self._queue.errors)
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Swap the eviction policy; node metadata is policy-neutral, so only the queue is re-keyed. The policy
@@ -109,28 +111,38 @@ class RadixTree:
         """Read-only: ids of the nodes the cached prefix of ``tokens`` runs through (a partial last node too)."""
         return [id(node) for node, _ in self._path(tokens)]
 
-    def match_prefix(self, tokens: list[int] | tuple[int, ...], hit: bool = True,
-                     priority: int = 0) -> tuple[np.ndarray, TreeNode]:
+    def match_prefix(self, tokens: list[int] | tuple[int, ...], hit: bool = True, priority: int = 0,
+                     touch: bool = True) -> tuple[np.ndarray, TreeNode]:
         """Longest cached prefix of ``tokens``: its slots and the node it ends on (root if none).
 
-        Refreshes the access time of every node on the path, raises its priority to at least ``priority`` and,
-        if ``hit``, counts a hit on each (a request re-finding what it just inserted itself is not a hit).
+        With ``touch``, the path is used now (see ``touch``). Without it only the structure may change (a split
+        so the match ends on a node boundary): what a caller that may still back out wants, so a request that is
+        not admitted after all leaves no access time and no hit behind.
         """
-        now = self.clock()
         node, parts = self.root, []
         for node in self._walk(tokens):
+            parts.append(node.slots)
+        if touch:
+            self.touch(node, hit, priority)
+        slots = np.concatenate(parts) if parts else EMPTY_SLOTS
+        return slots, node
+
+    def touch(self, node: TreeNode, hit: bool = True, priority: int = 0) -> None:
+        """``node`` and its ancestors were used now: refresh their access time, raise their priority to at least
+        ``priority`` and, if ``hit``, count a hit on each (a request re-finding what it inserted itself is not a
+        hit). What LRU, LFU, SLRU, GDSF and the priority policy see."""
+        now = self.clock()
+        while node is not self.root:
             node.last_access = now
             node.hit_count += hit
             node.priority = max(node.priority, priority)
             self._requeue(node)
-            parts.append(node.slots)
-        slots = np.concatenate(parts) if parts else EMPTY_SLOTS
-        return slots, node
+            node = node.parent
 
     # -- mutation ----------------------------------------------------------------------------------------
     def insert(self, tokens: list[int] | tuple[int, ...], slots: np.ndarray, priority: int = 0) -> int:
         """Cache ``tokens`` with their ``slots``; returns how many leading tokens were already cached."""
-        assert len(tokens) == len(slots), f"{len(tokens)} tokens but {len(slots)} slots"
+        require(len(tokens) == len(slots), lambda: f"{len(tokens)} tokens but {len(slots)} slots")
         now = self.clock()
         node, pos = self.root, 0
         for node in self._walk(tokens):
@@ -154,6 +166,7 @@ class RadixTree:
                 priority=priority,
             )
             node.children[leaf.tokens[0]] = leaf
+            self.num_nodes += 1
             self.version += 1
             self.evictable_size += leaf.num_tokens
             self._queue.push(leaf)
@@ -171,7 +184,7 @@ class RadixTree:
     def unlock(self, node: TreeNode) -> None:
         """Undo one ``lock(node)``; nodes that reach lock_ref 0 become evictable."""
         while node is not self.root:
-            assert node.lock_ref > 0, "unlock without a matching lock"
+            require(node.lock_ref > 0, "unlock without a matching lock")
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.protected_size -= node.num_tokens
@@ -193,12 +206,12 @@ class RadixTree:
             freed += leaf.num_tokens
             self.version += 1
             self.evictable_size -= leaf.num_tokens
+            self.num_nodes -= 1
             parent = leaf.parent
             del parent.children[leaf.tokens[0]]
             leaf.parent = None
             if parent.is_evictable_leaf:
                 self._queue.push(parent)
-        self._queue.maybe_compact(self.evictable_size)
         return freed
 
     # -- internals ---------------------------------------------------------------------------------------
@@ -246,6 +259,7 @@ class RadixTree:
         child.parent = upper
         upper.children[child.tokens[0]] = child
         parent.children[upper.tokens[0]] = upper
+        self.num_nodes += 1
         return upper
 
     def nodes(self) -> Iterator[TreeNode]:
@@ -264,20 +278,21 @@ class RadixTree:
 
     def check(self) -> list[np.ndarray]:
         """Assert tree integrity; returns the slot arrays the tree owns (for pool accounting)."""
-        evictable = protected = 0
+        evictable = protected = count = 0
         owned = []
         for node in self.nodes():
-            assert node.num_tokens > 0 and len(node.slots) == node.num_tokens, "empty or ragged node"
-            assert node.parent.children.get(node.tokens[0]) is node, "child keyed by the wrong token"
-            assert node.depth == node.parent.depth + node.num_tokens, "wrong depth"
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock below an unlocked node"
+            count += 1
+            require(node.num_tokens > 0 and len(node.slots) == node.num_tokens, "empty or ragged node")
+            require(node.parent.children.get(node.tokens[0]) is node, "child keyed by the wrong token")
+            require(node.depth == node.parent.depth + node.num_tokens, "wrong depth")
+            require(node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock below an unlocked node")
             if node.lock_ref:
                 protected += node.num_tokens
             else:
                 evictable += node.num_tokens
             owned.append(node.slots)
-        assert (evictable, protected) == (self.evictable_size, self.protected_size), (
+        require((evictable, protected) == (self.evictable_size, self.protected_size), lambda: (
             f"counters drifted: evictable {self.evictable_size} vs {evictable}, "
-            f"protected {self.protected_size} vs {protected}"
-        )
+            f"protected {self.protected_size} vs {protected}"))
+        require(count == self.num_nodes, lambda: f"node count drifted: {self.num_nodes} vs {count}")
         return owned

@@ -9,18 +9,17 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from radixserve.actors.messages import ForwardPlan, ForwardResult, array
+from radixserve.actors.messages import ForwardPlan, ForwardResult
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.llama import CausalLM
-from radixserve.model.sampler import logprobs_of, sample
+from radixserve.model.sampler import SamplingInputs, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +63,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> ForwardResult:
-        batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
-                                       self.cfg.num_heads // self.cfg.num_kv_heads)
-        next_ids = np.full(plan.batch_size, -1, dtype=np.int32)
-        sampled = array(plan.sample, np.uint8).astype(bool)
-        logprob = top_ids = top_logprobs = b""
-        if sampled.any():
-            logits = self.model(batch)
-            chosen = sample(logits, plan)
-            next_ids[sampled] = chosen.cpu().numpy()
-            logprob, top_ids, top_logprobs = logprobs_of(logits, chosen, plan)
-        else:
-            self.model(batch)  # a prefill chunk: only the KV it writes matters
-        return ForwardResult(step=plan.step, next_ids=next_ids.tobytes(), logprob=logprob, top_ids=top_ids,
-                             top_logprobs=top_logprobs)
+        """Run one step. Nothing in it ends the runner: a step that raises comes back as ``error`` (the scheduler
+        fails its requests and frees what they allocated), a request whose sampling raises as ``errors[row]``."""
+        try:
+            batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
+                                           self.cfg.num_heads // self.cfg.num_kv_heads)
+            sampling = SamplingInputs.from_batch(plan.sampling, self.device)
+            logits = self.model(batch)  # [S, vocab]: only the rows that sample (a prefill chunk writes KV only)
+        except Exception as exc:
+            log.exception("step %d failed", plan.step)
+            return ForwardResult(step=plan.step, error=f"{type(exc).__name__}: {exc}")
+        if len(sampling) == 0:
+            return ForwardResult(step=plan.step)
+        next_ids, logprobs, errors = sample_rows(logits, sampling)
+        return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, errors=errors)

@@ -2,16 +2,56 @@
 
 Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` per vocabulary entry, which picks token i with
 probability p_i. A seeded request's noise depends only on (seed, index of the token in its output), so it gets
-the same tokens whatever else is in the batch, and after a retraction too.
+the same tokens whatever else is in the batch, and after a retraction too. Every step of it is row-wise (one
+request's row never mixes with another's), which is what makes the sampler batch-invariant.
+
+The sampler takes ``SamplingInputs``, decoded once from the plan's ``SamplingBatch`` (it never reads wire bytes).
+A row that fails (a bug around one request's values) fails alone: ``sample_rows`` retries the batch row by row.
 """
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from radixserve.actors.messages import ForwardPlan, array
+from radixserve.actors.messages import Logprob, SamplingBatch, array
+
+log = logging.getLogger(__name__)
 
 _MIX_A, _MIX_B, _MASK = 6364136223846793005, 1442695040888963407, (1 << 63) - 1
+
+
+@dataclass
+class SamplingInputs:
+    """One row per request that samples this step, in batch order."""
+
+    temperature: torch.Tensor  # float32 [S]
+    top_p: torch.Tensor  # float32 [S]
+    top_k: torch.Tensor  # int64 [S], 1 ..= vocab
+    min_p: torch.Tensor  # float32 [S]
+    seeds: list[int | None]
+    output_index: list[int]  # position of the sampled token in the request's output (seeded noise)
+    top_logprobs: list[int | None]  # None: no logprobs; else how many alternatives
+    all_greedy: bool = False
+
+    @classmethod
+    def from_batch(cls, b: SamplingBatch, device: torch.device) -> SamplingInputs:
+        def tensor(buf: bytes, dtype: type, torch_dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(array(buf, dtype).astype(dtype)).to(device=device, dtype=torch_dtype)
+
+        return cls(tensor(b.temperature, np.float32, torch.float32), tensor(b.top_p, np.float32, torch.float32),
+                   tensor(b.top_k, np.int32, torch.int64), tensor(b.min_p, np.float32, torch.float32),
+                   list(b.seeds), array(b.output_index).tolist(), list(b.top_logprobs), b.all_greedy)
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def row(self, j: int) -> SamplingInputs:
+        return SamplingInputs(self.temperature[j : j + 1], self.top_p[j : j + 1], self.top_k[j : j + 1],
+                              self.min_p[j : j + 1], self.seeds[j : j + 1], self.output_index[j : j + 1],
+                              self.top_logprobs[j : j + 1], bool(self.temperature[j] == 0 or self.top_k[j] == 1))
 
 
 def seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -20,58 +60,68 @@ def seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> tor
     return torch.empty(vocab, device=device).exponential_(generator=g)
 
 
-def sample(logits: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
-    """``logits``: float32 ``[n, vocab]``, one row per request that samples (in batch order)."""
-    if plan.all_greedy:
-        return logits.argmax(dim=-1)
-    keep = array(plan.sample, np.uint8).astype(bool)
-    temp = torch.from_numpy(array(plan.temperature, np.float32)[keep].copy()).to(logits.device)
-    top_k = torch.from_numpy(array(plan.top_k, np.int32)[keep].astype(np.int64)).to(logits.device)
-    top_p = torch.from_numpy(array(plan.top_p, np.float32)[keep].copy()).to(logits.device)
-    min_p = torch.from_numpy(array(plan.min_p, np.float32)[keep].copy()).to(logits.device)
-    seeds = array(plan.seed, np.int64)[keep].tolist()
-    index = array(plan.sample_index, np.int32)[keep].tolist()
-
-    greedy = (temp == 0) | (top_k == 1)
+def sample(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
+    """``logits``: float32 ``[S, vocab]``, one row per request that samples (in batch order)."""
     out = logits.argmax(dim=-1)
+    if s.all_greedy:
+        return out
+    greedy = (s.temperature == 0) | (s.top_k == 1)
     rows = (~greedy).nonzero().flatten()
     if len(rows) == 0:
         return out
-    probs = torch.softmax(logits[rows] / temp[rows, None], dim=-1)
+    probs = torch.softmax(logits[rows] / s.temperature[rows, None], dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    k = torch.where(top_k[rows] > 0, top_k[rows], probs.shape[-1])
-    drop = rank >= k[:, None]
-    drop |= (sorted_p.cumsum(-1) - sorted_p) > top_p[rows, None]  # top-p: keep the smallest set reaching p
-    drop |= sorted_p < sorted_p[:, :1] * min_p[rows, None]
+    drop = rank >= s.top_k[rows, None]
+    drop |= (sorted_p.cumsum(-1) - sorted_p) > s.top_p[rows, None]  # top-p: keep the smallest set reaching p
+    drop |= sorted_p < sorted_p[:, :1] * s.min_p[rows, None]
     sorted_p = sorted_p.masked_fill(drop, 0.0)  # the most likely token always survives
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     noise = torch.empty_like(probs).exponential_()
     for j, r in enumerate(rows.tolist()):
-        if seeds[r] >= 0:
-            noise[j] = seeded_noise(seeds[r], index[r], probs.shape[-1], probs.device)
+        if s.seeds[r] is not None:
+            noise[j] = seeded_noise(s.seeds[r], s.output_index[r], probs.shape[-1], probs.device)
     out[rows] = (probs / noise).argmax(dim=-1)
     return out
 
 
-def logprobs_of(logits: torch.Tensor, next_ids: torch.Tensor, plan: ForwardPlan) -> tuple[bytes, bytes, bytes]:
-    """For the requests that asked: the chosen token's log-probability (``[B]``, NaN elsewhere) and their top-k
-    alternatives back to back in batch order. Log-probabilities of the model's own distribution (before
-    temperature and filters), as OpenAI reports them. Empty bytes when nobody asked."""
-    batch_rows = np.flatnonzero(array(plan.sample, np.uint8))  # logits row j is batch row batch_rows[j]
-    want = array(plan.logprobs, np.int32)[batch_rows]
-    rows = np.flatnonzero(want >= 0)
-    if len(rows) == 0:
-        return b"", b"", b""
-    rows_t = torch.from_numpy(rows).to(logits.device)
-    logp = torch.log_softmax(logits[rows_t], dim=-1)
-    chosen = np.full(plan.batch_size, np.nan, dtype=np.float32)
-    chosen[batch_rows[rows]] = logp.gather(1, next_ids[rows_t][:, None])[:, 0].cpu().numpy()
-    top_ids, top_lp = [np.zeros(0, np.int32)], [np.zeros(0, np.float32)]
-    k = int(want[rows].max())
-    if k > 0:
-        values, ids = (t.cpu().numpy() for t in logp.topk(k, dim=-1))
-        for j, r in enumerate(rows):
-            top_ids.append(ids[j, : want[r]].astype(np.int32))
-            top_lp.append(values[j, : want[r]].astype(np.float32))
-    return chosen.tobytes(), np.concatenate(top_ids).tobytes(), np.concatenate(top_lp).tobytes()
+def logprobs_of(logits: torch.Tensor, next_ids: torch.Tensor, s: SamplingInputs) -> dict[int, Logprob]:
+    """For the rows that asked: the chosen token's log-probability and its top alternatives. Log-probabilities
+    of the model's own distribution (before temperature and filters), as OpenAI reports them."""
+    rows = [j for j, k in enumerate(s.top_logprobs) if k is not None]
+    if not rows:
+        return {}
+    logp = torch.log_softmax(logits[rows], dim=-1)
+    chosen = logp.gather(1, next_ids[rows][:, None])[:, 0].tolist()
+    k = max(s.top_logprobs[j] for j in rows)
+    values, ids = (t.tolist() for t in logp.topk(k, dim=-1)) if k > 0 else ([[]] * len(rows), [[]] * len(rows))
+    out = {}
+    for n, j in enumerate(rows):
+        want = s.top_logprobs[j]
+        out[j] = Logprob(chosen[n], ids[n][:want], values[n][:want])
+    return out
+
+
+def sample_rows(logits: torch.Tensor, s: SamplingInputs) -> tuple[list[int | None], dict[int, Logprob],
+                                                                     dict[int, str]]:
+    """Sample every row (and its logprobs). Should the batch fail, each row is tried alone, so one request's
+    failure is that request's alone: ``(ids, logprobs, errors)`` with ids[j] None where row j failed."""
+    try:
+        ids = sample(logits, s)
+        return ids.tolist(), logprobs_of(logits, ids, s), {}
+    except Exception:
+        log.exception("batched sampling failed; sampling row by row")
+    next_ids: list[int | None] = []
+    logprobs: dict[int, Logprob] = {}
+    errors: dict[int, str] = {}
+    for j in range(len(s)):
+        try:
+            one, row = logits[j : j + 1], s.row(j)
+            ids = sample(one, row)
+            next_ids.append(int(ids[0]))
+            if (lp := logprobs_of(one, ids, row)):
+                logprobs[j] = lp[0]
+        except Exception as exc:
+            next_ids.append(None)
+            errors[j] = f"{type(exc).__name__}: {exc}"
+    return next_ids, logprobs, errors

@@ -2,15 +2,19 @@
 TokenizerCore -> Scheduler -> ModelRunner, stepped in a loop until every request is done."""
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
 from typing import Any
 
-from radixserve.actors.scheduler import FinishReason, Req
+from radixserve.actors.messages import RequestError
+from radixserve.actors.scheduler import Req
 from radixserve.actors.scheduler.scheduler import build_scheduler
-from radixserve.actors.tokenizer import Detokenizer, TokenizerCore
+from radixserve.actors.tokenizer import OutputText, TokenizerCore
+from radixserve.errors import InvalidRequest
 from radixserve.prepare import prepare
+from radixserve.prompts import text_or_ids
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -40,7 +44,7 @@ class Engine:
         self.scheduler = build_scheduler(args, prepared.scheduler_config)
         self._ids = itertools.count()
         self._closed = False
-        self._lock = threading.Lock()  # calls from several threads run one after another, never interleaved
+        self._lock = threading.RLock()  # calls from several threads run one after another, never interleaved
 
     # -- public API --------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: TokenIds = None,
@@ -52,57 +56,55 @@ class Engine:
         SamplingParams for all, or a list with one per prompt. Each result has ``text``, ``output_ids`` and
         ``meta_info`` (prompt_tokens, completion_tokens, cached_tokens, finish_reason). ``return_logprob``
         adds ``output_token_logprobs`` [(logprob, token_id)] and, with ``top_logprobs_num`` > 0,
-        ``output_top_logprobs`` [[(logprob, token_id), ...]] to meta_info.
+        ``output_top_logprobs`` [[(logprob, token_id), ...]] to meta_info. Bad values raise InvalidRequest (a
+        ValueError) naming the field, before anything is queued. A request that fails on our side ends alone,
+        with ``meta_info["error"]``; after an exception or Ctrl-C the Engine is ready for the next call.
         """
-        if self._closed:
-            raise RuntimeError("this Engine was shut down")
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt (text) or input_ids (token ids)")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            prompts = [prompt] if single else prompt
-            if not isinstance(prompts, list) or not prompts:
-                raise ValueError("prompt must be a string or a non-empty list of strings")
-            ids = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            single = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], int)
-            ids = [input_ids] if single else input_ids
-            if not isinstance(ids, list) or not ids or not all(isinstance(x, list) for x in ids):
-                raise ValueError("input_ids must be a list of token ids or a non-empty list of such lists")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for x in ids for t in x):
-                raise ValueError("input_ids must contain integers only")
+        self._require_open()
+        prompts = text_or_ids(prompt, input_ids, self.model_config.vocab_size, text_param="prompt")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts.items]
         params = self._params_per_prompt(sampling_params, len(ids))
-        if not 0 <= top_logprobs_num <= 20:
-            raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, 20]")
-        logprobs = top_logprobs_num if return_logprob else -1
+        top_logprobs = top_logprobs_num if return_logprob else None
         with self._lock:
-            results = self._run(ids, params, logprobs, priority)
-        return results[0] if single else results
+            results = self._run(ids, params, top_logprobs, priority)
+        return results[0] if prompts.single else results
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: Params = None) -> dict[str, Any]:
         """One chat turn: the model's chat template is applied to ``messages``."""
+        self._require_open()
         return self.generate(input_ids=self.tokenizer.apply_chat_template(messages), sampling_params=sampling_params)
 
     def set_policies(self, eviction: str | None = None, schedule: str | None = None) -> dict[str, Any]:
         """Switch the eviction and/or schedule policy by name (built-in or plugin); returns ``policies()``."""
+        self._require_open()
         with self._lock:
             self.scheduler.switch_policies(eviction, schedule)
         return self.policies()
 
     def policies(self) -> dict[str, Any]:
         """``{"eviction": {"current", "available"}, "schedule": {...}, "errors": [...]}``"""
+        self._require_open()
         return self.scheduler.policies_info()
 
     def cache_stats(self) -> dict[str, Any]:
         """Pool state, totals and one record per policy epoch (as GET /cache/stats)."""
+        self._require_open()
         return self.scheduler.cache_stats()
 
     def flush_cache(self) -> int:
         """Drop every cached prefix that no running request holds; returns tokens freed."""
-        return self.scheduler.cache.flush()
+        self._require_open()
+        with self._lock:
+            return self.scheduler.cache.flush()
 
     def shutdown(self) -> None:
-        self._closed = True
+        """Free the model weights and the KV pool (idempotent); the Engine refuses further calls."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.runner = self.scheduler = None  # the last references to the weights and the pool tensors
+        gc.collect()
 
     def __enter__(self) -> Engine:
         return self
@@ -110,42 +112,51 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine was shut down; create a new one")
+
     # -- the loop ----------------------------------------------------------------------------------------
     @staticmethod
     def _params_per_prompt(params: Params, n: int) -> list[SamplingParams]:
         if isinstance(params, list):
             if len(params) != n:
-                raise ValueError(f"got {len(params)} sampling_params for {n} prompts; give one or one per prompt")
+                raise InvalidRequest(f"got {len(params)} sampling_params for {n} prompts; give one or one per "
+                                     "prompt", param="sampling_params")
             return [SamplingParams.coerce(p) for p in params]
         one = SamplingParams.coerce(params)
         return [one] * n
 
-    def _run(self, ids: list[list[int]], params: list[SamplingParams], logprobs: int,
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], top_logprobs: int | None,
              priority: int) -> list[dict[str, Any]]:
         sched = self.scheduler
         for p, sp in zip(ids, params):  # validate all before queueing any: a bad prompt loses nothing
-            sched.validate(p, sp)
+            sched.validate(p, sp, top_logprobs)
         reqs: list[Req] = []
-        detoks: dict[str, Detokenizer] = {}
-        for p, sp in zip(ids, params):
-            req = sched.add_request(f"engine-{next(self._ids)}", p, sp, logprobs, priority)
-            reqs.append(req)
-            detoks[req.rid] = self.tokenizer.detokenizer(sp)
-        while not all(r.finished for r in reqs):
-            plan = sched.schedule()
-            if plan is None:
-                raise RuntimeError("the scheduler has unfinished requests but planned nothing (a bug)")
-            for req in sched.process(self.runner.forward(plan)):
-                detok = detoks.get(req.rid)
-                if detok is None:
-                    continue
-                stop = detok.add(req.output_ids[-1:])
-                if stop is not None and not req.finished:
-                    sched.finish(req.rid, FinishReason("stop", matched=stop))
-        return [self._result(r, detoks[r.rid]) for r in reqs]
+        outputs: dict[str, OutputText] = {}
+        try:
+            for p, sp in zip(ids, params):
+                req = sched.add_request(f"engine-{next(self._ids)}", p, sp, top_logprobs, priority)
+                reqs.append(req)
+                outputs[req.rid] = self.tokenizer.output(sp)
+            while not all(r.finished for r in reqs):
+                plan = sched.schedule()
+                if plan is None:
+                    if sched.failures:  # requests failed while planning; the rest go on
+                        continue
+                    raise RuntimeError("the scheduler has unfinished requests but planned nothing (a bug)")
+                for req in sched.process(self.runner.forward(plan)):
+                    _, finish, stopped_here = outputs[req.rid].add(req.output_ids[-1], req.finish_reason)
+                    if stopped_here:
+                        sched.finish(req.rid, finish)
+        except BaseException:  # an error or Ctrl-C mid-step: give back every slot, keep the Engine usable
+            sched.fail_all("interrupted")
+            sched.take_failures()
+            raise
+        errors = {e.rid: e for e in sched.take_failures()}
+        return [self._result(r, outputs[r.rid], errors.get(r.rid)) for r in reqs]
 
-    def _result(self, req: Req, detok: Detokenizer) -> dict[str, Any]:
-        detok.flush()
+    def _result(self, req: Req, output: OutputText, error: RequestError | None) -> dict[str, Any]:
         meta = {
             "id": req.rid,
             "prompt_tokens": len(req.prompt_ids),
@@ -153,8 +164,10 @@ class Engine:
             "cached_tokens": req.cached_tokens or 0,
             "finish_reason": req.finish_reason.to_dict(),
         }
-        if req.logprobs >= 0:
-            meta["output_token_logprobs"] = [(lp, t) for (lp, _), t in zip(req.output_logprobs, req.output_ids)]
-            if req.logprobs > 0:
-                meta["output_top_logprobs"] = [[(lp, t) for t, lp in top] for _, top in req.output_logprobs]
-        return {"text": detok.text, "output_ids": list(req.output_ids), "meta_info": meta}
+        if req.top_logprobs is not None:
+            meta["output_token_logprobs"] = [(lp.logprob, t) for lp, t in zip(req.output_logprobs, req.output_ids)]
+            if req.top_logprobs > 0:
+                meta["output_top_logprobs"] = [list(zip(lp.top_logprobs, lp.top_ids)) for lp in req.output_logprobs]
+        if error is not None:
+            meta["error"] = {"message": error.message, "status": error.status, "code": error.code}
+        return {"text": output.text, "output_ids": list(req.output_ids), "meta_info": meta}

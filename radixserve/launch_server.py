@@ -41,7 +41,7 @@ async def _serve(prepared, launcher) -> int:
     from aiohttp import web
 
     from radixserve.actors.api.app import make_app
-    from radixserve.actors.api.server import ApiServer
+    from radixserve.actors.api.server import ApiServer, Limits
 
     args = prepared.args
     info = {
@@ -49,13 +49,17 @@ async def _serve(prepared, launcher) -> int:
         "model": prepared.model_name,
         "model_path": str(prepared.files.source),
         "context_length": args.context_length,
+        "vocab_size": prepared.model.vocab_size,
         "max_total_tokens": args.max_total_tokens,
         "started": int(time.time()),
         "server_args": {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"},
         "actors": launcher.info,
         "runtime_dir": launcher.runtime_dir,
     }
-    server = ApiServer(launcher.endpoints, info)
+    limits = Limits(max_sequences_per_request=args.max_sequences_per_request,
+                    max_in_flight=args.max_queued_requests + args.max_running_requests,
+                    vocab_size=prepared.model.vocab_size)
+    server = ApiServer(launcher.endpoints, info, limits)
     server.start()
     runner = web.AppRunner(make_app(server, args.api_key), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -71,7 +75,23 @@ async def _serve(prepared, launcher) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    code = 0
+    code = await _supervise(launcher, server, stop, info)
+    if code == 0 and server.pending:  # a signal: drain -- new requests get 503, those in flight may finish
+        log.info("draining %d request(s) for up to %gs (signal again to stop now)", len(server.pending),
+                 args.shutdown_timeout)
+        stop.clear()
+        idle = server.drain()
+        waiting = [asyncio.create_task(e.wait()) for e in (idle, stop)]
+        await asyncio.wait(waiting, timeout=args.shutdown_timeout, return_when=asyncio.FIRST_COMPLETED)
+        for t in waiting:
+            t.cancel()
+    await runner.cleanup()
+    await server.close()
+    return code
+
+
+async def _supervise(launcher, server, stop: asyncio.Event, info: dict) -> int:
+    """Until a signal (0) or an actor's death (1, every waiting request answered 503)."""
     while not stop.is_set():
         dead = launcher.dead()
         if dead:
@@ -79,16 +99,13 @@ async def _serve(prepared, launcher) -> int:
             log.error("%s -- shutting down", reason)
             info["unhealthy_reason"] = reason
             server.fail_all(f"{reason}; the server is shutting down")
-            code = 1
             await asyncio.sleep(SUPERVISE_INTERVAL_S)  # let waiting handlers answer 503
-            break
+            return 1
         try:
             await asyncio.wait_for(stop.wait(), SUPERVISE_INTERVAL_S)
         except asyncio.TimeoutError:
             pass
-    await runner.cleanup()
-    await server.close()
-    return code
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ def prepare(args: ServerArgs) -> Prepared:
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
+        queue_timeout_s=args.queue_timeout,
         check_invariants=args.check_invariants,
     )
     name = args.served_model_name or (files.source.stem.split(".")[0] if files.source.suffix == ".gguf"

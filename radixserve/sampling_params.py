@@ -1,4 +1,6 @@
-"""Per-request sampling parameters (SGLang's names). Validated on construction; bad values raise ValueError."""
+"""Per-request sampling parameters (SGLang's names). Validated on construction against the ranges that hold for
+every model (``InvalidRequest`` naming the field); ``check_model`` adds the ones that depend on the vocabulary.
+The API and the offline Engine build the same struct, and the scheduler checks it again, so no path skips it."""
 from __future__ import annotations
 
 import math
@@ -6,12 +8,20 @@ from typing import Any
 
 import msgspec
 
+from radixserve.errors import InvalidRequest
+
+INT32_MAX = 2**31 - 1
+SEED_MODULUS = 2**63  # any integer seed is reduced into [0, 2**63): seeds are not refused
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_new_tokens: int | None = None  # None: 128, clipped to what the context leaves
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0) = no limit
+    top_k: int = -1  # -1 (or 0) = no limit; at most the vocabulary size
     min_p: float = 0.0
     seed: int | None = None  # per-request: the same seed gives the same tokens, whatever the batch
     stop: str | list[str] | None = None  # stop strings; the match is not part of the output text
@@ -21,26 +31,44 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
-            raise ValueError(f"sampling parameter {field}={getattr(self, field)!r} {why}")
+            value = repr(getattr(self, field))
+            value = value if len(value) <= 60 else value[:57] + "..."
+            raise InvalidRequest(f"sampling parameter {field}={value} {why}", param=field)
 
-        if self.max_new_tokens is not None and self.max_new_tokens < 0:
-            bad("max_new_tokens", "must be >= 0")
+        if self.max_new_tokens is not None and not 0 <= self.max_new_tokens <= INT32_MAX:
+            bad("max_new_tokens", "must be >= 0 (and within the context length)")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not (0 < self.top_p <= 1):
             bad("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            bad("top_k", "must be -1 (no limit) or >= 1")
+        if not -1 <= self.top_k <= INT32_MAX:
+            bad("top_k", "must be -1 or 0 (no limit), or between 1 and the vocabulary size")
         if not (0 <= self.min_p <= 1):
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            bad("seed", "must be in [0, 2**63)")
-        if isinstance(self.stop, list) and not all(self.stop):
+        if self.seed is not None:
+            self.seed %= SEED_MODULUS
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS:
+            bad("stop", f"has {len(stops)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+        if not all(stops) or self.stop == "":
             bad("stop", "must not contain empty strings")
-        if self.stop == "":
-            bad("stop", "must not be an empty string")
-        if self.stop_token_ids and min(self.stop_token_ids) < 0:
-            bad("stop_token_ids", "must be token ids >= 0")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            bad("stop", f"has a stop string longer than {MAX_STOP_STRING_CHARS} characters")
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        if ids and not 0 <= min(ids) <= max(ids) <= INT32_MAX:
+            bad("stop_token_ids", "must be token ids in the vocabulary")
+
+    def check_model(self, vocab_size: int) -> None:
+        """The ranges that depend on the model: InvalidRequest naming the field if one is out of them."""
+        if self.top_k > vocab_size:
+            raise InvalidRequest(f"sampling parameter top_k={self.top_k} is larger than the vocabulary "
+                                 f"({vocab_size} tokens); use -1 for no limit", param="top_k")
+        bad = [t for t in self.stop_token_ids or () if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                                 param="stop_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -54,14 +82,19 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     @classmethod
     def coerce(cls, value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
-        """Accept a SamplingParams, a dict of its fields, or None (defaults); ValueError says what is wrong."""
+        """Accept a SamplingParams, a dict of its fields, or None (defaults); InvalidRequest says what is wrong."""
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
+            raise InvalidRequest(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}",
+                                 param="sampling_params")
         try:
             return msgspec.convert(value, cls)
         except msgspec.ValidationError as exc:
-            raise ValueError(f"invalid sampling_params: {exc}") from None
+            if isinstance(exc.__cause__, InvalidRequest):  # a range check of __post_init__: keep its field name
+                raise exc.__cause__ from None
+            raise InvalidRequest(f"invalid sampling_params: {exc}", param="sampling_params") from None
+        except RecursionError:
+            raise InvalidRequest("sampling_params is nested too deeply", param="sampling_params") from None

@@ -34,7 +34,12 @@ class ServerArgs:
     num_threads: int | None = None  # torch threads of the runner; None: all cores
     device: str = "auto"  # auto: cuda if torch sees a GPU, else cpu
     attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
-    check_invariants: bool = False  # assert pool accounting after every step (tests, debugging)
+    max_queued_requests: int = 1024  # sequences waiting beyond the running ones; more: 429
+    max_sequences_per_request: int = 256  # prompts x n in one HTTP request; more: 429
+    queue_timeout: float | None = None  # seconds a request may wait to start; longer: 503. None: no limit
+    shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
+    deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
+    check_invariants: bool = False  # check pool accounting after every step (tests, debugging)
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -51,6 +56,14 @@ class ServerArgs:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")
         if self.tp < 1:
             raise ValueError(f"tp={self.tp} must be >= 1")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests={self.max_queued_requests} must be >= 0")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request={self.max_sequences_per_request} must be >= 1")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise ValueError(f"queue_timeout={self.queue_timeout} must be > 0 seconds (leave it unset for no limit)")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
@@ -102,19 +115,31 @@ HELP = {
     "num_threads": "torch threads for the model (default: all cores)",
     "device": "auto (cuda if available), cuda or cpu",
     "attention_backend": "auto (triton on cuda, torch on cpu), triton or torch",
-    "check_invariants": "assert KV pool accounting after every step (slow; for debugging)",
+    "max_queued_requests": "sequences that may wait for a slot beyond the running ones; past it new requests get "
+                           "429 with Retry-After",
+    "max_sequences_per_request": "prompts x n one HTTP request may ask for; past it: 429",
+    "queue_timeout": "seconds a request may wait in the queue before it fails with 503 (default: no limit)",
+    "shutdown_timeout": "seconds SIGTERM/SIGINT waits for requests in flight (new ones get 503) before stopping",
+    "deterministic": "batch-invariant inference (alias --enable-deterministic-inference): greedy and seeded "
+                     "tokens never depend on the batch (CPU; see the README for the cost)",
+    "check_invariants": "check KV pool accounting after every step (slow; for debugging)",
 }
+ALIASES = {"deterministic": ["--enable-deterministic-inference"]}  # SGLang's name for the same switch
 
 
 def add_cli_args(parser) -> None:
     """One flag per ServerArgs field (``--max-total-tokens`` for ``max_total_tokens``)."""
     for f in fields(ServerArgs):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
         if f.default is False:
-            parser.add_argument(flag, action="store_true", help=HELP.get(f.name))
+            parser.add_argument(*flags, dest=f.name, action="store_true", help=HELP.get(f.name))
             continue
-        kind = int if (isinstance(f.default, int) or str(f.type).startswith("int")) else str
-        parser.add_argument(flag, type=kind, default=f.default, help=HELP.get(f.name))
+        kind = str
+        if str(f.type).startswith("float"):
+            kind = float
+        elif isinstance(f.default, int) or str(f.type).startswith("int"):
+            kind = int
+        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=HELP.get(f.name))
 
 
 def from_cli(namespace) -> ServerArgs:

@@ -28,10 +28,10 @@ def test_single_and_batch_shapes(engine):
 @pytest.mark.parametrize("kwargs,message", [
     ({}, "exactly one of prompt"),
     ({"prompt": "a", "input_ids": [1]}, "exactly one of prompt"),
-    ({"prompt": 5}, "prompt must be a string"),
-    ({"prompt": []}, "prompt must be a string"),
+    ({"prompt": 5}, "prompt must be a non-empty string"),
+    ({"prompt": []}, "prompt must be a non-empty string"),
     ({"input_ids": [[1], "x"]}, "input_ids must be"),
-    ({"input_ids": [1, 2.5]}, "integers only"),
+    ({"input_ids": [1, 2.5]}, "input_ids must be a non-empty list of token ids"),
     ({"input_ids": [1, 10**9]}, "outside the vocabulary"),
     ({"input_ids": []}, "input_ids must be"),
     ({"prompt": "a", "sampling_params": {"temperature": -1}}, "temperature"),

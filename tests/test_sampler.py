@@ -5,22 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.actors.messages import ForwardPlan
-from radixserve.model.sampler import sample
+from radixserve.model.sampler import SamplingInputs, sample, sample_rows
 
 
-def plan_for(n: int, *, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=-1, index=0) -> ForwardPlan:
+def plan_for(n: int, *, temperature=1.0, top_p=1.0, top_k=4, min_p=0.0, seed=None, index=0) -> SamplingInputs:
     def col(value, dtype):
-        return np.full(n, value, dtype=dtype).tobytes()
+        return torch.full((n,), value, dtype=dtype)
 
-    return ForwardPlan(
-        step=1, mode="decode", input_ids=col(0, np.int32), prefix_lens=col(0, np.int32),
-        extend_lens=col(1, np.int32), slots=col(1, np.int32), sample=col(1, np.uint8),
-        temperature=col(temperature, np.float32), top_p=col(top_p, np.float32), top_k=col(top_k, np.int32),
-        min_p=col(min_p, np.float32), seed=col(seed, np.int64), sample_index=col(index, np.int32),
-        logprobs=col(-1, np.int32),
-        all_greedy=temperature == 0,
-    )
+    return SamplingInputs(col(temperature, torch.float32), col(top_p, torch.float32), col(top_k, torch.int64),
+                          col(min_p, torch.float32), [seed] * n, [index] * n, [None] * n, temperature == 0)
 
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
@@ -69,3 +62,14 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_batch():
     assert batched.tolist() == [alone] * 5
     other = {sample(logits, plan_for(1, seed=42, index=i)).item() for i in range(20)}
     assert len(other) > 1, "the noise must change with the token index"
+
+
+def test_a_row_that_breaks_fails_alone():
+    """One request whose sampling raises gets an error; the others in its batch still get their tokens."""
+    logits = torch.randn(3, 1000)
+    s = plan_for(3, seed=7)
+    s.seeds[1] = "not a seed"  # what a bug around one request's values looks like
+    ids, logprobs, errors = sample_rows(logits, s)
+    assert ids[1] is None and set(errors) == {1} and "Error" in errors[1]
+    alone = [sample(logits[j : j + 1], plan_for(1, seed=7)).item() for j in (0, 2)]
+    assert [ids[0], ids[2]] == alone and logprobs == {}

@@ -43,7 +43,7 @@ class TokenPoolRunner:
             out.append(next_token(seq) if sample[i] else -1)
             t += ext[i]
             s += pre[i] + ext[i]
-        return ForwardResult(plan.step, np.asarray(out, dtype=np.int32).tobytes())
+        return ForwardResult(plan.step, [t for t, s in zip(out, sample) if s])
 
 
 def reference(prompt: list[int], n: int) -> list[int]:

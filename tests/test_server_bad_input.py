@@ -60,9 +60,33 @@ CASES = [
     ("json response_format", "POST", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("generate: text and input_ids", "POST", GEN, {"text": "a", "input_ids": [1]}, 400, "text"),
     ("generate: bad sampling param", "POST", GEN, {"text": "a", "sampling_params": {"top_k": -7}}, 400,
-     "sampling_params"),
+     "sampling_params.top_k"),
     ("generate: unknown sampling param", "POST", GEN, {"text": "a", "sampling_params": {"foo": 1}}, 400,
-     "sampling_params"),
+     "sampling_params.foo"),
+    ("top_k past the vocabulary (int32 overflow once)", "POST", CHAT, chat(top_k=3_000_000_000), 400, "top_k"),
+    ("top_k larger than the vocabulary", "POST", CHAT, chat(top_k=10**6), 400, "top_k"),
+    ("generate: top_k past the vocabulary", "POST", GEN, {"text": "a", "sampling_params": {"top_k": 2**40}}, 400,
+     "sampling_params.top_k"),
+    ("max_tokens beyond int64", "POST", CHAT, chat(max_tokens=10**30), 400, "max_tokens"),
+    ("stop_token_ids beyond int64", "POST", CHAT, chat(stop_token_ids=[10**30]), 400, "stop_token_ids"),
+    ("stop_token_ids outside the vocabulary", "POST", CHAT, chat(stop_token_ids=[10**6]), 400, "stop_token_ids"),
+    ("too many stop strings", "POST", CHAT, chat(stop=[f"s{i}" for i in range(100)]), 400, "stop"),
+    ("a stop string too long", "POST", CHAT, chat(stop=["x" * 5000]), 400, "stop"),
+    ("priority beyond int32", "POST", CHAT, chat(priority=10**30), 400, "priority"),
+    ("logit_bias map too large", "POST", CHAT, chat(logit_bias={str(i): 1.0 for i in range(400)}), 400,
+     "logit_bias"),
+    ("5000 nested arrays", "POST", COMP, b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     None),
+    ("nested arrays in a content part", "POST", CHAT,
+     b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "x": '
+     + b"[" * 5000 + b"]" * 5000 + b"}]}]}", 400, None),
+    ("generate: rid too long", "POST", GEN, {"text": "a", "rid": "r" * 1000}, 400, "rid"),
+    ("generate: rid list of the wrong length", "POST", GEN, {"text": ["a", "b"], "rid": ["x"]}, 400, "rid"),
+    ("generate: token id past the vocabulary", "POST", GEN, {"input_ids": [1, 2**40]}, 400, "input_ids"),
+    ("form body (a cross-site simple request)", "POST", CHAT, "form", 415, None),
+    ("text/plain body (a cross-site simple request)", "POST", "/flush_cache", "text", 415, None),
+    ("flush_cache by GET", "GET", "/flush_cache", None, 405, None),
+    ("abort by prefix only", "POST", "/abort_request", {"rid": "chatcmpl"}, 404, "rid"),
     ("abort: unknown rid", "POST", "/abort_request", {"rid": "nope"}, 404, "rid"),
     ("abort: no rid", "POST", "/abort_request", {}, 400, "rid"),
     ("unknown route", "GET", "/v2/whatever", None, 404, None),
@@ -71,10 +95,21 @@ CASES = [
 ]
 
 
+def send(url: str, method: str, path: str, body) -> httpx.Response:
+    if body == "form":  # what an HTML form on another site can post without asking first
+        kw = {"data": {"model": "tiny", "messages": "hi"}}
+    elif body == "text":
+        kw = {"content": b"{}", "headers": {"Content-Type": "text/plain"}}
+    elif isinstance(body, bytes):
+        kw = {"content": body, "headers": {"Content-Type": "application/json"}}
+    else:
+        kw = {"json": body} if body is not None else {}
+    return httpx.request(method, url + path, timeout=30, **kw)
+
+
 @pytest.mark.parametrize("name,method,path,body,status,param", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(tiny_server, name, method, path, body, status, param):
-    kw = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
-    r = httpx.request(method, tiny_server.url + path, timeout=30, **kw)
+    r = send(tiny_server.url, method, path, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -91,9 +126,8 @@ def test_error_messages_say_what_to_do(tiny_server):
 
 
 def test_server_keeps_serving_after_bad_input(tiny_server):
-    for _, method, path, body, _, _ in CASES[:12]:
-        kw = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
-        httpx.request(method, tiny_server.url + path, **kw)
+    for _, method, path, body, _, _ in CASES:
+        send(tiny_server.url, method, path, body)
     assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok"}
     ok = httpx.post(tiny_server.url + CHAT, json=chat(), timeout=30)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None

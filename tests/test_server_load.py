@@ -145,7 +145,7 @@ def test_generate_flush_and_metrics(tiny_server):
     again = httpx.post(url + "/generate", timeout=60, json={"text": "metrics check prompt, fairly long " * 3,
                                                             "sampling_params": {"max_new_tokens": 4}})
     assert again.json()["meta_info"]["cached_tokens"] > 0
-    flushed = httpx.post(url + "/flush_cache", timeout=60).json()
+    flushed = httpx.post(url + "/flush_cache", json={}, timeout=60).json()
     assert flushed["tokens_freed"] > 0
     cold = httpx.post(url + "/generate", timeout=60, json={"text": "metrics check prompt, fairly long " * 3,
                                                            "sampling_params": {"max_new_tokens": 4}})

@@ -1,4 +1,10 @@
-"""The aiohttp application: routes, auth, errors, body-size limit."""
+"""The aiohttp application: routes, auth, JSON-only state changes, errors, body-size limit.
+
+Cross-site safety: every route that changes state or runs the model is POST-only and takes only
+``Content-Type: application/json`` bodies. A web page can send a cross-site POST without asking the server first
+only as a "simple" request (form or text/plain bodies); those are refused (415) before anything runs, and a JSON
+request from another origin needs a CORS preflight that this server never grants (no Access-Control headers).
+"""
 from __future__ import annotations
 
 import hmac
@@ -8,7 +14,7 @@ from aiohttp import web
 from radixserve.actors.api.errors import APIError, error_middleware
 from radixserve.actors.api.native import NativeRoutes
 from radixserve.actors.api.openai import OpenAIRoutes
-from radixserve.actors.api.server import ApiServer
+from radixserve.actors.api.server import SERVER, ApiServer
 
 MAX_BODY_BYTES = 8 * 2**20
 OPEN_PATHS = {"/health"}
@@ -29,9 +35,20 @@ def auth_middleware(api_key: str):
     return check
 
 
+@web.middleware
+async def json_only(request: web.Request, handler):
+    """POST routes take JSON only, so a web page cannot drive this server with a simple cross-site request."""
+    if request.method == "POST" and request.match_info.http_exception is None \
+            and request.content_type != "application/json":
+        raise APIError(415, f"send the body as JSON with `Content-Type: application/json` (got "
+                            f"{request.content_type!r})", code="unsupported_media_type")
+    return await handler(request)
+
+
 def make_app(server: ApiServer, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> web.Application:
-    middlewares = [error_middleware] + ([auth_middleware(api_key)] if api_key else [])
+    middlewares = [error_middleware(server.metrics)] + ([auth_middleware(api_key)] if api_key else []) + [json_only]
     app = web.Application(middlewares=middlewares, client_max_size=max_body)
+    app[SERVER] = server
     OpenAIRoutes(server).add_to(app)
     NativeRoutes(server).add_to(app)
     return app

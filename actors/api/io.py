@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 
 from radixserve.actors.api.errors import APIError, from_validation
-from radixserve.actors.api.server import RequestStream
+from radixserve.actors.api.server import SERVER, RequestGroup, RequestStream
 from radixserve.actors.messages import Delta
 
 T = TypeVar("T")
@@ -26,6 +26,8 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
         raise from_validation(exc) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:
@@ -56,13 +58,23 @@ async def stream_events(request: web.Request, events: AsyncIterator[Any]) -> web
         async for body in events:
             await send_event(resp, body)
     except APIError as exc:
+        if (server := request.app.get(SERVER)) is not None:
+            server.metrics.rejected(exc.reason)
         await send_event(resp, exc.body())
     await send_done(resp)
     return resp
 
 
-async def merged(streams: list[RequestStream], firsts: list[Delta]) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) as they arrive from all ``streams``, starting with their already-read ``firsts``."""
+async def first_deltas(group: RequestGroup) -> list[Delta]:
+    """Each sequence's first delta: a request refused by the tokenizer or the scheduler is still a clean 4xx
+    (no response has started)."""
+    return [await s.next() for s in group.streams]
+
+
+async def merged(group: RequestGroup, firsts: list[Delta]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) as they arrive from all of ``group``'s sequences, starting with their already-read
+    ``firsts``."""
+    streams = group.streams
     queue: asyncio.Queue[tuple[int, Delta | APIError]] = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:

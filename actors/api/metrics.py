@@ -32,6 +32,9 @@ class Metrics:
         self.kv_usage = Gauge("radixserve_kv_pool_usage", "fraction of KV slots not free (cached + in use)",
                               registry=r)
         self.kv_tokens = Gauge("radixserve_kv_pool_tokens", "KV slots by state", ["state"], registry=r)
+        self.rejections = Counter("radixserve_rejected_requests", "requests refused or failed, by reason (the "
+                                  "error code: queue_full, too_many_sequences, draining, queue_timeout, "
+                                  "rid_in_use, internal_error, invalid_request_error, ...)", ["reason"], registry=r)
         self.retractions = Gauge("radixserve_retractions", "requests retracted since start", registry=r)
         self.evicted = Gauge("radixserve_evicted_tokens", "cached tokens evicted since start", registry=r)
         labels = ["eviction", "schedule"]  # one series per policy pair; its last epoch's figures
@@ -53,6 +56,9 @@ class Metrics:
         self._prompt_total += prompt
         self._cached_total += cached
         self.e2e.observe(e2e)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
 
     def status(self, s: Status) -> None:
         self.running.set(s.running)

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import AsyncExitStack
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.io import decode_body, json_response, merged, stream_events
+from radixserve.actors.api.io import decode_body, first_deltas, json_response, merged, stream_events
 from radixserve.actors.api.protocol import AbortBody, NativeGenerateRequest, PoliciesBody
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.messages import Delta, GenerateReq
+from radixserve.prompts import text_or_ids
 from radixserve.sampling_params import SamplingParams
 
 
 class Output:
     """One request's result in SGLang's shape, accumulated from its deltas."""
 
-    def __init__(self, rid: str, logprobs: int) -> None:
-        self.rid, self.want_logprobs = rid, logprobs
+    def __init__(self, rid: str, top_logprobs: int | None) -> None:
+        self.rid, self.top_logprobs = rid, top_logprobs
         self.text, self.ids, self.start = "", [], time.perf_counter()
         self.token_lp: list[tuple[float, int]] = []
         self.top_lp: list[list[tuple[float, int]]] = []
@@ -41,28 +41,22 @@ class Output:
         meta = {"id": self.rid, "prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
                 "cached_tokens": d.cached_tokens, "finish_reason": d.finish.to_dict() if d.finish else None,
                 "e2e_latency": time.perf_counter() - self.start}
-        if self.want_logprobs >= 0:
+        if self.top_logprobs is not None:
             meta["output_token_logprobs"] = self.token_lp
-            if self.want_logprobs > 0:
+            if self.top_logprobs > 0:
                 meta["output_top_logprobs"] = self.top_lp
         return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
 
 
-def prompts_of(body: NativeGenerateRequest) -> tuple[list[dict[str, Any]], bool]:
-    """Each prompt as GenerateReq keyword arguments, and whether the caller sent a single one."""
-    if (body.text is None) == (body.input_ids is None):
-        raise APIError(400, "give exactly one of text or input_ids", param="text")
-    if body.text is not None:
-        texts = [body.text] if isinstance(body.text, str) else body.text
-        if not texts or not all(texts):
-            raise APIError(400, "text must be a non-empty string or list of non-empty strings", param="text")
-        return [{"text": t} for t in texts], isinstance(body.text, str)
-    ids = body.input_ids
-    if ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        return [{"input_ids": ids}], True
-    if ids and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in ids):
-        return [{"input_ids": x} for x in ids], False
-    raise APIError(400, "input_ids must be a non-empty list of token ids or a list of such lists", param="input_ids")
+def sequence_rids(rid: str | list[str] | None, n: int, single: bool) -> tuple[str, list[str]]:
+    """The request's id and its sequences' ids: the client's (one for all, or one per prompt) or fresh ones."""
+    if isinstance(rid, list):
+        if len(rid) != n:
+            raise APIError(400, f"rid is a list of {len(rid)} ids for {n} prompts; give one id or one per prompt",
+                           param="rid")
+        return f"batch-{uuid.uuid4().hex}", list(rid)  # each id names its own sequence
+    base = rid or uuid.uuid4().hex
+    return base, [base] if single else [f"{base}-{i}" for i in range(n)]
 
 
 class NativeRoutes:
@@ -73,7 +67,7 @@ class NativeRoutes:
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort)
-        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/flush_cache", self.flush_cache)
         r.add_get("/policies", self.get_policies)
         r.add_post("/policies", self.set_policies)
         r.add_get("/cache/stats", self.cache_stats)
@@ -83,27 +77,27 @@ class NativeRoutes:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await decode_body(request, NativeGenerateRequest)
-        prompts, single = prompts_of(body)
-        try:
-            params = SamplingParams.coerce(body.sampling_params)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="sampling_params") from None
-        base = body.rid or uuid.uuid4().hex
-        logprobs = body.top_logprobs_num if body.return_logprob else -1
-        rids = [base] if single else [f"{base}-{i}" for i in range(len(prompts))]
-        gens = [GenerateReq(rid, params, logprobs=logprobs, priority=body.priority, **kw)
-                for rid, kw in zip(rids, prompts)]
-        outputs = [Output(rid, logprobs) for rid in rids]
-        async with AsyncExitStack() as stack:
-            streams = [await stack.enter_async_context(self.server.stream(g)) for g in gens]
-            firsts = [await s.next() for s in streams]
+        vocab = self.server.limits.vocab_size
+        prompts = text_or_ids(body.text, body.input_ids, vocab)
+        params = body.sampling_params or SamplingParams()
+        if vocab is not None:
+            params.check_model(vocab)
+        top_logprobs = body.top_logprobs_num if body.return_logprob else None
+        group_rid, rids = sequence_rids(body.rid, len(prompts.items), prompts.single)
+        gens = [GenerateReq(rid, params, top_logprobs=top_logprobs, priority=body.priority,
+                            **({"text": p} if isinstance(p, str) else {"input_ids": p}))
+                for rid, p in zip(rids, prompts.items)]
+        outputs = [Output(rid, top_logprobs) for rid in rids]
+        async with self.server.open(group_rid, gens) as group:
+            firsts = await first_deltas(group)
             if not body.stream:
-                async for i, delta in merged(streams, firsts):
+                async for i, delta in merged(group, firsts):
                     outputs[i].add(delta)
                 bodies = [o.body() for o in outputs]
-                return json_response(bodies[0] if single else bodies)
+                return json_response(bodies[0] if prompts.single else bodies)
+
             async def events():
-                async for i, delta in merged(streams, firsts):
+                async for i, delta in merged(group, firsts):
                     outputs[i].add(delta)
                     yield {**outputs[i].body(), "index": i}  # cumulative text, as SGLang streams
 
@@ -141,9 +135,11 @@ class NativeRoutes:
         return json_response(self.server.server_info())
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.server.healthy:
-            return json_response({"status": "ok"})
-        return json_response({"status": "unhealthy", "reason": self.server.info.get("unhealthy_reason")}, 503)
+        if not self.server.healthy:
+            return json_response({"status": "unhealthy", "reason": self.server.info.get("unhealthy_reason")}, 503)
+        if self.server.draining:
+            return json_response({"status": "draining"}, 503)
+        return json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.server.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aiohttp import web
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.io import decode_body, json_response, merged, stream_events
+from radixserve.actors.api.io import decode_body, first_deltas, json_response, merged, stream_events
 from radixserve.actors.api.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.messages import Delta, FinishReason, GenerateReq, TokenLogprob
@@ -97,22 +96,25 @@ class OpenAIRoutes:
         self.check_model(body.model)
         messages = body.template_messages()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gens = [GenerateReq(f"{rid}-{i}", body.sampling_params(body.max_new_tokens, i), messages=messages,
-                            logprobs=body.logprobs_count, priority=body.priority) for i in range(body.n)]
+        vocab = self.server.limits.vocab_size
+        gens = [GenerateReq(f"{rid}-{i}", body.sampling_params(body.max_new_tokens, i, vocab), messages=messages,
+                            top_logprobs=body.top_logprobs_count, priority=body.priority) for i in range(body.n)]
         return await self.respond(request, "chat", rid, body, gens)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await decode_body(request, CompletionRequest)
-        prompts = body.validate()
+        vocab = self.server.limits.vocab_size
+        prompts = body.validate(vocab).items
         self.check_model(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        self.server.check_size(len(prompts) * body.n)  # refused before a single sequence is built
+        params = [body.sampling_params(body.max_new_tokens, j, vocab) for j in range(body.n)]
         gens = []
         for p, prompt in enumerate(prompts):
             for j in range(body.n):
-                i = p * body.n + j
                 kw = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
-                gens.append(GenerateReq(f"{rid}-{i}", body.sampling_params(body.max_new_tokens, j),
-                                        logprobs=body.logprobs_count, priority=body.priority, **kw))
+                gens.append(GenerateReq(f"{rid}-{p * body.n + j}", params[j], top_logprobs=body.top_logprobs_count,
+                                        priority=body.priority, **kw))
         echo = [prompts[i // body.n] if body.echo and isinstance(prompts[i // body.n], str) else ""
                 for i in range(len(gens))]
         return await self.respond(request, "completion", rid, body, gens, echo)
@@ -120,18 +122,16 @@ class OpenAIRoutes:
     async def respond(self, request: web.Request, kind: Kind, rid: str, body, gens: list[GenerateReq],
                       echo: list[str] | None = None) -> web.StreamResponse:
         created = int(time.time())
-        async with AsyncExitStack() as stack:
-            streams = [await stack.enter_async_context(self.server.stream(g)) for g in gens]
-            # wait for each choice's first delta before answering: a refused request is a clean 4xx
-            firsts = [await s.next() for s in streams]
+        async with self.server.open(rid, gens) as group:
+            firsts = await first_deltas(group)
             choices = [Choice(i) for i in range(len(gens))]
             if not body.stream:
-                async for i, delta in merged(streams, firsts):
+                async for i, delta in merged(group, firsts):
                     choices[i].add(delta)
                 return json_response(self.final_body(kind, rid, created, choices, body, echo))
-            return await stream_events(request, self.events(kind, rid, created, body, streams, firsts, choices, echo))
+            return await stream_events(request, self.events(kind, rid, created, body, group, firsts, choices, echo))
 
-    async def events(self, kind: Kind, rid: str, created: int, body, streams, firsts, choices: list[Choice],
+    async def events(self, kind: Kind, rid: str, created: int, body, group, firsts, choices: list[Choice],
                      echo: list[str] | None):
         """The SSE bodies of a streamed response, OpenAI's order: role, content deltas, finish, usage."""
         head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -145,7 +145,7 @@ class OpenAIRoutes:
             if text:
                 yield {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
                        **extra}
-        async for i, delta in merged(streams, firsts):
+        async for i, delta in merged(group, firsts):
             c = choices[i]
             offset = len(c.text)
             c.add(delta)
@@ -172,7 +172,7 @@ class OpenAIRoutes:
         for c in choices:
             common = {"index": c.index, "finish_reason": finish_reason(c.finish),
                       "matched_stop": c.finish.matched if c.finish else None}
-            want_lp = body.logprobs_count >= 0
+            want_lp = body.top_logprobs_count is not None
             if kind == "chat":
                 out.append({**common, "message": {"role": "assistant", "content": c.text},
                             "logprobs": chat_logprobs(c.logprobs) if want_lp else None})

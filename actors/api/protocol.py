@@ -2,6 +2,9 @@
 
 OpenAI's fields, plus the common SGLang/vLLM extras (top_k, min_p, ignore_eos, stop_token_ids). Fields OpenAI
 has but radixserve does not implement are declared so that using them gives a clear 400, not a silent no-op.
+Every field is bounded (ids, priorities, map sizes): nothing a client sends can overflow what the actors exchange.
+The sampling values are checked by SamplingParams itself and the prompts by ``radixserve.prompts``, the same code
+the offline Engine runs.
 """
 from __future__ import annotations
 
@@ -11,9 +14,13 @@ import msgspec
 from msgspec import Meta
 
 from radixserve.actors.api.errors import APIError
+from radixserve.prompts import Prompts, parse_prompts
 from radixserve.sampling_params import SamplingParams
 
 PositiveInt = Annotated[int, Meta(ge=1)]
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # larger = more important
+RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on the map
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -55,7 +62,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
     # SGLang / vLLM extras
     top_k: int | None = None
@@ -63,7 +70,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0  # for the priority schedule / eviction policies; larger = more important
+    priority: Priority = 0  # for the priority schedule / eviction policies
 
     def check_supported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -74,24 +81,24 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int | None, choice: int) -> SamplingParams:
-        """Choice i of n gets seed + i: a seeded request is reproducible, its n choices still differ."""
-        try:
-            return SamplingParams(
-                max_new_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k in (None, 0) else self.top_k,
-                min_p=self.min_p or 0.0,
-                seed=None if self.seed is None else (self.seed + choice) % 2**63,
-                stop=self.stop or None,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos,
-                skip_special_tokens=self.skip_special_tokens,
-            )
-        except ValueError as exc:
-            param = str(exc).split("=")[0].removeprefix("sampling parameter ").strip()
-            raise APIError(400, str(exc), param=param) from None
+    def sampling_params(self, max_tokens: int | None, choice: int, vocab_size: int | None) -> SamplingParams:
+        """Choice i of n gets seed + i: a seeded request is reproducible, its n choices still differ.
+        InvalidRequest (a 400 naming the field) if a value is out of its range."""
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            min_p=self.min_p or 0.0,
+            seed=None if self.seed is None else self.seed + choice,
+            stop=self.stop or None,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        if vocab_size is not None:
+            params.check_model(vocab_size)
+        return params
 
     @property
     def include_usage(self) -> bool:
@@ -132,8 +139,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
-    def logprobs_count(self) -> int:
-        return (self.top_logprobs or 0) if self.logprobs else -1
+    def top_logprobs_count(self) -> int | None:
+        """None: no logprobs; else how many alternatives come with each token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -143,7 +151,7 @@ class CompletionRequest(_Common, kw_only=True):
     suffix: str | None = None
     best_of: int | None = None
 
-    def validate(self) -> list[str | list[int]]:
+    def validate(self, vocab_size: int | None) -> Prompts:
         """The prompts: strings, or token-id lists."""
         self.check_supported()
         if self.suffix:
@@ -152,29 +160,15 @@ class CompletionRequest(_Common, kw_only=True):
             raise APIError(400, "best_of other than n is not supported by radixserve", param="best_of")
         if self.echo and self.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
-        p = self.prompt
-        if isinstance(p, str):
-            prompts: list = [p]
-        elif p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            prompts = [p]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = list(p)
-        elif p and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
-            prompts = list(p)
-        else:
-            raise APIError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list of "
-                                "token-id lists", param="prompt")
-        if any(isinstance(x, str) and not x for x in prompts):
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        return prompts
+        return parse_prompts(self.prompt, "prompt", "any", vocab_size)
 
     @property
     def max_new_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
 
     @property
-    def logprobs_count(self) -> int:
-        return -1 if self.logprobs is None else self.logprobs
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -182,16 +176,16 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # token ids, or a list of token-id lists
-    sampling_params: dict[str, Any] | None = None
+    sampling_params: SamplingParams | None = None
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
-    rid: str | None = None
-    priority: int = 0
+    rid: RequestId | list[RequestId] | None = None  # one id, or one per prompt
+    priority: Priority = 0
 
 
 class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
-    rid: str
+    rid: RequestId
 
 
 class PoliciesBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,7 +1,9 @@
-"""The api actor's core: one asyncio queue per request, fed by a task that reads the api inbox.
+"""The api actor's core: admission, one asyncio queue per generation, and the task that reads the api inbox.
 
-Handlers (openai.py, native.py) open a ``RequestStream`` per generation; leaving it before the request ended
-(client gone: aiohttp cancels the handler) aborts the request, which releases its KV locks at once.
+Handlers (openai.py, native.py) open one ``RequestGroup`` per HTTP request: its sequences (prompts x n) are
+admitted or refused together, *before* anything is tokenized -- 503 while draining, 429 past the per-request cap
+or the in-flight cap, 400 for a request id already in use. Leaving the group before its sequences ended (the
+client went away: aiohttp cancels the handler, streaming or not) aborts them, which releases their KV at once.
 """
 from __future__ import annotations
 
@@ -10,45 +12,52 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
 from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.metrics import Metrics
 from radixserve.actors.messages import (
-    AbortReq, ApiInbox, ControlReply, ControlReq, Delta, ErrorOut, GenerateReq, Status, TextBatch,
+    AbortReq, ApiInbox, ControlReply, ControlReq, Delta, GenerateReq, RequestError, Status, TextBatch,
 )
 from radixserve.actors.transport import Channel, Endpoints
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1  # what 429 and 503 answers tell the client to wait before trying again
+SERVER: web.AppKey[ApiServer] = web.AppKey("server")  # the app's ApiServer, for what only has the request
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one HTTP request, and all of them together, may ask of the server."""
+
+    max_sequences_per_request: int = 256  # prompts x n in one HTTP request
+    max_in_flight: int = 1024 + 128  # sequences admitted and not finished: --max-queued-requests + running
+    vocab_size: int | None = None  # token ids are checked against it before anything is queued
+
 
 class RequestStream:
-    """The deltas of one generation, in order; ``APIError`` if it was refused."""
+    """The deltas of one generation (one sequence), in order; ``APIError`` if it failed."""
 
     def __init__(self, server: ApiServer, req: GenerateReq) -> None:
         self.server, self.req = server, req
-        self.queue: asyncio.Queue[Delta | ErrorOut | APIError] = asyncio.Queue()
+        self.queue: asyncio.Queue[Delta | RequestError | APIError] = asyncio.Queue()
         self.start = time.perf_counter()
         self.last: float | None = None
         self.done = False
 
-    async def __aenter__(self) -> RequestStream:
-        self.server.pending[self.req.rid] = self
-        await self.server.channel.send("tokenizer", self.req)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.pending.pop(self.req.rid, None)
-        if not self.done:  # the client left (or a sibling choice failed): stop the work, free the KV
-            await self.server.channel.send("tokenizer", AbortReq(self.req.rid, "client disconnected"))
-
     async def next(self) -> Delta:
         item = await self.queue.get()
-        if isinstance(item, ErrorOut):
+        if isinstance(item, RequestError):
             self.done = True
-            raise APIError(400, item.message, param=item.param)
+            if item.status >= 500:
+                log.error("request %s failed: %s", self.req.rid, item.message)
+            raise APIError(item.status, item.message, param=item.param, code=item.code,
+                           retry_after=RETRY_AFTER_S if item.status in (429, 503) else None)
         if isinstance(item, APIError):
             self.done = True
             raise item
@@ -71,14 +80,47 @@ class RequestStream:
             yield await self.next()
 
 
+class RequestGroup:
+    """The sequences of one HTTP request, admitted together; ``async with`` sends them, leaving aborts what has
+    not finished."""
+
+    def __init__(self, server: ApiServer, rid: str, gens: list[GenerateReq]) -> None:
+        self.server, self.rid = server, rid
+        self.streams = [RequestStream(server, g) for g in gens]
+
+    async def __aenter__(self) -> RequestGroup:
+        server = self.server
+        server.groups[self.rid] = [s.req.rid for s in self.streams]
+        for s in self.streams:
+            server.pending[s.req.rid] = s
+        for s in self.streams:
+            await server.channel.send("tokenizer", s.req)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        server = self.server
+        server.groups.pop(self.rid, None)
+        for s in self.streams:
+            server.pending.pop(s.req.rid, None)
+        for s in self.streams:
+            if not s.done:  # the client left (or a sibling failed): stop the work, free the KV
+                await server.channel.send("tokenizer", AbortReq(s.req.rid, "client disconnected"))
+        if server.idle is not None and not server.pending:
+            server.idle.set()
+
+
 class ApiServer:
-    def __init__(self, endpoints: Endpoints, info: dict[str, Any]) -> None:
+    def __init__(self, endpoints: Endpoints, info: dict[str, Any], limits: Limits | None = None) -> None:
         self.channel = Channel(endpoints, "api", ApiInbox, ("tokenizer", "scheduler"))
         self.info = info  # model name, args, limits: what /get_server_info and /v1/models show
-        self.pending: dict[str, RequestStream] = {}
+        self.limits = limits or Limits()
+        self.pending: dict[str, RequestStream] = {}  # every sequence in flight, by its rid
+        self.groups: dict[str, list[str]] = {}  # an HTTP request's rid -> the rids of its sequences
         self.metrics = Metrics()
         self.status: Status | None = None
         self.healthy = True
+        self.draining = False
+        self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight any more
         self._replies: dict[int, asyncio.Future[ControlReply]] = {}
         self._ids = itertools.count()
         self._reader: asyncio.Task | None = None
@@ -91,28 +133,79 @@ class ApiServer:
             self._reader.cancel()
         self.channel.close()
 
-    def stream(self, req: GenerateReq) -> RequestStream:
+    # -- admission ---------------------------------------------------------------------------------------
+    def open(self, rid: str, gens: list[GenerateReq]) -> RequestGroup:
+        """Admit one HTTP request's sequences, or refuse them all (nothing is sent, nothing tokenized)."""
         if not self.healthy:
             raise APIError(503, "the server is shutting down", type="service_unavailable")
-        return RequestStream(self, req)
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests", code="draining",
+                           retry_after=RETRY_AFTER_S)
+        n, lim = len(gens), self.limits
+        self.check_size(n)
+        taken = [r for r in [rid, *(g.rid for g in gens)] if r in self.pending or r in self.groups]
+        if taken or len({g.rid for g in gens}) < n:
+            raise APIError(400, f"request id {(taken or [rid])[0]!r} is already in use; choose another rid",
+                           param="rid", code="rid_in_use")
+        if len(self.pending) + n > lim.max_in_flight:
+            raise APIError(429, f"the server is at capacity ({len(self.pending)} sequences in flight, at most "
+                                f"{lim.max_in_flight}); retry later", code="queue_full", retry_after=RETRY_AFTER_S)
+        return RequestGroup(self, rid, gens)
 
+    def check_size(self, n: int) -> None:
+        """429 if one HTTP request asks for more than --max-sequences-per-request sequences (prompts x n)."""
+        if n > self.limits.max_sequences_per_request:
+            raise APIError(429, f"this request asks for {n} sequences (prompts x n); the server takes at most "
+                                f"{self.limits.max_sequences_per_request} per request (--max-sequences-per-request):"
+                                " split it into several requests", code="too_many_sequences",
+                           retry_after=RETRY_AFTER_S)
+
+    async def abort(self, rid: str) -> list[str]:
+        """Abort the HTTP request ``rid`` (all its sequences) or the one sequence ``rid``; exact ids only.
+        Returns the sequence ids aborted (empty: nothing by that id is in flight)."""
+        hits = [r for r in self.groups.get(rid, [rid]) if r in self.pending]
+        for r in hits:
+            await self.channel.send("tokenizer", AbortReq(r, "aborted by /abort_request"))
+        return hits
+
+    def drain(self) -> asyncio.Event:
+        """Stop admitting; the returned event is set once every request in flight has ended."""
+        self.draining = True
+        self.idle = asyncio.Event()
+        if not self.pending:
+            self.idle.set()
+        return self.idle
+
+    def fail_all(self, message: str) -> None:
+        """An actor died: every waiting handler answers 503 now instead of hanging."""
+        self.healthy = False
+        for s in list(self.pending.values()):
+            s.queue.put_nowait(APIError(503, message, type="service_unavailable"))
+
+    # -- the inbox ---------------------------------------------------------------------------------------
     async def _read_inbox(self) -> None:
         while True:
             msg = await self.channel.recv()
-            if isinstance(msg, TextBatch):
-                for delta in msg.deltas:
-                    if (s := self.pending.get(delta.rid)) is not None:
-                        s.queue.put_nowait(delta)
-            elif isinstance(msg, ErrorOut):
-                if (s := self.pending.get(msg.rid)) is not None:
-                    s.queue.put_nowait(msg)
-            elif isinstance(msg, Status):
-                self.status = msg
-                self.metrics.status(msg)
-            elif isinstance(msg, ControlReply):
-                fut = self._replies.pop(msg.reply_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            try:
+                self._dispatch(msg)
+            except Exception:  # never let one odd message stop every request's answers
+                log.exception("internal error on %s", type(msg).__name__)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, TextBatch):
+            for delta in msg.deltas:
+                if (s := self.pending.get(delta.rid)) is not None:
+                    s.queue.put_nowait(delta)
+        elif isinstance(msg, RequestError):
+            if (s := self.pending.get(msg.rid)) is not None:
+                s.queue.put_nowait(msg)
+        elif isinstance(msg, Status):
+            self.status = msg
+            self.metrics.status(msg)
+        elif isinstance(msg, ControlReply):
+            fut = self._replies.pop(msg.reply_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
 
     async def control(self, op: str, timeout: float = 30.0, **kw: str | None) -> ControlReply:
         """Ask the scheduler (it answers between two steps)."""
@@ -127,21 +220,10 @@ class ApiServer:
             raise APIError(503, f"the scheduler did not answer {op} within {timeout:.0f}s",
                            type="service_unavailable") from None
 
-    async def abort(self, rid: str) -> list[str]:
-        """Abort ``rid`` and any choice of it (``rid-0``, ``rid-1``, ...); returns the ids aborted."""
-        hits = [r for r in self.pending if r == rid or r.startswith(rid + "-")]
-        for r in hits:
-            await self.channel.send("tokenizer", AbortReq(r, "aborted by /abort_request"))
-        return hits
-
-    def fail_all(self, message: str) -> None:
-        """An actor died: every waiting handler answers 503 now instead of hanging."""
-        self.healthy = False
-        for s in list(self.pending.values()):
-            s.queue.put_nowait(APIError(503, message, type="service_unavailable"))
-
     def server_info(self) -> dict[str, Any]:
         info = dict(self.info)
         info["status"] = msgspec.to_builtins(self.status) if self.status else None
         info["healthy"] = self.healthy
+        info["draining"] = self.draining
+        info["in_flight"] = len(self.pending)
         return info

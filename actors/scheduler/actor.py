@@ -5,18 +5,20 @@ to the tokenizer, so detokenizing and HTTP streaming run while the model compute
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
-import numpy as np
-
 from radixserve.actors.messages import (
-    AddReq, ControlReply, ControlReq, FinishReq, ForwardResult, Rejected, SchedulerInbox, Status, TokenBatch, array,
-    to_bytes,
+    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardResult, RequestError, SchedulerInbox, Status,
+    TokenBatch, array, to_bytes,
 )
 from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler.scheduler import Scheduler, build_scheduler
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
+from radixserve.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.25
 
@@ -34,18 +36,42 @@ class SchedulerActor:
         await self.maybe_status()  # the api knows the pool from the start
         while True:
             if self.inflight or not sched.has_work:
-                await self.handle(await self.channel.recv())  # nothing to plan: wait
+                await self.guarded(await self.channel.recv())  # nothing to plan: wait
             for msg in await self.channel.recv_ready():
-                await self.handle(msg)
+                await self.guarded(msg)
             if not self.inflight:
                 await self.launch()
+            await self.report_failures()
             await self.maybe_status()
 
+    async def guarded(self, msg: Any) -> None:
+        """Handle one message; a bug on it fails the requests it touched (500), never this actor."""
+        try:
+            await self.handle(msg)
+        except Exception:
+            log.exception("internal error on %s", type(msg).__name__)
+            if isinstance(msg, AddReq):
+                await self.channel.send("tokenizer", RequestError(msg.rid, "internal error while queueing the "
+                                                                  "request (logged)", status=500,
+                                                                  code="internal_error"))
+            elif isinstance(msg, ForwardResult):
+                self.inflight = False
+                self.scheduler.fail_all("internal error in the scheduler (logged)")
+
     async def launch(self) -> None:
-        plan = self.scheduler.schedule() if self.scheduler.has_work else None
+        try:
+            plan = self.scheduler.schedule() if self.scheduler.has_work else None
+        except Exception:  # a bug in planning that no single request explains: start clean rather than stop
+            log.exception("internal error while scheduling; failing the requests in flight")
+            self.scheduler.fail_all("internal error in the scheduler (logged)")
+            return
         if plan is not None:
             await self.channel.send("runner", plan)
             self.inflight = True
+
+    async def report_failures(self) -> None:
+        for err in self.scheduler.take_failures():
+            await self.channel.send("tokenizer", err)
 
     async def handle(self, msg: Any) -> None:
         sched = self.scheduler
@@ -58,13 +84,13 @@ class SchedulerActor:
                 await self.channel.send("tokenizer", token_batch(updated))
         elif isinstance(msg, AddReq):
             try:
-                req = sched.add_request(msg.rid, array(msg.input_ids).tolist(), msg.params, msg.logprobs,
+                req = sched.add_request(msg.rid, array(msg.input_ids).tolist(), msg.params, msg.top_logprobs,
                                         msg.priority)
-            except ValueError as exc:
-                await self.channel.send("tokenizer", Rejected(msg.rid, str(exc)))
+            except InvalidRequest as exc:
+                await self.channel.send("tokenizer", RequestError(msg.rid, str(exc), param=exc.param))
                 return
             if req.finished:  # max_new_tokens == 0: done without a step
-                await self.channel.send("tokenizer", token_batch([req], new_token=False))
+                await self.channel.send("tokenizer", Finished(req.rid, req.finish_reason, len(req.prompt_ids), 0))
         elif isinstance(msg, FinishReq):
             sched.finish(msg.rid, msg.reason)
         elif isinstance(msg, ControlReq):
@@ -92,22 +118,16 @@ def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
         return ControlReply(msg.reply_id, sched.policies_info(), error=str(exc))
 
 
-def token_batch(reqs: list[Req], new_token: bool = True) -> TokenBatch:
-    """One message for the whole step: each request's newest token (-1 if none) and, for finished ones, why."""
-    batch = TokenBatch(
+def token_batch(reqs: list[Req]) -> TokenBatch:
+    """One message for the whole step: each request's newest token and, for finished ones, why."""
+    return TokenBatch(
         rids=[r.rid for r in reqs],
-        token_ids=to_bytes([r.output_ids[-1] if new_token else -1 for r in reqs]),
+        token_ids=to_bytes([r.output_ids[-1] for r in reqs]),
         prompt_tokens=to_bytes([len(r.prompt_ids) for r in reqs]),
         cached_tokens=to_bytes([r.cached_tokens or 0 for r in reqs]),
         finished={i: r.finish_reason for i, r in enumerate(reqs) if r.finish_reason is not None},
+        logprobs={i: r.output_logprobs[-1] for i, r in enumerate(reqs) if r.top_logprobs is not None},
     )
-    if new_token and any(r.logprobs >= 0 for r in reqs):
-        lps = [r.output_logprobs[-1] if r.logprobs >= 0 else (np.nan, []) for r in reqs]
-        batch.logprob = to_bytes([lp for lp, _ in lps], np.float32)
-        batch.top_counts = to_bytes([len(top) for _, top in lps])
-        batch.top_ids = to_bytes([t for _, top in lps for t, _ in top])
-        batch.top_logprobs = to_bytes([v for _, top in lps for _, v in top], np.float32)
-    return batch
 
 
 def status_of(sched: Scheduler) -> Status:
@@ -128,6 +148,8 @@ def status_of(sched: Scheduler) -> Status:
         epoch_prompt_tokens=epoch.prompt_tokens,
         epoch_cached_tokens=epoch.cached_tokens,
         epoch_evicted_tokens=cache.evicted_tokens - epoch.evicted_at_start,
+        queue_timeouts=sched.stats.queue_timeouts,
+        failed_requests=sched.stats.failed,
     )
 
 

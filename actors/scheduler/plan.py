@@ -1,15 +1,16 @@
-"""Turning a batch of requests into the runner's ForwardPlan (and its reply back into tokens)."""
+"""Turning a batch of requests into the runner's ForwardPlan."""
 from __future__ import annotations
 
 from typing import Literal
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan
+from radixserve.actors.messages import ForwardPlan, SamplingBatch
 from radixserve.actors.scheduler.req import Req
 
 
-def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int]) -> ForwardPlan:
+def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int],
+               vocab_size: int) -> ForwardPlan:
     """``starts[i]``: how many of reqs[i]'s tokens were in the pool before this step (the rest are new).
 
     Every request's KV handle must already hold slots for all the tokens it computes now.
@@ -20,7 +21,6 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
     else:
         input_ids = [t for r, s, e in zip(reqs, starts, kv_lens) for t in r.tokens(s, e)]
     sample = [e == r.seq_len for r, e in zip(reqs, kv_lens)]
-    params = [r.params for r in reqs]
     return ForwardPlan(
         step=step,
         mode=mode,
@@ -29,12 +29,20 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
         extend_lens=(np.asarray(kv_lens, dtype=np.int32) - np.asarray(starts, dtype=np.int32)).tobytes(),
         slots=np.concatenate([r.kv.slots for r in reqs]).astype(np.int32, copy=False).tobytes(),
         sample=np.asarray(sample, dtype=np.uint8).tobytes(),
+        sampling=sampling_batch([r for r, s in zip(reqs, sample) if s], vocab_size),
+    )
+
+
+def sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
+    """The sampling rows of ``reqs``; "no top-k limit" (-1 or 0) travels as the vocabulary size."""
+    params = [r.params for r in reqs]
+    return SamplingBatch(
         temperature=np.asarray([p.temperature for p in params], dtype=np.float32).tobytes(),
         top_p=np.asarray([p.top_p for p in params], dtype=np.float32).tobytes(),
-        top_k=np.asarray([p.top_k for p in params], dtype=np.int32).tobytes(),
+        top_k=np.asarray([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int32).tobytes(),
         min_p=np.asarray([p.min_p for p in params], dtype=np.float32).tobytes(),
-        seed=np.asarray([-1 if p.seed is None else p.seed for p in params], dtype=np.int64).tobytes(),
-        sample_index=np.asarray([len(r.output_ids) for r in reqs], dtype=np.int32).tobytes(),
-        logprobs=np.asarray([r.logprobs for r in reqs], dtype=np.int32).tobytes(),
+        seeds=[p.seed for p in params],
+        output_index=np.asarray([len(r.output_ids) for r in reqs], dtype=np.int32).tobytes(),
+        top_logprobs=[r.top_logprobs for r in reqs],
         all_greedy=all(p.greedy for p in params),
     )

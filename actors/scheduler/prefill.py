@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from radixserve.actors.scheduler.req import Req
+from radixserve.cache.invariants import require
 from radixserve.cache.manager import CacheManager
 from radixserve.cache.radix_tree import RadixTree
 from radixserve.policies.eviction import LRU
@@ -53,8 +54,9 @@ class PrefillAdder:
         if self.cache.available - self.reserved < n + reserve:
             return self._reject(req, fresh)
         start = req.kv_len
-        ok = self.cache.extend(req.kv, n)
-        assert ok, "the pool had room a moment ago"
+        require(self.cache.extend(req.kv, n), "the pool had room a moment ago")
+        if fresh:
+            self.cache.admit(req.kv)  # only now does its cached prefix count as used (a hit, for LFU & co)
         if req.cached_tokens is None:
             req.cached_tokens = start
         self.reqs.append(req)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.actors.messages import FinishReason
+from radixserve.actors.messages import FinishReason, Logprob
+from radixserve.cache.invariants import require
 from radixserve.cache.manager import KVHandle
 from radixserve.sampling_params import SamplingParams
 
@@ -16,18 +17,17 @@ class Req:
     max_new_tokens: int  # resolved: never None, prompt + max_new_tokens fits the context and the pool
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     arrival: float
-    logprobs: int = -1  # -1: none; else how many top alternatives to return with each token's logprob
+    top_logprobs: int | None = None  # None: no logprobs; else how many alternatives come with each token's
     priority: int = 0  # larger = more important (priority schedule / eviction policies)
     first_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
-    # per output token when logprobs >= 0: (logprob, [(token_id, logprob) of the top alternatives])
-    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    output_logprobs: list[Logprob] = field(default_factory=list)  # one per output token, when asked for
     kv: KVHandle | None = None  # set while the request holds KV (running or mid-prefill)
     cached_tokens: int | None = None  # prefix reused from the cache when first admitted
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
-        assert len(self.prompt_ids) >= 1 and self.max_new_tokens >= 0
+        require(len(self.prompt_ids) >= 1 and self.max_new_tokens >= 0, "a request needs a prompt and a budget")
 
     @property
     def seq_len(self) -> int:

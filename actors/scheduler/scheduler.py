@@ -3,27 +3,36 @@
 One step, in words: *prefill if something fits, else decode*. A prefill step continues the chunked request,
 then admits waiting requests in the schedule policy's order while they fit. A decode step gives every running
 request one more slot, first retracting the requests that lose least if the pool has run out.
+
+A request fails alone: one that waited past the queue timeout, or broke while its step was planned or sampled,
+ends with a ``RequestError`` (collected in ``failures``) and gives back its KV; the others go on.
 """
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan, ForwardResult, array
+from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError, array
 from radixserve.actors.scheduler.plan import build_plan
+from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
+from radixserve.cache.invariants import require
 from radixserve.cache.manager import CacheManager
+from radixserve.errors import InvalidRequest
 from radixserve.policies.base import EvictionPolicy, SchedulePolicy
-from radixserve.policies.schedule import FCFS
 from radixserve.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_TOP_LOGPROBS = 20
 POLICY_WINDOW = 1024  # the schedule policy orders the oldest this many waiting requests (keeps a step O(1))
 
 
@@ -41,7 +50,23 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
     clip_max_new_tokens: int = 4096
+    queue_timeout_s: float | None = None  # a request not started within this long fails (503); None: never
     check_invariants: bool = False
+
+
+@dataclass
+class _Step:
+    """The plan being computed and its requests, with how many tokens each had in the pool before it."""
+
+    plan: ForwardPlan
+    reqs: list[Req]
+    starts: list[int]
+
+    def start_of(self, req: Req) -> int | None:
+        for r, s in zip(self.reqs, self.starts):
+            if r is req:
+                return s
+        return None
 
 
 class Scheduler:
@@ -49,7 +74,6 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.cache = cache
-        self.policy = policy
         self.clock = clock
         self.live: dict[str, Req] = {}
         self.waiting: list[Req] = []  # in arrival order
@@ -57,29 +81,39 @@ class Scheduler:
         self.chunked: Req | None = None  # mid-prefill: continues in the next prefill step
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
-        self.schedule_fallback: SchedulePolicy = FCFS()
-        self.policy_errors: list[str] = []
-        self.epochs: list[PolicyEpoch] = []
-        self._new_epoch()
+        self.lab = PolicyLab(cache, policy, clock)
+        self.failures: list[RequestError] = []  # requests that failed since the caller last took them
         self._step = 0
         self._queue_version = 0  # bumped when requests join the queue (new or retracted)
         self._blocked: tuple[tuple[int, int], float] | None = None  # (queue, cache) state and room of the last
         # prefill that admitted nothing
-        self._inflight: tuple[ForwardPlan, list[Req]] | None = None
+        self._inflight: _Step | None = None
+
+    @property
+    def policy(self) -> SchedulePolicy:
+        return self.lab.policy
+
+    @property
+    def epochs(self) -> list[PolicyEpoch]:
+        return self.lab.epochs
+
+    @property
+    def policy_errors(self) -> list[str]:
+        return list(self.lab.errors)
 
     # -- requests in and out -----------------------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, logprobs: int = -1,
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
                     priority: int = 0) -> Req:
-        """Queue a request; ValueError (nothing queued) if it can never run. ``logprobs``: -1 none, else how many
-        top alternatives to record with each output token's logprob."""
+        """Queue a request; InvalidRequest (nothing queued) if it can never run. ``top_logprobs``: None for no
+        logprobs, else how many top alternatives to record with each output token's logprob."""
         if rid in self.live:
-            raise ValueError(f"request id {rid!r} is already in use")
-        max_new = self.validate(prompt_ids, params)
+            raise InvalidRequest(f"request id {rid!r} is already in use", param="rid")
+        max_new = self.validate(prompt_ids, params, top_logprobs)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.config.eos_ids
         req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock(),
-                  logprobs=logprobs, priority=priority)
+                  top_logprobs=top_logprobs, priority=priority)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
         if max_new == 0:  # nothing to generate
@@ -91,28 +125,37 @@ class Scheduler:
         self._queue_version += 1
         return req
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Check a prompt against the model and the pool; returns the resolved max_new_tokens."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None) -> int:
+        """Check a request against the model and the pool (again: the offline Engine has no API in front of
+        it); returns the resolved max_new_tokens. InvalidRequest names the field that is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}",
+                                 param="sampling_params")
+        params.check_model(self.config.vocab_size)
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs={top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]",
+                                 param="top_logprobs")
         n, ctx, cap = len(prompt_ids), self.config.context_length, self.cache.capacity
         if n == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+            raise InvalidRequest("the prompt is empty; give at least one token", param="prompt")
+        vocab = self.config.vocab_size
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         limit = min(ctx, cap)
         if n >= ctx:
-            raise ValueError(f"the prompt has {n} tokens; this model's context is {ctx} tokens "
-                             "and at least one token must be generated")
+            raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {ctx} tokens "
+                                 "and at least one token must be generated", param="prompt")
         if n >= cap:
-            raise ValueError(f"the prompt has {n} tokens; the KV pool holds only {cap} (--max-total-tokens)")
+            raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds only {cap} (--max-total-tokens)",
+                                 param="prompt")
         if params.max_new_tokens is None:
             return min(DEFAULT_MAX_NEW_TOKENS, limit - n)
         if n + params.max_new_tokens > limit:
             what = f"the context length {ctx}" if ctx <= cap else f"the KV pool size {cap} (--max-total-tokens)"
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = {n + params.max_new_tokens} "
-                f"exceeds {what}; lower max_new_tokens to at most {limit - n}"
-            )
+                f"exceeds {what}; lower max_new_tokens to at most {limit - n}", param="max_new_tokens")
         return params.max_new_tokens
 
     def finish(self, rid: str, reason: FinishReason) -> Req | None:
@@ -120,16 +163,46 @@ class Scheduler:
         req = self.live.get(rid)
         if req is None:
             return None
+        self._rollback_inflight(req)
         req.finish_reason = reason
         self._release(req)
         if req in self.waiting:
             self.waiting.remove(req)
         return req
 
+    def fail(self, req: Req, message: str, status: int = 500, code: str | None = "internal_error") -> None:
+        """End ``req`` with an error (kept in ``failures`` for the caller to report); its KV goes back."""
+        if req.finished:
+            return
+        self.finish(req.rid, FinishReason("abort", message=message))
+        self.failures.append(RequestError(req.rid, message, status=status, code=code))
+        self.stats.failed += 1
+
+    def take_failures(self) -> list[RequestError]:
+        out, self.failures = self.failures, []
+        return out
+
+    def fail_step(self, message: str) -> None:
+        """The plan in flight will never produce tokens (the runner failed, or the caller gave up on it): every
+        request in it fails, and the slots it allocated for this step go back uncomputed."""
+        step, self._inflight = self._inflight, None
+        for req, start in zip(step.reqs, step.starts) if step else ():
+            if not req.finished:
+                self.cache.truncate(req.kv, start)
+                self.fail(req, message)
+
+    def fail_all(self, message: str) -> None:
+        """Last resort after a bug in the scheduler itself: every request fails (500) and lets go of its KV, so
+        the server is back in a clean state and serves the next request."""
+        if self._inflight is not None:
+            self.fail_step(message)
+        for req in list(self.live.values()):
+            self.fail(req, message)
+
     @property
     def inflight(self) -> list[Req]:
         """The requests of the plan being computed, in batch order (empty when none is)."""
-        return list(self._inflight[1]) if self._inflight else []
+        return list(self._inflight.reqs) if self._inflight else []
 
     @property
     def has_work(self) -> bool:
@@ -137,32 +210,45 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> ForwardPlan | None:
-        """The next batch, or None when there is nothing to run."""
-        assert self._inflight is None, "process() the result of the previous plan first"
+        """The next batch, or None when there is nothing to run (requests may have failed meanwhile: see
+        ``failures``)."""
+        require(self._inflight is None, "process() the result of the previous plan first")
+        self._expire_queue()
         return self._schedule_prefill() or self._schedule_decode()
 
     def process(self, result: ForwardResult) -> list[Req]:
         """Apply the runner's tokens. Returns the requests that got a token (finished ones included)."""
-        assert self._inflight is not None and self._inflight[0].step == result.step, "result for another step"
-        plan, reqs = self._inflight
+        step = self._inflight
+        require(step is not None and step.plan.step == result.step, "a result for another step")
+        if result.error is not None:
+            log.error("step %d failed in the runner: %s", result.step, result.error)
+            self.fail_step("internal error in the model step (logged)")
+            return []
         self._inflight = None
+        plan, reqs = step.plan, step.reqs
         updated = []
-        logprobs = _Logprobs(result, reqs)
+        sampled = np.flatnonzero(array(plan.sample, np.uint8)).tolist()  # sampling row j is batch row sampled[j]
+        row_of = {i: j for j, i in enumerate(sampled)}
         now = self.clock()
-        for i, (req, next_id) in enumerate(zip(reqs, array(result.next_ids).tolist())):
-            if req.finished:  # aborted while its step ran
+        for i, req in enumerate(reqs):
+            if req.finished:  # aborted while its step ran (its KV of this step was already given back)
                 continue
             if plan.mode == "extend":  # what was just computed is reusable by others at once (kept locked)
                 self.cache.cache_prefix(req.kv, req.fill_ids)
-            if next_id < 0:  # a prefill chunk that is not the last
+            j = row_of.get(i)
+            if j is None:  # a prefill chunk that is not the last
+                continue
+            if j in result.errors:
+                log.error("request %s: sampling failed: %s", req.rid, result.errors[j])
+                self.fail(req, "internal error while sampling (logged)")
                 continue
             if req is self.chunked:
                 self.chunked = None
-            req.output_ids.append(next_id)
+            req.output_ids.append(result.next_ids[j])
             if req.first_token_at is None:
                 req.first_token_at = now
-            if req.logprobs >= 0:
-                req.output_logprobs.append(logprobs.of(i))
+            if req.top_logprobs is not None:
+                req.output_logprobs.append(result.logprobs[j])
             self.stats.generated_tokens += 1
             self.epochs[-1].generated_tokens += 1
             updated.append(req)
@@ -178,6 +264,26 @@ class Scheduler:
         if self.config.check_invariants:
             self.check()
         return updated
+
+    def _expire_queue(self) -> None:
+        """Fail the requests that waited longer than the queue timeout without being started."""
+        timeout = self.config.queue_timeout_s
+        if timeout is None or not self.waiting or self.clock() - self.waiting[0].arrival <= timeout:
+            return
+        now = self.clock()
+        for req in [r for r in self.waiting if now - r.arrival > timeout and r.first_token_at is None]:
+            self.stats.queue_timeouts += 1
+            self.fail(req, f"the request waited {now - req.arrival:.1f}s in the queue, longer than the server's "
+                           f"--queue-timeout of {timeout:g}s: the server is overloaded; retry later",
+                      status=503, code="queue_timeout")
+
+    def _rollback_inflight(self, req: Req) -> None:
+        """``req`` leaves while its step runs: the slots that step writes for it must not reach the tree as if
+        they held its KV (the step may yet fail), so they go back now; the runner is done with them before any
+        later step can reuse them."""
+        start = self._inflight.start_of(req) if self._inflight else None
+        if start is not None and req.kv is not None:
+            self.cache.truncate(req.kv, start)
 
     def _schedule_prefill(self) -> ForwardPlan | None:
         if not self.waiting and self.chunked is None:
@@ -202,7 +308,7 @@ class Scheduler:
         room = cfg.max_running_requests - len(self.running) - (self.chunked is not None)
         if self.waiting and room > 0:
             dedup = InBatchDedup(self.cache) if getattr(self.policy, "cache_aware", False) and self.cache.tree else None
-            for req in self._ordered_waiting()[:room]:
+            for req in self.lab.order(self.waiting[:POLICY_WINDOW])[:room]:
                 if dedup is not None and dedup.defer(req, bool(adder.reqs)):
                     continue  # shares a prefix that this step computes for another request: reuse it next step
                 if not adder.add(req):
@@ -227,88 +333,43 @@ class Scheduler:
             pass
         starts = [r.kv_len for r in self.running]
         for req in self.running:
-            ok = self.cache.extend(req.kv, 1)
-            assert ok, "a lone request always fits: validate() caps prompt + max_new_tokens at the pool size"
+            require(self.cache.extend(req.kv, 1),
+                    "a lone request always fits: validate() caps prompt + max_new_tokens at the pool size")
         return self._launch("decode", list(self.running), starts)
 
-    def _launch(self, mode, reqs: list[Req], starts: list[int]) -> ForwardPlan:
+    def _launch(self, mode, reqs: list[Req], starts: list[int]) -> ForwardPlan | None:
+        """The plan for ``reqs``. A request that cannot be planned (a bug around its values) fails alone: its
+        slots of this step go back and the others run without it."""
         self._step += 1
-        plan = build_plan(self._step, mode, reqs, starts)
-        self._inflight = (plan, reqs)
+        try:
+            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size)
+        except Exception:
+            log.exception("could not plan step %d; finding the request(s) that break it", self._step)
+            bad = [r for r, s in zip(reqs, starts) if not _plannable(mode, r, s, self.config.vocab_size)] or reqs
+            for req, start in zip(reqs, starts):
+                if any(req is b for b in bad):
+                    self.cache.truncate(req.kv, start)
+                    self.fail(req, "internal error while planning the request (logged)")
+            keep = [(r, s) for r, s in zip(reqs, starts) if not r.finished]
+            if not keep:
+                return None
+            reqs, starts = [r for r, _ in keep], [s for _, s in keep]
+            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size)
+        self._inflight = _Step(plan, reqs, starts)
         return plan
 
-    # -- statistics --------------------------------------------------------------------------------------
-    def cache_stats(self) -> dict:
-        """Pool state now, totals since start, and one record per policy epoch (GET /cache/stats)."""
-        cache, st, now = self.cache, self.stats, self.clock()
-        prompt = sum(e.prompt_tokens for e in self.epochs)  # of finished requests, like cached
-        cached = sum(e.cached_tokens for e in self.epochs)
-        return {
-            "pool": {"capacity": cache.capacity, "free": cache.allocator.num_free, "evictable": cache.evictable,
-                     "protected": cache.protected, "owned_by_requests": cache.owned_by_requests},
-            "totals": {"requests_received": st.requests, "requests_finished": sum(e.requests for e in self.epochs),
-                       "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
-                       "generated_tokens": st.generated_tokens, "evicted_tokens": cache.evicted_tokens,
-                       "retractions": st.retractions, "steps": st.steps},
-            "epochs": [e.to_dict(now, cache.evicted_tokens) for e in self.epochs],
-        }
-
-    # -- policies ----------------------------------------------------------------------------------------
+    # -- policies and statistics (policy_lab.py) ----------------------------------------------------------
     def set_policies(self, eviction: EvictionPolicy | None = None, schedule: SchedulePolicy | None = None) -> None:
-        """Swap policies between steps: no cached entry and no request is lost; a new stats epoch starts.
-        ValueError (nothing changed) if the eviction policy fails on the current cache."""
-        if eviction is not None:
-            self.cache.set_eviction_policy(eviction)
-        if schedule is not None:
-            self.schedule_fallback, self.policy = self.policy, schedule
-        self._new_epoch()
+        self.lab.set(eviction, schedule)
 
     def switch_policies(self, eviction: str | None = None, schedule: str | None = None) -> None:
-        """``set_policies`` by registered name (built-in or plugin); ValueError naming the problem."""
-        from radixserve.policies import load_eviction_policy, load_schedule_policy
-
-        if eviction is None and schedule is None:
-            raise ValueError("give an eviction and/or a schedule policy name")
-        self.set_policies(load_eviction_policy(eviction) if eviction else None,
-                          load_schedule_policy(schedule) if schedule else None)
+        self.lab.switch(eviction, schedule)
 
     def policies_info(self) -> dict:
-        """What GET /policies shows: the current policies, the available ones, errors of failed policies."""
-        from radixserve.policies import available
+        return self.lab.info()
 
-        errors = self.policy_errors + (self.cache.tree.policy_errors if self.cache.tree else [])
-        return {"eviction": {"current": self.cache.eviction_policy.name, "available": available("eviction")},
-                "schedule": {"current": self.policy.name, "available": available("schedule")},
-                "errors": errors[-20:]}
-
-    def _new_epoch(self) -> None:
-        now = self.clock()
-        if self.epochs:
-            self.epochs[-1].close(now, self.cache.evicted_tokens)
-        self.epochs.append(PolicyEpoch(self.cache.eviction_policy.name, self.policy.name, now,
-                                       self.cache.evicted_tokens))
-
-    def _ordered_waiting(self, attempt: int = 0) -> list[Req]:
-        """The oldest POLICY_WINDOW waiting requests in the policy's order. A policy that raises, or (a plugin)
-        loses or invents requests, is replaced by the one before it (FCFS at worst), the error is kept in
-        policy_errors, and scheduling goes on."""
-        window = self.waiting[:POLICY_WINDOW]
-        try:
-            ordered = self.policy.order(list(window), self.cache, self.clock())
-            if not type(self.policy).__module__.startswith("radixserve.") and (
-                    len(ordered) != len(window) or {id(r) for r in ordered} != {id(r) for r in window}):
-                raise ValueError("order() did not return a permutation of the waiting requests")
-            return ordered
-        except Exception as exc:
-            bad = self.policy
-            self.policy = self.schedule_fallback if self.schedule_fallback is not bad else FCFS()
-            self.schedule_fallback = FCFS()
-            self.policy_errors.append(f"schedule policy {bad.name!r} raised {type(exc).__name__}: {exc}; "
-                                      f"switched to {self.policy.name!r}")
-            self._new_epoch()
-            if attempt >= 2:  # not even the fallbacks work: arrival order needs no policy at all
-                return window
-            return self._ordered_waiting(attempt + 1)
+    def cache_stats(self) -> dict:
+        return self.lab.cache_stats(self.stats)
 
     # -- retraction --------------------------------------------------------------------------------------
     def _future_tokens(self, req: Req) -> float:
@@ -340,20 +401,23 @@ class Scheduler:
             self.running.remove(req)
         if req.finished:
             self.live.pop(req.rid, None)
-            self.stats.cached_tokens += req.cached_tokens or 0
-            ttft = req.first_token_at - req.arrival if req.first_token_at is not None else None
-            self.epochs[-1].finished(len(req.prompt_ids), req.cached_tokens or 0, ttft)
+            if req.cached_tokens is not None:  # it was admitted: it reused (or not) and computed
+                self.stats.cached_tokens += req.cached_tokens
+                ttft = req.first_token_at - req.arrival if req.first_token_at is not None else None
+                self.epochs[-1].finished(len(req.prompt_ids), req.cached_tokens, ttft)
 
     # -- invariants --------------------------------------------------------------------------------------
     def check(self) -> None:
-        """Pool accounting and queue consistency (tests call this after every step)."""
+        """Pool accounting and queue consistency (tests call this after every step); InvariantError if broken."""
         holders = [r for r in self.live.values() if r.kv is not None]
         self.cache.check(r.kv for r in holders)
-        assert all(r.kv is None for r in self.waiting), "a waiting request holds KV"
-        assert all(r.kv is not None and r.extend_len == 1 for r in self.running), "a running request is not decoding"
-        assert len({id(r) for r in self.waiting + self.running}) == len(self.waiting) + len(self.running)
-        assert len(self.running) + (self.chunked is not None) <= self.config.max_running_requests
-        assert not any(r.finished for r in self.live.values()), "a finished request is still live"
+        require(all(r.kv is None for r in self.waiting), "a waiting request holds KV")
+        require(all(r.kv is not None and r.extend_len == 1 for r in self.running), "a running request is not decoding")
+        require(len({id(r) for r in self.waiting + self.running}) == len(self.waiting) + len(self.running),
+                "a request is queued twice")
+        require(len(self.running) + (self.chunked is not None) <= self.config.max_running_requests,
+                "more requests running than --max-running-requests")
+        require(not any(r.finished for r in self.live.values()), "a finished request is still live")
 
 
 def build_scheduler(args, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> Scheduler:
@@ -365,21 +429,9 @@ def build_scheduler(args, config: SchedulerConfig, clock: Callable[[], float] = 
     return Scheduler(config, cache, load_schedule_policy(args.schedule_policy), clock=clock)
 
 
-class _Logprobs:
-    """Reads a ForwardResult's logprob arrays: the alternatives of request i follow those of every earlier
-    request in the batch that sampled with logprobs > 0."""
-
-    def __init__(self, result: ForwardResult, reqs: list[Req]) -> None:
-        self.chosen = array(result.logprob, np.float32)
-        self.top_ids = array(result.top_ids).tolist()
-        self.top_lp = array(result.top_logprobs, np.float32).tolist()
-        self.spans: dict[int, tuple[int, int]] = {}
-        at = 0
-        for i, (req, next_id) in enumerate(zip(reqs, array(result.next_ids))):
-            if next_id >= 0 and req.logprobs > 0:
-                self.spans[i] = (at, at + req.logprobs)
-                at += req.logprobs
-
-    def of(self, i: int) -> tuple[float, list[tuple[int, float]]]:
-        start, end = self.spans.get(i, (0, 0))
-        return float(self.chosen[i]), list(zip(self.top_ids[start:end], self.top_lp[start:end]))
+def _plannable(mode, req: Req, start: int, vocab_size: int) -> bool:
+    try:
+        build_plan(0, mode, [req], [start], vocab_size)
+        return True
+    except Exception:
+        return False

@@ -18,6 +18,8 @@ class SchedulerStats:
     generated_tokens: int = 0
     retractions: int = 0
     steps: int = 0
+    failed: int = 0  # requests that ended with an error (timed out in the queue, broke on our side)
+    queue_timeouts: int = 0
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -30,7 +32,8 @@ def percentile(values: list[float], q: float) -> float | None:
 @dataclass
 class PolicyEpoch:
     """What happened while one (eviction, schedule) pair was in charge. Requests count in the epoch they
-    finish in; TTFT is the scheduler's (arrival to first token, no HTTP)."""
+    finish in, if they were ever admitted (one that timed out in the queue reused nothing and computed nothing);
+    TTFT is the scheduler's (arrival to first token, no HTTP)."""
 
     eviction: str
     schedule: str

@@ -85,7 +85,7 @@ async def run_live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, s
         cache_tokens = (await client.call("GET", "/get_server_info"))["max_total_tokens"]
         results = []
         for eviction, schedule in pairs:
-            await client.call("POST", "/flush_cache")  # every pair starts cold, and in an epoch of its own:
+            await client.call("POST", "/flush_cache", {})  # every pair starts cold, and in an epoch of its own:
             await client.call("POST", "/policies", {"eviction": eviction, "schedule": schedule})
             bar = progress_factory(f"live {eviction}/{schedule}") if progress_factory else None
             run = await _replay(client, trace, time_scale, bar)

@@ -56,9 +56,9 @@ class CostModelRunner:
 
     def forward(self, plan: ForwardPlan, reqs: list[Req]) -> ForwardResult:
         sample = array(plan.sample, np.uint8)
-        ids = [self.outputs[r.rid][len(r.output_ids)] if s else -1 for r, s in zip(reqs, sample)]
+        ids = [self.outputs[r.rid][len(r.output_ids)] for r, s in zip(reqs, sample) if s]
         self.clock.now += self.cost.step(plan)
-        return ForwardResult(plan.step, np.asarray(ids, dtype=np.int32).tobytes())
+        return ForwardResult(plan.step, ids)
 
 
 @dataclass

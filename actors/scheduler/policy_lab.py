@@ -1,0 +1,100 @@
+"""The scheduler's policy lifecycle: the schedule policy in charge and the one it replaced, live switching by name,
+guarded ordering (a broken plugin is replaced, never fatal), and the statistics of every policy epoch."""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
+from radixserve.cache.manager import CacheManager
+from radixserve.policies.base import EvictionPolicy, SchedulePolicy
+from radixserve.policies.schedule import FCFS
+
+R = TypeVar("R")
+
+
+class PolicyLab:
+    def __init__(self, cache: CacheManager, policy: SchedulePolicy, clock: Callable[[], float]) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.fallback: SchedulePolicy = FCFS()  # what a failing schedule policy is replaced by
+        self.clock = clock
+        self.errors: deque[str] = deque(maxlen=100)  # the newest failures of replaced schedule policies
+        self.epochs: list[PolicyEpoch] = []
+        self.new_epoch()
+
+    # -- switching ---------------------------------------------------------------------------------------
+    def set(self, eviction: EvictionPolicy | None = None, schedule: SchedulePolicy | None = None) -> None:
+        """Swap policies between steps: no cached entry and no request is lost; a new stats epoch starts.
+        ValueError (nothing changed) if the eviction policy fails on the current cache."""
+        if eviction is not None:
+            self.cache.set_eviction_policy(eviction)
+        if schedule is not None:
+            self.fallback, self.policy = self.policy, schedule
+        self.new_epoch()
+
+    def switch(self, eviction: str | None = None, schedule: str | None = None) -> None:
+        """``set`` by registered name (built-in or plugin); ValueError naming the problem."""
+        from radixserve.policies import load_eviction_policy, load_schedule_policy
+
+        if eviction is None and schedule is None:
+            raise ValueError("give an eviction and/or a schedule policy name")
+        self.set(load_eviction_policy(eviction) if eviction else None,
+                 load_schedule_policy(schedule) if schedule else None)
+
+    def info(self) -> dict[str, Any]:
+        """What GET /policies shows: the current policies, the available ones, errors of failed policies."""
+        from radixserve.policies import available
+
+        errors = list(self.errors) + (list(self.cache.tree.policy_errors) if self.cache.tree else [])
+        return {"eviction": {"current": self.cache.eviction_policy.name, "available": available("eviction")},
+                "schedule": {"current": self.policy.name, "available": available("schedule")},
+                "errors": errors[-20:]}
+
+    # -- ordering ----------------------------------------------------------------------------------------
+    def order(self, window: list[R], attempt: int = 0) -> list[R]:
+        """``window`` (the oldest waiting requests) in the policy's order. A policy that raises, or (a plugin)
+        loses or invents requests, is replaced by the one before it (FCFS at worst), the error is kept in
+        ``errors``, and scheduling goes on."""
+        try:
+            ordered = self.policy.order(list(window), self.cache, self.clock())
+            if not type(self.policy).__module__.startswith("radixserve.") and (
+                    len(ordered) != len(window) or {id(r) for r in ordered} != {id(r) for r in window}):
+                raise ValueError("order() did not return a permutation of the waiting requests")
+            return ordered
+        except Exception as exc:
+            bad = self.policy
+            self.policy = self.fallback if self.fallback is not bad else FCFS()
+            self.fallback = FCFS()
+            self.errors.append(f"schedule policy {bad.name!r} raised {type(exc).__name__}: {exc}; "
+                               f"switched to {self.policy.name!r}")
+            self.new_epoch()
+            if attempt >= 2:  # not even the fallbacks work: arrival order needs no policy at all
+                return window
+            return self.order(window, attempt + 1)
+
+    # -- statistics --------------------------------------------------------------------------------------
+    def new_epoch(self) -> None:
+        now = self.clock()
+        if self.epochs:
+            self.epochs[-1].close(now, self.cache.evicted_tokens)
+        self.epochs.append(PolicyEpoch(self.cache.eviction_policy.name, self.policy.name, now,
+                                       self.cache.evicted_tokens))
+
+    def cache_stats(self, stats: SchedulerStats) -> dict[str, Any]:
+        """Pool state now, totals since start, and one record per policy epoch (GET /cache/stats)."""
+        cache, now = self.cache, self.clock()
+        prompt = sum(e.prompt_tokens for e in self.epochs)  # of finished requests, like cached
+        cached = sum(e.cached_tokens for e in self.epochs)
+        return {
+            "pool": {"capacity": cache.capacity, "free": cache.allocator.num_free, "evictable": cache.evictable,
+                     "protected": cache.protected, "owned_by_requests": cache.owned_by_requests},
+            "totals": {"requests_received": stats.requests,
+                       "requests_finished": sum(e.requests for e in self.epochs),
+                       "requests_failed": stats.failed, "queue_timeouts": stats.queue_timeouts,
+                       "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
+                       "generated_tokens": stats.generated_tokens, "evicted_tokens": cache.evicted_tokens,
+                       "retractions": stats.retractions, "steps": stats.steps},
+            "epochs": [e.to_dict(now, cache.evicted_tokens) for e in self.epochs],
+        }
