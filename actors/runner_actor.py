@@ -26,10 +26,9 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[RunnerActor, dict[str, Any
 
     args = spec.server_args
     cfg = ModelConfig.from_hf(*load_configs(Path(spec.model_dir)))
-    runner = ModelRunner(cfg, Path(spec.model_dir), dtype=args.dtype, num_slots=args.max_total_tokens,
-                         device=args.device, attention_backend=args.attention_backend, num_threads=args.num_threads)
+    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args)
     return RunnerActor(runner, channel), {"dtype": args.dtype, "device": args.device, "attention": runner.attn.name,
-                                          "kv_pool_bytes": runner.kv.nbytes}
+                                          "deterministic": args.deterministic, "kv_pool_bytes": runner.kv.nbytes}
 
 
 def main(spec: ActorSpec) -> None:

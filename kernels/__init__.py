@@ -20,11 +20,23 @@ def _triton() -> AttentionBackend:
     return TritonAttention()
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton}
+def _batch_invariant() -> AttentionBackend:
+    from radixserve.kernels.batch_invariant import BatchInvariantAttention
+
+    return BatchInvariantAttention()
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: Triton on CUDA, torch on CPU."""
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton,
+                                                       "batch-invariant": _batch_invariant}
+
+
+def get_backend(name: str, device: torch.device, deterministic: bool = False) -> AttentionBackend:
+    """``auto``: Triton on CUDA, torch on CPU; batch-invariant when ``deterministic`` (the only one that is)."""
+    if deterministic:
+        if name not in ("auto", "batch-invariant"):
+            raise ValueError(f"--deterministic needs the batch-invariant attention backend, not {name!r}; "
+                             "leave --attention-backend at auto")
+        name = "batch-invariant"
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:

@@ -34,12 +34,13 @@ def iter_safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
-def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
+                deterministic: bool = False) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)  # no random init: every weight is loaded next
     model.load_weights(iter_safetensors(path))
-    packed = pack_linears(model)  # CPU bf16: same results, faster matrix-vector products
+    packed = pack_linears(model, deterministic)  # CPU bf16: same results, faster matrix-vector products
     if packed:
         log.info("packed %d linear layers for oneDNN", packed)
     return model.eval()
@@ -47,19 +48,40 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
-                 attention_backend: str = "auto", num_threads: int | None = None) -> None:
+                 attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False) -> None:
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        elif deterministic:
+            raise ValueError("--deterministic is implemented for the CPU only; run without it on CUDA")
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         start = time.perf_counter()
-        self.model = build_model(cfg, path, self.dtype, self.device)
+        self.model = build_model(cfg, path, self.dtype, self.device, deterministic)
         self.kv = KVPool(cfg.num_layers, num_slots + 1, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.rope = RopeTable(*cfg.rope_inv_freq(), cfg.max_position_embeddings, self.dtype, self.device)
-        self.attn = get_backend(attention_backend, self.device)
+        self.attn = get_backend(attention_backend, self.device, deterministic)
         log.info("model loaded in %.1fs (%s, %s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, num_slots, self.kv.nbytes / 2**20)
+        if deterministic:
+            from radixserve.model.determinism import check_batch_invariance
+
+            start = time.perf_counter()
+            check_batch_invariance(self.logits, cfg.vocab_size, num_slots)
+            log.info("deterministic: batch invariance checked on this machine in %.1fs", time.perf_counter() - start)
+
+    @classmethod
+    def from_args(cls, cfg: ModelConfig, path: Path, args) -> ModelRunner:
+        """The runner a server or Engine runs, configured by ``args`` (resolved ServerArgs)."""
+        return cls(cfg, path, dtype=args.dtype, num_slots=args.max_total_tokens, device=args.device,
+                   attention_backend=args.attention_backend, num_threads=args.num_threads,
+                   deterministic=args.deterministic)
+
+    @torch.inference_mode()
+    def logits(self, plan: ForwardPlan) -> torch.Tensor:
+        """The next-token logits of the plan's sampling rows (no sampling)."""
+        return self.model(ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
+                                                 self.cfg.num_heads // self.cfg.num_kv_heads))
 
     @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> ForwardResult:

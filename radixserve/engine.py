@@ -38,9 +38,7 @@ class Engine:
         self.model_config = prepared.model
         self.model_files = prepared.files
         self.tokenizer = TokenizerCore(prepared.files.path)
-        self.runner = ModelRunner(prepared.model, prepared.files.path, dtype=args.dtype,
-                                  num_slots=args.max_total_tokens, device=args.device,
-                                  attention_backend=args.attention_backend, num_threads=args.num_threads)
+        self.runner = ModelRunner.from_args(prepared.model, prepared.files.path, args)
         self.scheduler = build_scheduler(args, prepared.scheduler_config)
         self._ids = itertools.count()
         self._closed = False

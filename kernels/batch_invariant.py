@@ -1,0 +1,135 @@
+"""Batch-invariant attention over the slot pool (``--deterministic``, CPU): every query row's output depends only on
+its own query and its own keys, never on what else is in the batch, how long the other rows are, whether its
+prefix came from the cache or was computed in this step, or where a chunked prefill was cut.
+
+How: one function, ``attend``, serves extend and decode alike, in float32. A query at position i reads its keys
+0..i in fixed chunks of CHUNK keys aligned to absolute positions (chunk c = keys [c*CHUNK, (c+1)*CHUNK)):
+
+    scores  s = q . k            one [M, D] x [D, CHUNK] product per chunk (M >= 2: see below)
+    global  m = max over every key of the row (exact: max does not round)
+    chunk   p = exp(s - m), l_c = sum(p), o_c = p . v      (a [M, CHUNK] x [CHUNK, D] product)
+    merge   o = tree_sum(o_c) / tree_sum(l_c)               pairwise, over a power-of-two count of chunks
+
+Keys beyond i -- later tokens of the same extend, padding to the batch's longest row or to a whole chunk -- get a
+score of -inf, so p = 0 and they add exact zeros; whole chunks of them leave the pairwise tree's grouping of the
+real chunks unchanged. What remains is that one matrix product computes a row the same way whatever the number
+of rows M: true of this CPU's float32 GEMM for M >= 2 (a single row takes a GEMV path that rounds differently),
+so a lone row is computed as a pair. The runner checks all of this at start-up (``model.determinism``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.kernels.base import AttentionBatch
+
+CHUNK = 64  # keys per chunk: fixed, so a key's chunk depends on its position only
+QUERY_BLOCK = 256  # extend queries per product (bounds memory; rows are independent, so blocking changes nothing)
+NEG_INF = float("-inf")
+
+
+def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over ``dim`` pairwise, first half + second half, after padding to a power of two with zeros: extra
+    zero entries (a row's padding) fold away at the first level, so the grouping of the others never changes."""
+    n = x.shape[dim]
+    size = 1 << max(0, (n - 1).bit_length())
+    if size > n:
+        pad = list(x.shape)
+        pad[dim] = size - n
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x.squeeze(dim)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``q``: float32 ``[B, KH, M, D]``, already scaled; ``k``/``v``: float32 ``[B, KH, L, D]`` with L a multiple of
+    CHUNK; ``bias``: float32 ``[B, M, L]``, 0 where the key may be read and -inf where not (every row reads at
+    least one key). Returns ``[B, KH, M, D]``."""
+    b, kh, m, d = q.shape
+    if m == 1:  # a lone row would take the GEMV path: compute it as a pair, keep one
+        return attend(q.expand(b, kh, 2, d), k, v, bias.expand(b, 2, -1))[:, :, :1]
+    nc = k.shape[2] // CHUNK
+    kc = k.view(b, kh, nc, CHUNK, d)
+    s = torch.matmul(q[:, :, None], kc.transpose(-1, -2))  # [B, KH, C, M, CHUNK]
+    s = s + bias.reshape(b, 1, m, nc, CHUNK).transpose(2, 3)
+    p = torch.exp(s - s.amax(dim=(2, 4), keepdim=True))
+    out = torch.matmul(p, v.view(b, kh, nc, CHUNK, d))  # [B, KH, C, M, D]
+    return tree_sum(out, 2) / tree_sum(p.sum(-1), 2)[..., None]
+
+
+def _padded(n: int) -> int:
+    return -(-n // CHUNK) * CHUNK
+
+
+@dataclass
+class _Rows:
+    """One product's worth of work: requests ``rows`` read their keys through ``index`` (dummy slot 0 where
+    padded) under ``bias``; their queries are tokens [tok_start, tok_start + tokens) of the batch."""
+
+    index: torch.Tensor  # [R, L] slots
+    bias: torch.Tensor  # [R, tokens, L] float32
+    tok_start: int
+    tokens: int  # query tokens per row (1 when decoding)
+
+
+class BatchInvariantAttention:
+    name = "batch-invariant"
+
+    def prepare(self, batch: AttentionBatch) -> list[_Rows]:
+        device = batch.slots.device
+        out, slot_at, tok_at = [], 0, 0
+        if batch.mode == "decode":  # every request one query: all in one product, keys padded to the longest row
+            lens = torch.tensor(batch.seq_lens, device=device)
+            width = _padded(int(lens.max()))
+            real = torch.arange(width, device=device)[None, :] < lens[:, None]
+            index = torch.zeros(real.shape, dtype=torch.int64, device=device)
+            index[real] = batch.slots
+            bias = torch.zeros(real.shape, device=device).masked_fill_(~real, NEG_INF)
+            return [_Rows(index, bias[:, None, :], 0, 1)]
+        for p, e in zip(batch.prefix_lens, batch.extend_lens):  # a request at a time, its queries in blocks
+            row = batch.slots[slot_at : slot_at + p + e]
+            width = _padded(p + e)
+            index = torch.zeros(width, dtype=torch.int64, device=device)
+            index[: p + e] = row
+            keys = torch.arange(width, device=device)[None, :]
+            for t0 in range(0, e, QUERY_BLOCK):
+                t1 = min(e, t0 + QUERY_BLOCK)
+                pos = p + torch.arange(t0, t1, device=device)[:, None]  # query token t sits at position p + t
+                bias = torch.zeros(t1 - t0, width, device=device).masked_fill_(keys > pos, NEG_INF)
+                out.append(_Rows(index[None], bias[None], tok_at + t0, t1 - t0))
+            slot_at += p + e
+            tok_at += e
+        return out
+
+    def store_kv(self, k_pool, v_pool, batch, k, v) -> None:
+        k_pool.index_copy_(0, batch.out_slots, k)
+        v_pool.index_copy_(0, batch.out_slots, v)
+
+    def extend(self, q, k, v, k_pool, v_pool, batch, scale):
+        return self._run(q, k_pool, v_pool, batch, scale)  # the new K/V are in the pool already: read them there
+
+    def decode(self, q, k_pool, v_pool, batch, scale):
+        return self._run(q, k_pool, v_pool, batch, scale)
+
+    @staticmethod
+    def _run(q, k_pool, v_pool, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        _, h, d = q.shape
+        kh = k_pool.shape[1]
+        g = h // kh
+        out = torch.empty_like(q)
+        for w in batch.backend_data:
+            r, width = w.index.shape
+            rows = q[w.tok_start : w.tok_start + r * w.tokens].float() * scale  # [R * T, H, D]
+            # queries grouped under their kv head: [R, KH, T * G, D], the T * G rows of one product
+            qg = rows.view(r, w.tokens, kh, g, d).permute(0, 2, 1, 3, 4).reshape(r, kh, w.tokens * g, d)
+            flat = w.index.flatten()
+            k = k_pool.index_select(0, flat).view(r, width, kh, d).transpose(1, 2).float()
+            v = v_pool.index_select(0, flat).view(r, width, kh, d).transpose(1, 2).float()
+            bias = w.bias.repeat_interleave(g, dim=1)  # each token's mask, once per query head of the group
+            o = attend(qg, k.contiguous(), v.contiguous(), bias)  # [R, KH, T * G, D]
+            o = o.view(r, kh, w.tokens, g, d).permute(0, 2, 1, 3, 4).reshape(r * w.tokens, h, d)
+            out[w.tok_start : w.tok_start + r * w.tokens] = o.to(q.dtype)
+        return out
