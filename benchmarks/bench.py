@@ -2,7 +2,8 @@
 model, dtype and prompts, measured side by side in one run; writes benchmarks/results/REPORT.md, PNG plots and
 results.json. See benchmarks/README.md.
 
-    python benchmarks/bench.py [--quick] [--out benchmarks/results] [--only shared,multiturn,unique,forward,overhead]
+    python benchmarks/bench.py [--quick] [--out benchmarks/results]
+                               [--only shared,multiturn,unique,forward,overhead,deterministic]
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import deterministic_cost  # noqa: E402
 import machine  # noqa: E402
 import report  # noqa: E402
 from forward_speed import HF, Ours  # noqa: E402
@@ -28,7 +30,7 @@ from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
-STAGES = ("shared", "multiturn", "unique", "forward", "overhead")
+STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic")
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -59,7 +61,7 @@ def main() -> None:
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
-    bar = tqdm(total=4, desc="bench", unit="stage")
+    bar = tqdm(total=5, desc="bench", unit="stage")
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
         try:
@@ -108,6 +110,9 @@ def main() -> None:
                           **machine.model_costs(cfg)}
     if "overhead" in only:
         res["overhead"] = [machine.scheduler_overhead(b) for b in (1, 8, 32, 64)]
+    bar.update()
+    if "deterministic" in only:
+        res["deterministic"] = deterministic_cost.measure("bfloat16", 2 if q else 5, q, args.model_path)
     bar.update()
     bar.close()
     (out / "results.json").write_text(json.dumps(res, indent=2))

@@ -55,9 +55,11 @@ class Ours:
         self._drain()
         return elapsed
 
-    def decode(self, batch: int, prompt: int, steps: int, seed: int) -> float:
+    def decode(self, batch: int, prompt: int, steps: int, seed: int, shared_prefix: int = 0) -> float:
+        """Median seconds per decode step of ``batch`` requests (``shared_prefix`` tokens common to all)."""
+        common = prompt_ids(shared_prefix, seed - 1)
         for i in range(batch):
-            self._add(prompt_ids(prompt, seed + i), steps + 2)
+            self._add(common + prompt_ids(prompt, seed + i), steps + 2)
         while len(self.sched.running) < batch:  # prefill everyone first
             self.sched.process(self.runner.forward(self.sched.schedule()))
         times = []

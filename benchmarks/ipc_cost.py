@@ -17,7 +17,7 @@ import numpy as np
 import zmq
 
 from radixserve.actors.messages import (
-    AbortReq, Delta, ForwardPlan, ForwardResult, TextBatch, TokenBatch, to_bytes,
+    AbortReq, Delta, ForwardPlan, ForwardResult, SamplingBatch, TextBatch, TokenBatch, to_bytes,
 )
 
 Any = ForwardPlan | ForwardResult | TokenBatch | TextBatch | AbortReq
@@ -29,10 +29,11 @@ def samples(batch: int, context: int) -> dict[str, msgspec.Struct]:
         "AbortReq (tiny)": AbortReq("chatcmpl-0123456789abcdef-0"),
         f"ForwardPlan decode, batch {batch}, {context}-token rows": ForwardPlan(
             step=1, mode="decode", input_ids=col(5), prefix_lens=col(context - 1), extend_lens=col(1),
-            slots=to_bytes(np.arange(batch * context)), sample=col(1, np.uint8), temperature=col(0, np.float32),
-            top_p=col(1, np.float32), top_k=col(-1), min_p=col(0, np.float32), seed=col(-1, np.int64),
-            sample_index=col(3), logprobs=col(-1), all_greedy=True),
-        f"ForwardResult, batch {batch}": ForwardResult(1, col(7)),
+            slots=to_bytes(np.arange(batch * context)), sample=col(1, np.uint8),
+            sampling=SamplingBatch(temperature=col(0, np.float32), top_p=col(1, np.float32), top_k=col(49152),
+                                   min_p=col(0, np.float32), seeds=[None] * batch, output_index=col(3),
+                                   top_logprobs=[None] * batch, all_greedy=True)),
+        f"ForwardResult, batch {batch}": ForwardResult(1, [7] * batch),
         f"TokenBatch, batch {batch}": TokenBatch([f"chatcmpl-{i:032x}-0" for i in range(batch)], col(7), col(100),
                                                  col(50), {}),
         f"TextBatch, batch {batch}": TextBatch([Delta(f"chatcmpl-{i:032x}-0", " word", [7], 100, 3, 50)

@@ -161,6 +161,20 @@ def write(res: dict, out: Path) -> None:
         if at32:
             targets.append(check("scheduler + IPC / step time at batch 32", at32["fraction"], at32["fraction"] <= 0.05,
                                  "<= 0.05"))
+    if "deterministic" in res:
+        d = res["deterministic"]
+        L += ["## Deterministic mode: what it costs", "", "`--deterministic` (batch-invariant: a request's tokens never "
+              "depend on the batch) vs the default mode, the same model runner and weights in "
+              f"{d['dtype']}, side by side (alternating, median of repeats). Slowdown = time per token in "
+              "deterministic mode / default mode. Start-up: default "
+              f"{d['start_s']['default']:.1f} s, deterministic {d['start_s']['deterministic']:.1f} s (it probes the "
+              "row limit of every linear shape and checks the loaded model's batch invariance).", "",
+              "| | size | default tok/s | deterministic tok/s | slowdown |", "|---|---|---|---|---|"]
+        for r in d["rows"]:
+            L.append(f"| {r['kind']} | {r['size']} | {r['default_tok_s']:.1f} | {r['deterministic_tok_s']:.1f} | "
+                     f"{r['slowdown']:.2f}x |")
+        L += ["", "![deterministic cost](deterministic.png)", ""]
+        plot_deterministic(d["rows"], out / "deterministic.png")
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
 
@@ -195,6 +209,23 @@ def plot_multiturn(runs: list[dict], path: Path) -> None:
         ax.set_xticks(rounds)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_deterministic(rows: list[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['kind']}\n{r['size']}" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["default_tok_s"] for r in rows], width=0.4, label="default")
+    ax.bar([i + 0.2 for i in x], [r["deterministic_tok_s"] for r in rows], width=0.4, label="--deterministic")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("batch-invariant mode vs default (same runner, same weights)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -346,6 +346,7 @@ class Scheduler:
         except Exception:
             log.exception("could not plan step %d; finding the request(s) that break it", self._step)
             bad = [r for r, s in zip(reqs, starts) if not _plannable(mode, r, s, self.config.vocab_size)] or reqs
+            log.error("failing request(s) %s: they cannot be planned", ", ".join(r.rid for r in bad))
             for req, start in zip(reqs, starts):
                 if any(req is b for b in bad):
                     self.cache.truncate(req.kv, start)
