@@ -15,11 +15,12 @@ SEED_MODULUS = 2**63  # any integer seed is reduced into [0, 2**63): seeds are n
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing logits by it would overflow float32
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_new_tokens: int | None = None  # None: 128, clipped to what the context leaves
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) = no limit; at most the vocabulary size
     min_p: float = 0.0
@@ -72,7 +73,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def stop_strings(self) -> list[str]:

@@ -114,7 +114,8 @@ HELP = {
     "log_level": "debug, info, warning or error",
     "num_threads": "torch threads for the model (default: all cores)",
     "device": "auto (cuda if available), cuda or cpu",
-    "attention_backend": "auto (triton on cuda, torch on cpu), triton or torch",
+    "attention_backend": "auto (triton on cuda, torch on cpu; batch-invariant with --deterministic), triton, torch "
+                         "or batch-invariant",
     "max_queued_requests": "sequences that may wait for a slot beyond the running ones; past it new requests get "
                            "429 with Retry-After",
     "max_sequences_per_request": "prompts x n one HTTP request may ask for; past it: 429",

@@ -109,3 +109,10 @@ def test_logprobs_match_a_direct_forward(engine, hf_models):
         assert [t for _, t in top] == ref[j].topk(3).indices.tolist()
     plain = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
     assert "output_token_logprobs" not in plain["meta_info"]
+
+
+def test_a_tiny_temperature_is_greedy(engine):
+    """1e-38 survives as a float32 but logits / 1e-38 overflow: it must sample like temperature 0."""
+    greedy = engine.generate("a tiny temperature", {"max_new_tokens": 6, "temperature": 0})["output_ids"]
+    for t in (1e-38, 1e-45, 1e-6):
+        assert engine.generate("a tiny temperature", {"max_new_tokens": 6, "temperature": t})["output_ids"] == greedy

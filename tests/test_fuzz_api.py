@@ -12,6 +12,7 @@ answered, and once idle no request holds KV (nothing running or protected, free 
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -21,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
@@ -44,7 +45,8 @@ MAX_VALID_N = 3
 BATCH = 25
 TIMEOUT_S = 60
 GOOD_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
-FUZZ = dict(deadline=None, derandomize=True, database=None,
+# no shrinking: each try re-sends a batch to the live server, and the failing call is named by the assertion
+FUZZ = dict(deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                    HealthCheck.data_too_large])
 
@@ -57,9 +59,8 @@ INTS = st.one_of(st.integers(-3, 70), st.integers(), st.sampled_from(
 FLOATS = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(
     [1e308, -1e308, -0.0, 5e-324, 1e-300, 2.0000001, float("inf"), float("nan")]))  # inf/nan: not JSON at all
 SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, TEXTS)
-JSON_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXTS, inner,
-                                                                                                  max_size=4),
-                           max_leaves=10)
+JSON_VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXTS, inner, max_size=4), max_leaves=10)
 
 # -- values near each field's range ----------------------------------------------------------------------
 TOKEN_IDS = st.one_of(st.integers(0, VOCAB - 1),
@@ -82,7 +83,7 @@ EVICTIONS = ["lru", "lfu", "fifo", "filo", "mru", "gdsf", "slru", "priority", "n
 SCHEDULES = ["fcfs", "lpm", "lpm-aging", "dfs-weight", "lof", "random", "priority", "nope"]
 
 SAMPLING = {
-    "temperature": st.one_of(st.floats(0, 2), st.sampled_from([-0.0, -1, 2.5, 1e308, 1e-300])),
+    "temperature": st.one_of(st.floats(0, 2), st.sampled_from([-0.0, -1, 2.5, 1e308, 1e-300, 1e-45])),
     "top_p": st.one_of(st.floats(0, 1), st.sampled_from([1e-300, 1.5, -0.0])),
     "top_k": st.one_of(st.integers(-2, 60), st.sampled_from([VOCAB, VOCAB + 1, 2**31, 3_000_000_000, -2**63])),
     "min_p": st.one_of(st.floats(-0.5, 1.5), st.just(1.0)),
@@ -165,7 +166,7 @@ VALID_BODIES: dict[str, st.SearchStrategy[dict]] = {
                        optional={"stream": st.booleans(), "rid": LIVE_RIDS, "return_logprob": st.booleans(),
                                  "top_logprobs_num": st.integers(0, 3), "priority": VALID_PRIORITY})),
     "/abort_request": st.fixed_dictionaries({"rid": LIVE_RIDS}),
-    "/flush_cache": st.just({}),
+    "/flush_cache": st.builds(dict),  # a new dict each time: mutations must not pile up
     "/policies": st.fixed_dictionaries({}, optional={"eviction": st.sampled_from(EVICTIONS),
                                                      "schedule": st.sampled_from(SCHEDULES)}),
 }
@@ -223,7 +224,7 @@ def near_valid_bodies(draw, path: str) -> Any:
         op = draw(st.sampled_from(["set", "set", "set", "drop", "unknown", "retype"]))
         if op == "set" and fields:
             name = draw(st.sampled_from(sorted(fields)))
-            set_field(body, name, draw(st.one_of(fields[name], JSON_VALUES)))
+            set_field(body, name, copy.deepcopy(draw(st.one_of(fields[name], JSON_VALUES))))  # bounded() edits it
         elif op == "unknown":
             body[draw(TEXTS)] = draw(JSON_VALUES)
         elif body:

@@ -51,7 +51,7 @@ def from_validation(exc: msgspec.ValidationError | ValueError) -> APIError:
         return APIError(400, str(cause), param=".".join(p for p in (param, cause.param) if p) or None)
     if match:
         text = text[: match.start()]
-    field = re.search(r"`(\w+)`", text)
+    field = re.search(r"`([^`]+)`", text)
     if field and ("unknown field" in text or "missing required field" in text):  # the field, under its object
         param = ".".join(p for p in (param, field.group(1)) if p)
     text = text.replace("Object contains unknown field", "unrecognized request argument")

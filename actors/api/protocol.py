@@ -91,7 +91,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             top_k=-1 if self.top_k in (None, 0) else self.top_k,
             min_p=self.min_p or 0.0,
             seed=None if self.seed is None else self.seed + choice,
-            stop=self.stop or None,
+            stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
@@ -189,5 +189,5 @@ class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class PoliciesBody(msgspec.Struct, forbid_unknown_fields=True):
-    eviction: str | None = None
-    schedule: str | None = None
+    eviction: Annotated[str, Meta(min_length=1)] | None = None
+    schedule: Annotated[str, Meta(min_length=1)] | None = None

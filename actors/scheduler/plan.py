@@ -34,10 +34,11 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
 
 
 def sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
-    """The sampling rows of ``reqs``; "no top-k limit" (-1 or 0) travels as the vocabulary size."""
+    """The sampling rows of ``reqs``; "no top-k limit" (-1 or 0) travels as the vocabulary size, and a greedy
+    request as temperature 0 (however small the temperature it asked for)."""
     params = [r.params for r in reqs]
     return SamplingBatch(
-        temperature=np.asarray([p.temperature for p in params], dtype=np.float32).tobytes(),
+        temperature=np.asarray([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32).tobytes(),
         top_p=np.asarray([p.top_p for p in params], dtype=np.float32).tobytes(),
         top_k=np.asarray([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int32).tobytes(),
         min_p=np.asarray([p.min_p for p in params], dtype=np.float32).tobytes(),
