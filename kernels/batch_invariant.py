@@ -25,7 +25,8 @@ import torch
 from radixserve.kernels.base import AttentionBatch
 
 CHUNK = 64  # keys per chunk: fixed, so a key's chunk depends on its position only
-QUERY_BLOCK = 256  # extend queries per product (bounds memory; rows are independent, so blocking changes nothing)
+QUERY_BLOCK = 128  # extend queries per product: rows are independent, so blocking changes nothing, and a block
+# reads only the chunks up to its last query (causal): the chunks it skips would only have added exact zeros
 NEG_INF = float("-inf")
 
 
@@ -66,13 +67,23 @@ def _padded(n: int) -> int:
 
 @dataclass
 class _Rows:
-    """One product's worth of work: requests ``rows`` read their keys through ``index`` (dummy slot 0 where
-    padded) under ``bias``; their queries are tokens [tok_start, tok_start + tokens) of the batch."""
+    """One product's worth of work: R requests read their L keys through ``index`` (dummy slot 0 where padded)
+    under ``bias``; their queries are tokens [tok_start, tok_start + R * tokens) of the batch."""
 
     index: torch.Tensor  # [R, L] slots
     bias: torch.Tensor  # [R, tokens, L] float32
     tok_start: int
     tokens: int  # query tokens per row (1 when decoding)
+    rows: torch.Tensor | None = None  # [R * KH * L]: rows of the pool seen as [slots * KH, D], in [R, KH, L] order
+
+    def gather(self, pool: torch.Tensor) -> torch.Tensor:
+        """float32 ``[R, KH, L, D]`` from one layer's ``[slots, KH, D]`` pool: one gather, one conversion."""
+        r, width = self.index.shape
+        kh, d = pool.shape[1:]
+        if self.rows is None:  # the same for every layer of the step: built once
+            heads = torch.arange(kh, device=pool.device)
+            self.rows = (self.index[:, None, :] * kh + heads[None, :, None]).flatten()
+        return pool.view(-1, d).index_select(0, self.rows).view(r, kh, width, d).float()
 
 
 class BatchInvariantAttention:
@@ -91,15 +102,15 @@ class BatchInvariantAttention:
             return [_Rows(index, bias[:, None, :], 0, 1)]
         for p, e in zip(batch.prefix_lens, batch.extend_lens):  # a request at a time, its queries in blocks
             row = batch.slots[slot_at : slot_at + p + e]
-            width = _padded(p + e)
-            index = torch.zeros(width, dtype=torch.int64, device=device)
+            index = torch.zeros(_padded(p + e), dtype=torch.int64, device=device)
             index[: p + e] = row
-            keys = torch.arange(width, device=device)[None, :]
             for t0 in range(0, e, QUERY_BLOCK):
                 t1 = min(e, t0 + QUERY_BLOCK)
+                width = _padded(p + t1)  # the block's last query reads keys 0 .. p + t1 - 1
+                keys = torch.arange(width, device=device)[None, :]
                 pos = p + torch.arange(t0, t1, device=device)[:, None]  # query token t sits at position p + t
                 bias = torch.zeros(t1 - t0, width, device=device).masked_fill_(keys > pos, NEG_INF)
-                out.append(_Rows(index[None], bias[None], tok_at + t0, t1 - t0))
+                out.append(_Rows(index[None, :width], bias[None], tok_at + t0, t1 - t0))
             slot_at += p + e
             tok_at += e
         return out
@@ -121,15 +132,12 @@ class BatchInvariantAttention:
         g = h // kh
         out = torch.empty_like(q)
         for w in batch.backend_data:
-            r, width = w.index.shape
+            r = w.index.shape[0]
             rows = q[w.tok_start : w.tok_start + r * w.tokens].float() * scale  # [R * T, H, D]
             # queries grouped under their kv head: [R, KH, T * G, D], the T * G rows of one product
             qg = rows.view(r, w.tokens, kh, g, d).permute(0, 2, 1, 3, 4).reshape(r, kh, w.tokens * g, d)
-            flat = w.index.flatten()
-            k = k_pool.index_select(0, flat).view(r, width, kh, d).transpose(1, 2).float()
-            v = v_pool.index_select(0, flat).view(r, width, kh, d).transpose(1, 2).float()
             bias = w.bias.repeat_interleave(g, dim=1)  # each token's mask, once per query head of the group
-            o = attend(qg, k.contiguous(), v.contiguous(), bias)  # [R, KH, T * G, D]
+            o = attend(qg, w.gather(k_pool), w.gather(v_pool), bias)  # [R, KH, T * G, D]
             o = o.view(r, kh, w.tokens, g, d).permute(0, 2, 1, 3, 4).reshape(r * w.tokens, h, d)
             out[w.tok_start : w.tok_start + r * w.tokens] = o.to(q.dtype)
         return out

@@ -13,14 +13,16 @@ number of rows *up to a limit* -- measured here: bf16 1536->576 rounds rows diff
 blocks K differently), float32 from two rows up to hundreds (one row takes a GEMV path) -- while torch's default
 float32 GEMM varies from 2 rows on, and the float32 copy at 64 rows changes a row by definition. So a
 deterministic model packs every linear (float32 too), never uses the float32 copy, computes a lone row as a
-pair, and feeds each product at most ``max_rows`` rows: the largest power of two (<= MAX_INVARIANT_ROWS) for which
-every row count from 1 up gives every row bitwise its result alone -- probed per layer shape at load.
-``model.determinism`` then checks the whole model at start-up.
+pair, and cuts a batch of rows into products of a few fixed sizes (``RowBlocks``): powers of two from ``small``
+to ``large`` rows, then the remainder (fewer than ``small``) as it is. The sizes are probed per layer shape at load
+-- every count up to ``small`` and every power of two up to ``large`` must give each row bitwise its result alone
+-- so checking a few hundred rows covers any batch. ``model.determinism`` then checks the whole model.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +31,32 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 F32_MIN_ROWS = 64  # below this a product is bandwidth-bound: the packed low-precision weight wins
-MAX_INVARIANT_ROWS = 32  # deterministic mode: rows per product at most (fewer if a shape needs it)
+SMALL_ROWS, LARGE_ROWS = 16, 128  # deterministic mode: the product sizes tried (a shape may need fewer)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """How a deterministic linear cuts n rows into products: as many ``large``-row products as fit, then one
+    product of each power of two down to ``small`` that still fits, then the rest (< small) in one product.
+    Each size was checked to compute every row as it is computed alone."""
+
+    small: int
+    large: int
+
+    def sizes(self, n: int) -> list[int]:
+        out, p = [self.large] * (n // self.large), self.large
+        n -= self.large * len(out)
+        while p >= self.small:
+            if n >= p:
+                out.append(p)
+                n -= p
+            p //= 2
+        return out + ([n] if n else [])
 
 
 class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, float32_copy: bool,
-                 min_rows: int = 1, max_rows: int | None = None) -> None:
+                 min_rows: int = 1, blocks: RowBlocks | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
@@ -42,13 +64,13 @@ class PackedLinear(nn.Module):
         self.w32 = weight.detach().float() if float32_copy else None
         self.b32 = None if bias is None or not float32_copy else bias.detach().float()
         self.min_rows = min_rows  # fewer rows are padded up to this many (a GEMV path would round differently)
-        self.max_rows = max_rows  # more rows are split into products of at most this many (None: no limit)
+        self.blocks = blocks  # deterministic: the product sizes a batch of rows is cut into (None: one product)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w32 is not None and x.shape[0] >= F32_MIN_ROWS:
             return F.linear(x.float(), self.w32, self.b32).to(x.dtype)
-        if self.max_rows is not None and x.shape[0] > self.max_rows:
-            return torch.cat([self._product(part) for part in x.split(self.max_rows)])
+        if self.blocks is not None and x.shape[0] > self.blocks.small:
+            return torch.cat([self._product(part) for part in x.split(self.blocks.sizes(x.shape[0]))])
         return self._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,15 +103,22 @@ def float32_gemm_pays(dtype: torch.dtype, rows: int = 256, features: int = 1024)
     return best(high) < 0.85 * best(low)
 
 
-def invariant_rows(layer: PackedLinear, limit: int = MAX_INVARIANT_ROWS) -> int:
-    """The largest power of two R <= ``limit`` such that a product of any 1..R rows gives each row bitwise what
-    the row gives alone (kernels pick their blocking by shape, not by value, so random rows tell)."""
-    x = torch.randn(limit, layer.in_features, generator=torch.Generator().manual_seed(0)).to(layer.packed.dtype)
-    alone = torch.cat([layer._product(x[i : i + 1]) for i in range(limit)])
-    for m in range(2, limit + 1):
-        if not torch.equal(layer._product(x[:m]), alone[:m]):
-            return 1 << ((m - 1).bit_length() - 1)
-    return limit
+def invariant_blocks(layer: PackedLinear, small: int = SMALL_ROWS, large: int = LARGE_ROWS) -> RowBlocks:
+    """The product sizes under which ``layer`` computes every row bitwise as it computes the row alone: every
+    count up to ``small``, then powers of two up to ``large``, each shrunk to what this machine's kernels keep
+    (they pick their blocking by shape, not by value, so random rows tell)."""
+    x = torch.randn(large, layer.in_features, generator=torch.Generator().manual_seed(0)).to(layer.packed.dtype)
+    alone = torch.cat([layer._product(x[i : i + 1]) for i in range(large)])
+
+    def same(m: int) -> bool:
+        return torch.equal(layer._product(x[:m]), alone[:m])
+
+    ok_small = next((m - 1 for m in range(2, small + 1) if not same(m)), small)
+    small = 1 << (ok_small.bit_length() - 1)  # a power of two: the smallest block size
+    p = 2 * small
+    while p <= large and same(p):
+        p *= 2
+    return RowBlocks(small, p // 2)
 
 
 def pack_linears(model: nn.Module, deterministic: bool = False) -> int:
@@ -105,17 +134,17 @@ def pack_linears(model: nn.Module, deterministic: bool = False) -> int:
     log.info("CPU linears: %s", "packed low precision for small batches, float32 for large ones" if float32_copy
              else "packed, batch-invariant" if deterministic else "packed low precision")
     swapped = 0
-    row_limits: dict[tuple, int] = {}  # per (shape, dtype, bias): layers of one shape share their kernels
+    row_blocks: dict[tuple, RowBlocks] = {}  # per (shape, dtype, bias): layers of one shape share their kernels
     for parent, name, child in linears:
         try:
             packed = PackedLinear(child.weight, child.bias, float32_copy, min_rows=2 if deterministic else 1)
             if deterministic:
                 shape = (*child.weight.shape, child.weight.dtype, child.bias is not None)
-                if shape not in row_limits:
-                    row_limits[shape] = invariant_rows(packed)
-                    log.info("deterministic: %s products take at most %d rows", tuple(child.weight.shape[::-1]),
-                             row_limits[shape])
-                packed.max_rows = row_limits[shape]
+                if shape not in row_blocks:
+                    row_blocks[shape] = invariant_blocks(packed)
+                    log.info("deterministic: %s products of %s rows", tuple(child.weight.shape[::-1]),
+                             row_blocks[shape])
+                packed.blocks = row_blocks[shape]
             probe = torch.randn(3, child.in_features, dtype=child.weight.dtype)
             same = torch.equal if child.weight.dtype != torch.float32 else \
                 lambda a, b: (a - b).abs().max() <= 1e-5 * (1 + b.abs().max())  # float32: rounding apart

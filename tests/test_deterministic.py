@@ -17,7 +17,7 @@ import torch
 from conftest import ServerProcess
 from radixserve import Engine
 from radixserve.kernels.batch_invariant import CHUNK, attend
-from radixserve.kernels.cpu_linear import PackedLinear, invariant_rows
+from radixserve.kernels.cpu_linear import PackedLinear, RowBlocks, invariant_blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -25,11 +25,17 @@ def test_linear_rows_do_not_depend_on_how_many_rows_are_computed(dtype):
     torch.manual_seed(0)
     w = (torch.randn(576, 1536) * 0.05).to(dtype)  # 1536 -> 576: a shape whose kernels change with the row count
     layer = PackedLinear(w, None, False, min_rows=2)
-    layer.max_rows = invariant_rows(layer)
-    x = torch.randn(300, 1536).to(dtype)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(300)])
-    for m in (2, 7, 31, 64, 65, 150, 201, 300):
+    layer.blocks = invariant_blocks(layer)
+    x = torch.randn(600, 1536).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(600)])
+    for m in (2, 7, 16, 17, 31, 64, 65, 150, 201, 300, 599):
         assert torch.equal(layer(x[:m]), alone[:m]), m
+
+
+def test_rows_are_cut_into_the_probed_sizes():
+    blocks = RowBlocks(16, 128)
+    assert blocks.sizes(200) == [128, 64, 8] and blocks.sizes(16) == [16] and blocks.sizes(5) == [5]
+    assert blocks.sizes(300) == [128, 128, 32, 12] and sum(blocks.sizes(12345)) == 12345
 
 
 def reference(q, k, v, n_keys):
