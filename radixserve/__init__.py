@@ -10,11 +10,13 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from radixserve.engine import Engine
+    from radixserve.errors import InvalidRequest
     from radixserve.sampling_params import SamplingParams
     from radixserve.server_args import ServerArgs
 
 _LAZY = {
     "Engine": "radixserve.engine",
+    "InvalidRequest": "radixserve.errors",
     "SamplingParams": "radixserve.sampling_params",
     "ServerArgs": "radixserve.server_args",
 }
@@ -28,4 +30,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'radixserve' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__"]
+__all__ = ["Engine", "InvalidRequest", "SamplingParams", "ServerArgs", "__version__"]

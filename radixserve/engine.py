@@ -148,6 +148,7 @@ class Engine:
                     if stopped_here:
                         sched.finish(req.rid, finish)
         except BaseException:  # an error or Ctrl-C mid-step: give back every slot, keep the Engine usable
+            sched.fail_step("interrupted")  # the step being computed never finished: its slots hold nothing
             sched.fail_all("interrupted")
             sched.take_failures()
             raise

@@ -98,22 +98,17 @@ def test_a_request_whose_sampling_breaks_fails_alone():
     assert reqs[2].output_ids == reference(reqs[2].prompt_ids, 12)
 
 
-def test_a_request_that_cannot_be_planned_fails_alone(monkeypatch):
-    import radixserve.actors.scheduler.scheduler as scheduler_module
-
-    real = scheduler_module.build_plan
-
-    def breaks_on_poison(step, mode, reqs, starts, vocab):
-        if any(r.rid == "poison" for r in reqs):
-            raise OverflowError("Python int too large to convert to C long")
-        return real(step, mode, reqs, starts, vocab)
-
-    monkeypatch.setattr(scheduler_module, "build_plan", breaks_on_poison)
+def test_a_request_that_cannot_be_planned_fails_alone():
+    """The issue's crash: a top_k past int32 once killed the scheduler while it built the plan. Validation stops
+    it now; here it slips past validation (set after the request was queued) and must still fail alone."""
     sched, runner = make()
     good = [add(sched, f"r{i}", prompt(i, 20), 8) for i in range(3)]
-    add(sched, "poison", prompt(9, 20), 8)
+    poison = add(sched, "poison", prompt(9, 20), 8)
+    poison.params.top_k = 3_000_000_000
+    poison.params.temperature = 0.7
     run_all(sched, runner)
-    assert [f.rid for f in sched.take_failures()] == ["poison"]
+    failures = sched.take_failures()
+    assert [f.rid for f in failures] == ["poison"] and failures[0].status == 500
     assert all(r.output_ids == reference(r.prompt_ids, 8) for r in good)
 
 

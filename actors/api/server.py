@@ -93,8 +93,12 @@ class RequestGroup:
         server.groups[self.rid] = [s.req.rid for s in self.streams]
         for s in self.streams:
             server.pending[s.req.rid] = s
-        for s in self.streams:
-            await server.channel.send("tokenizer", s.req)
+        try:
+            for s in self.streams:
+                await server.channel.send("tokenizer", s.req)
+        except BaseException:
+            await self.__aexit__()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -55,8 +55,11 @@ class SchedulerActor:
                                                                   "request (logged)", status=500,
                                                                   code="internal_error"))
             elif isinstance(msg, ForwardResult):
-                self.inflight = False
-                self.scheduler.fail_all("internal error in the scheduler (logged)")
+                sched = self.scheduler
+                if sched.inflight_step == msg.step:  # it broke before taking this result: take it as failed
+                    sched.fail_step("internal error in the scheduler (logged)")
+                self.inflight = sched.inflight_step is not None  # a next plan may already be at the runner
+                sched.fail_all("internal error in the scheduler (logged)")
 
     async def launch(self) -> None:
         try:

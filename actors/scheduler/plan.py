@@ -47,3 +47,12 @@ def sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
         top_logprobs=[r.top_logprobs for r in reqs],
         all_greedy=all(p.greedy for p in params),
     )
+
+
+def plannable(mode: Literal["extend", "decode"], req: Req, start: int, vocab_size: int) -> bool:
+    """Can ``req`` be planned on its own? (Finds the request that breaks a batch's plan.)"""
+    try:
+        build_plan(0, mode, [req], [start], vocab_size)
+        return True
+    except Exception:
+        return False

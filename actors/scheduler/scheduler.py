@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError, array
-from radixserve.actors.scheduler.plan import build_plan
+from radixserve.actors.scheduler.plan import build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
+from radixserve.actors.scheduler.validate import check_request
 from radixserve.cache.invariants import require
 from radixserve.cache.manager import CacheManager
 from radixserve.errors import InvalidRequest
@@ -31,8 +32,6 @@ from radixserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 128
-MAX_TOP_LOGPROBS = 20
 POLICY_WINDOW = 1024  # the schedule policy orders the oldest this many waiting requests (keeps a step O(1))
 
 
@@ -128,35 +127,7 @@ class Scheduler:
     def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None) -> int:
         """Check a request against the model and the pool (again: the offline Engine has no API in front of
         it); returns the resolved max_new_tokens. InvalidRequest names the field that is wrong."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}",
-                                 param="sampling_params")
-        params.check_model(self.config.vocab_size)
-        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs={top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]",
-                                 param="top_logprobs")
-        n, ctx, cap = len(prompt_ids), self.config.context_length, self.cache.capacity
-        if n == 0:
-            raise InvalidRequest("the prompt is empty; give at least one token", param="prompt")
-        vocab = self.config.vocab_size
-        if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
-            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-        limit = min(ctx, cap)
-        if n >= ctx:
-            raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {ctx} tokens "
-                                 "and at least one token must be generated", param="prompt")
-        if n >= cap:
-            raise InvalidRequest(f"the prompt has {n} tokens; the KV pool holds only {cap} (--max-total-tokens)",
-                                 param="prompt")
-        if params.max_new_tokens is None:
-            return min(DEFAULT_MAX_NEW_TOKENS, limit - n)
-        if n + params.max_new_tokens > limit:
-            what = f"the context length {ctx}" if ctx <= cap else f"the KV pool size {cap} (--max-total-tokens)"
-            raise InvalidRequest(
-                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = {n + params.max_new_tokens} "
-                f"exceeds {what}; lower max_new_tokens to at most {limit - n}", param="max_new_tokens")
-        return params.max_new_tokens
+        return check_request(self.config, self.cache.capacity, prompt_ids, params, top_logprobs)
 
     def finish(self, rid: str, reason: FinishReason) -> Req | None:
         """End a request now (stop string found, client gone, abort); its KV stays cached as evictable."""
@@ -193,9 +164,8 @@ class Scheduler:
 
     def fail_all(self, message: str) -> None:
         """Last resort after a bug in the scheduler itself: every request fails (500) and lets go of its KV, so
-        the server is back in a clean state and serves the next request."""
-        if self._inflight is not None:
-            self.fail_step(message)
+        the server is back in a clean state and serves the next request. A step still being computed stays in
+        flight: its result finds only finished requests and is dropped."""
         for req in list(self.live.values()):
             self.fail(req, message)
 
@@ -203,6 +173,10 @@ class Scheduler:
     def inflight(self) -> list[Req]:
         """The requests of the plan being computed, in batch order (empty when none is)."""
         return list(self._inflight.reqs) if self._inflight else []
+
+    @property
+    def inflight_step(self) -> int | None:
+        return self._inflight.plan.step if self._inflight else None
 
     @property
     def has_work(self) -> bool:
@@ -219,7 +193,9 @@ class Scheduler:
     def process(self, result: ForwardResult) -> list[Req]:
         """Apply the runner's tokens. Returns the requests that got a token (finished ones included)."""
         step = self._inflight
-        require(step is not None and step.plan.step == result.step, "a result for another step")
+        if step is None or step.plan.step != result.step:
+            log.warning("dropping the result of step %d: it is not the step in flight", result.step)
+            return []
         if result.error is not None:
             log.error("step %d failed in the runner: %s", result.step, result.error)
             self.fail_step("internal error in the model step (logged)")
@@ -345,7 +321,7 @@ class Scheduler:
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size)
         except Exception:
             log.exception("could not plan step %d; finding the request(s) that break it", self._step)
-            bad = [r for r, s in zip(reqs, starts) if not _plannable(mode, r, s, self.config.vocab_size)] or reqs
+            bad = [r for r, s in zip(reqs, starts) if not plannable(mode, r, s, self.config.vocab_size)] or reqs
             log.error("failing request(s) %s: they cannot be planned", ", ".join(r.rid for r in bad))
             for req, start in zip(reqs, starts):
                 if any(req is b for b in bad):
@@ -428,11 +404,3 @@ def build_scheduler(args, config: SchedulerConfig, clock: Callable[[], float] = 
     cache = CacheManager(args.max_total_tokens, load_eviction_policy(args.eviction_policy),
                          disable_radix_cache=args.disable_radix_cache, clock=clock)
     return Scheduler(config, cache, load_schedule_policy(args.schedule_policy), clock=clock)
-
-
-def _plannable(mode, req: Req, start: int, vocab_size: int) -> bool:
-    try:
-        build_plan(0, mode, [req], [start], vocab_size)
-        return True
-    except Exception:
-        return False
