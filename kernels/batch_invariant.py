@@ -24,7 +24,7 @@ import torch
 
 from radixserve.kernels.base import AttentionBatch
 
-CHUNK = 64  # keys per chunk: fixed, so a key's chunk depends on its position only
+CHUNK = 128  # keys per chunk: fixed, so a key's chunk depends on its position only
 QUERY_BLOCK = 128  # extend queries per product: rows are independent, so blocking changes nothing, and a block
 # reads only the chunks up to its last query (causal): the chunks it skips would only have added exact zeros
 NEG_INF = float("-inf")
@@ -47,16 +47,17 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``q``: float32 ``[B, KH, M, D]``, already scaled; ``k``/``v``: float32 ``[B, KH, L, D]`` with L a multiple of
-    CHUNK; ``bias``: float32 ``[B, M, L]``, 0 where the key may be read and -inf where not (every row reads at
-    least one key). Returns ``[B, KH, M, D]``."""
+    CHUNK; ``bias``: float32 ``[B, M, L']``, 0 where a key may be read and -inf where not, for the *last* L' keys
+    (a multiple of CHUNK; the keys before them are read by every row -- adding 0 to them would change nothing).
+    Every row reads at least one key. Returns ``[B, KH, M, D]``."""
     b, kh, m, d = q.shape
     if m == 1:  # a lone row would take the GEMV path: compute it as a pair, keep one
         return attend(q.expand(b, kh, 2, d), k, v, bias.expand(b, 2, -1))[:, :, :1]
-    nc = k.shape[2] // CHUNK
+    nc, masked = k.shape[2] // CHUNK, bias.shape[-1] // CHUNK
     kc = k.view(b, kh, nc, CHUNK, d)
     s = torch.matmul(q[:, :, None], kc.transpose(-1, -2))  # [B, KH, C, M, CHUNK]
-    s = s + bias.reshape(b, 1, m, nc, CHUNK).transpose(2, 3)
-    p = torch.exp(s - s.amax(dim=(2, 4), keepdim=True))
+    s[:, :, nc - masked :] += bias.reshape(b, 1, m, masked, CHUNK).transpose(2, 3)
+    p = s.sub_(s.amax(dim=(2, 4), keepdim=True)).exp_()  # in place: the same operations, no new buffers
     out = torch.matmul(p, v.view(b, kh, nc, CHUNK, d))  # [B, KH, C, M, D]
     return tree_sum(out, 2) / tree_sum(p.sum(-1), 2)[..., None]
 
@@ -71,7 +72,7 @@ class _Rows:
     under ``bias``; their queries are tokens [tok_start, tok_start + R * tokens) of the batch."""
 
     index: torch.Tensor  # [R, L] slots
-    bias: torch.Tensor  # [R, tokens, L] float32
+    bias: torch.Tensor  # [R, tokens, L'] float32 over the last L' keys (the ones some query may not read)
     tok_start: int
     tokens: int  # query tokens per row (1 when decoding)
     rows: torch.Tensor | None = None  # [R * KH * L]: rows of the pool seen as [slots * KH, D], in [R, KH, L] order
@@ -107,9 +108,10 @@ class BatchInvariantAttention:
             for t0 in range(0, e, QUERY_BLOCK):
                 t1 = min(e, t0 + QUERY_BLOCK)
                 width = _padded(p + t1)  # the block's last query reads keys 0 .. p + t1 - 1
-                keys = torch.arange(width, device=device)[None, :]
+                seen = (p + t0 + 1) // CHUNK * CHUNK  # keys 0 .. seen - 1: every query of the block reads them
+                keys = torch.arange(seen, width, device=device)[None, :]
                 pos = p + torch.arange(t0, t1, device=device)[:, None]  # query token t sits at position p + t
-                bias = torch.zeros(t1 - t0, width, device=device).masked_fill_(keys > pos, NEG_INF)
+                bias = torch.zeros(t1 - t0, width - seen, device=device).masked_fill_(keys > pos, NEG_INF)
                 out.append(_Rows(index[None, :width], bias[None], tok_at + t0, t1 - t0))
             slot_at += p + e
             tok_at += e
