@@ -81,5 +81,5 @@ def test_decode_matches_reference(heads, kv_heads, shared):
 
 
 def test_unknown_backend_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown attention backend 'nope'; available: torch"):
+    with pytest.raises(ValueError, match="unknown attention backend .nope.; available: batch-invariant, torch, triton"):
         get_backend("nope", torch.device("cpu"))
