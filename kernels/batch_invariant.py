@@ -6,7 +6,7 @@ How: one function, ``attend``, serves extend and decode alike, in float32. A que
 0..i in fixed chunks of CHUNK keys aligned to absolute positions (chunk c = keys [c*CHUNK, (c+1)*CHUNK)):
 
     scores  s = q . k            one [M, D] x [D, CHUNK] product per chunk (M >= 2: see below)
-    global  m = max over every key of the row (exact: max does not round)
+    row max m = max over every key of the row (exact: max does not round)
     chunk   p = exp(s - m), l_c = sum(p), o_c = p . v      (a [M, CHUNK] x [CHUNK, D] product)
     merge   o = tree_sum(o_c) / tree_sum(l_c)               pairwise, over a power-of-two count of chunks
 

@@ -24,7 +24,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) = no limit; at most the vocabulary size
     min_p: float = 0.0
-    seed: int | None = None  # per-request: the same seed gives the same tokens, whatever the batch
+    seed: int | None = None  # the same seed, the same noise (the same tokens whatever the batch: --deterministic)
     stop: str | list[str] | None = None  # stop strings; the match is not part of the output text
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -1,12 +1,28 @@
 """Turning a batch of requests into the runner's ForwardPlan."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from radixserve.actors.messages import ForwardPlan, SamplingBatch
 from radixserve.actors.scheduler.req import Req
+
+
+@dataclass
+class Step:
+    """The plan being computed and its requests, with how many tokens each had in the pool before it."""
+
+    plan: ForwardPlan
+    reqs: list[Req]
+    starts: list[int]
+
+    def start_of(self, req: Req) -> int | None:
+        for r, s in zip(self.reqs, self.starts):
+            if r is req:
+                return s
+        return None
 
 
 def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int],

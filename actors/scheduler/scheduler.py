@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError, array
-from radixserve.actors.scheduler.plan import build_plan, plannable
+from radixserve.actors.scheduler.plan import Step, build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder
 from radixserve.actors.scheduler.req import FinishReason, Req
@@ -53,21 +53,6 @@ class SchedulerConfig:
     check_invariants: bool = False
 
 
-@dataclass
-class _Step:
-    """The plan being computed and its requests, with how many tokens each had in the pool before it."""
-
-    plan: ForwardPlan
-    reqs: list[Req]
-    starts: list[int]
-
-    def start_of(self, req: Req) -> int | None:
-        for r, s in zip(self.reqs, self.starts):
-            if r is req:
-                return s
-        return None
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, policy: SchedulePolicy,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -86,7 +71,7 @@ class Scheduler:
         self._queue_version = 0  # bumped when requests join the queue (new or retracted)
         self._blocked: tuple[tuple[int, int], float] | None = None  # (queue, cache) state and room of the last
         # prefill that admitted nothing
-        self._inflight: _Step | None = None
+        self._inflight: Step | None = None
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -332,7 +317,7 @@ class Scheduler:
                 return None
             reqs, starts = [r for r, _ in keep], [s for _, s in keep]
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size)
-        self._inflight = _Step(plan, reqs, starts)
+        self._inflight = Step(plan, reqs, starts)
         return plan
 
     # -- policies and statistics (policy_lab.py) ----------------------------------------------------------
