@@ -175,3 +175,12 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_models):
     assert rest[-2] == "data: [DONE]" or rest[-1] == "data: [DONE]"
     assert any('"finish_reason":"length"' in line for line in rest), "the request in flight finished"
     assert code == 0
+
+
+def test_generate_batches_count_against_the_per_request_cap_too(small_server):
+    r = httpx.post(small_server.url + GEN, json={"text": ["x"] * 9, "sampling_params": {"max_new_tokens": 2}},
+                   timeout=30)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_sequences"
+    ok = httpx.post(small_server.url + GEN, json={"text": ["x"] * 2, "sampling_params": {"max_new_tokens": 2}},
+                    timeout=30)
+    assert ok.status_code == 200 and len(ok.json()) == 2

@@ -79,6 +79,7 @@ class NativeRoutes:
         body = await decode_body(request, NativeGenerateRequest)
         vocab = self.server.limits.vocab_size
         prompts = text_or_ids(body.text, body.input_ids, vocab)
+        self.server.check_size(len(prompts.items))  # refused before a single sequence is built
         params = body.sampling_params or SamplingParams()
         if vocab is not None:
             params.check_model(vocab)
