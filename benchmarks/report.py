@@ -168,7 +168,7 @@ def write(res: dict, out: Path) -> None:
               f"{d['dtype']}, side by side (alternating, median of repeats). Slowdown = time per token in "
               "deterministic mode / default mode. Start-up: default "
               f"{d['start_s']['default']:.1f} s, deterministic {d['start_s']['deterministic']:.1f} s (it probes the "
-              "row limit of every linear shape and checks the loaded model's batch invariance).", "",
+              "product sizes of every linear shape and checks the loaded model's batch invariance).", "",
               "| | size | default tok/s | deterministic tok/s | slowdown |", "|---|---|---|---|---|"]
         for r in d["rows"]:
             L.append(f"| {r['kind']} | {r['size']} | {r['default_tok_s']:.1f} | {r['deterministic_tok_s']:.1f} | "
