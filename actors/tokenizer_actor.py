@@ -6,7 +6,6 @@ end this actor: a request whose text cannot be encoded, or whose tokens cannot b
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from radixserve.actors.messages import (
@@ -19,17 +18,11 @@ from radixserve.actors.transport import ActorSpec, Channel, run_actor
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Tracked:
-    output: OutputText
-    top_logprobs: int | None
-
-
 class TokenizerActor:
     def __init__(self, core: TokenizerCore, channel: Channel) -> None:
         self.core = core
         self.channel = channel
-        self.live: dict[str, Tracked] = {}
+        self.live: dict[str, OutputText] = {}  # every request in flight here, by rid
 
     async def run(self) -> None:
         while True:
@@ -63,7 +56,7 @@ class TokenizerActor:
             text = str(exc) if isinstance(exc, ValueError) else f"could not tokenize the request: {exc}"
             await self.channel.send("api", RequestError(msg.rid, text, param="messages" if msg.messages else "prompt"))
             return
-        self.live[msg.rid] = Tracked(self.core.output(msg.params), msg.top_logprobs)
+        self.live[msg.rid] = self.core.output(msg.params)
         await self.channel.send("scheduler", AddReq(msg.rid, to_bytes(ids), msg.params, msg.top_logprobs,
                                                     msg.priority))
 
@@ -80,8 +73,7 @@ class TokenizerActor:
             return
         reason = FinishReason("abort", message=msg.message)
         await self.channel.send("scheduler", FinishReq(msg.rid, reason))
-        await self.channel.send("api", TextBatch([Delta(msg.rid, "", [], 0, tracked.output.completion_tokens, 0,
-                                                        reason)]))
+        await self.channel.send("api", TextBatch([Delta(msg.rid, "", [], 0, tracked.completion_tokens, 0, reason)]))
 
     async def fail(self, rid: str, message: str) -> None:
         """End one request with a 500 on our side: the api answers it, the scheduler frees its KV."""
@@ -94,11 +86,11 @@ class TokenizerActor:
         prompt, cached = array(batch.prompt_tokens).tolist(), array(batch.cached_tokens).tolist()
         deltas = []
         for i, rid in enumerate(batch.rids):
-            t = self.live.get(rid)
-            if t is None:  # already ended here (stop string, abort); the scheduler heard or will
+            out = self.live.get(rid)
+            if out is None:  # already ended here (stop string, abort); the scheduler heard or will
                 continue
             try:
-                text, finish, stopped_here = t.output.add(token_ids[i], batch.finished.get(i))
+                text, finish, stopped_here = out.add(token_ids[i], batch.finished.get(i))
                 logprobs = [self.token_logprob(token_ids[i], batch.logprobs[i])] if i in batch.logprobs else None
             except Exception:
                 log.exception("internal error while detokenizing request %s", rid)
@@ -108,7 +100,7 @@ class TokenizerActor:
                 await self.channel.send("scheduler", FinishReq(rid, finish))
             if finish is not None:
                 del self.live[rid]
-            deltas.append(Delta(rid, text, [token_ids[i]], prompt[i], t.output.completion_tokens, cached[i], finish,
+            deltas.append(Delta(rid, text, [token_ids[i]], prompt[i], out.completion_tokens, cached[i], finish,
                                 logprobs))
         if deltas:
             await self.channel.send("api", TextBatch(deltas))

@@ -46,7 +46,7 @@ def test_a_request_that_breaks_detokenizing_fails_alone(tokenizer_core, monkeypa
         real = OutputText.add
 
         def add(self, token_id, finish):
-            if self is actor.live["bad"].output:
+            if self is actor.live["bad"]:
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer bug")
             return real(self, token_id, finish)
 
