@@ -1,7 +1,7 @@
 """The whole inter-actor protocol: every message is a msgspec Struct, grouped by direction.
 
     client -HTTP-> api --GenerateReq/AbortReq--> tokenizer --AddReq/FinishReq--> scheduler --ForwardPlan--> runner
-                   api <--TextBatch/RequestError-- tokenizer <--TokenBatch/Finished/--- scheduler <-ForwardResult- runner
+                   api <--TextBatch/RequestError-- tokenizer <--TokenBatch/--------- scheduler <-ForwardResult- runner
                                                                     RequestError
                    api <---------------------------Status/ControlReply--ControlReq--> scheduler
     every actor --Ready/Failed--> launcher
@@ -50,6 +50,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     messages: list[dict[str, Any]] | None = None
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; k > 0: also the k most likely
     priority: int = 0
+    logprob_start: int | None = None  # with top_logprobs: also the prompt's logprobs from this position on
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -64,6 +65,7 @@ class AddReq(msgspec.Struct, tag="add"):
     params: SamplingParams
     top_logprobs: int | None = None
     priority: int = 0
+    logprob_start: int | None = None
 
 
 class FinishReq(msgspec.Struct, tag="finish"):
@@ -82,6 +84,23 @@ class Logprob(msgspec.Struct, array_like=True):
     top_logprobs: list[float] = []
 
 
+class ScoredPrompt(msgspec.Struct, array_like=True):
+    """The prompt's tokens from logprob_start on, each with its logprob (None for the prompt's first token)."""
+
+    token_ids: list[int]
+    logprobs: list[Logprob | None]
+
+
+class Finished(msgspec.Struct):
+    """A request that ended without a new token: max_new_tokens 0, a prefill only (its prompt is now cached)."""
+
+    rid: str
+    reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    prompt_logprobs: ScoredPrompt | None = None
+
+
 class TokenBatch(msgspec.Struct, tag="tokens"):
     """One new token for each of B requests; per-request arrays are in ``rids`` order."""
 
@@ -91,15 +110,8 @@ class TokenBatch(msgspec.Struct, tag="tokens"):
     cached_tokens: bytes  # [B]
     finished: dict[int, FinishReason]  # batch index -> why it ended (only the ones that did)
     logprobs: dict[int, Logprob] = {}  # batch index -> logprobs (only the requests that asked)
-
-
-class Finished(msgspec.Struct, tag="finished"):
-    """A request that ended without a new token (e.g. max_new_tokens 0)."""
-
-    rid: str
-    reason: FinishReason
-    prompt_tokens: int
-    cached_tokens: int
+    prompt_logprobs: dict[int, ScoredPrompt] = {}  # batch index -> with a request's first token, if it asked
+    prefilled: list[Finished] = []  # requests that ended this step without a token (max_new_tokens 0)
 
 
 # -- scheduler -> tokenizer -> api --------------------------------------------------------------------------
@@ -120,7 +132,7 @@ class RequestError(msgspec.Struct, tag="request_error"):
 class TokenLogprob(msgspec.Struct, array_like=True):
     token: str
     token_id: int
-    logprob: float
+    logprob: float | None  # None: the prompt's first token (nothing comes before it)
     top: list[tuple[str, int, float]]  # (token, id, logprob), most likely first
 
 
@@ -133,6 +145,7 @@ class Delta(msgspec.Struct):
     cached_tokens: int
     finish: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first delta, when asked for
 
 
 class TextBatch(msgspec.Struct, tag="text"):
@@ -190,6 +203,23 @@ class SamplingBatch(msgspec.Struct, frozen=True):
     output_index: bytes  # int32 [S]: the position of the token being sampled in the request's output
     top_logprobs: list[int | None]  # [S] None: no logprobs; else how many alternatives to return
     all_greedy: bool = False
+    constraints: list[str | None] = []  # [S] the request id of a row under a grammar (None: free); empty: none
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """Log-probabilities wanted for part of one request's prompt: the new tokens at offsets ``first ..
+    first + len(targets) - 1`` of this step predict ``targets`` (int32); ``top`` alternatives come with each."""
+
+    first: int
+    targets: bytes
+    top: int
+
+
+class GrammarSpec(msgspec.Struct, array_like=True, frozen=True):
+    """A request's output constraint, sent to the runner once, with the request's first sampling step."""
+
+    kind: Literal["regex", "json_schema"]
+    source: str
 
 
 class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
@@ -209,6 +239,9 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     slots: bytes  # [sum(prefix_lens + extend_lens)]
     sample: bytes  # uint8 [B]
     sampling: SamplingBatch
+    prompt_logprobs: dict[int, PromptLogprobs] = {}  # batch index -> the prompt logprobs it wants this step
+    new_grammars: dict[str, GrammarSpec] = {}  # rid -> its constraint, from this step on
+    released_grammars: list[str] = []  # rids whose constraints are over (the requests ended)
 
     @property
     def batch_size(self) -> int:
@@ -223,6 +256,8 @@ class ForwardResult(msgspec.Struct, tag="result", frozen=True):
     step: int
     next_ids: list[int | None] = []
     logprobs: dict[int, Logprob] = {}  # sampling row -> logprobs (only the requests that asked)
+    prompt_logprobs: dict[int, list[Logprob]] = {}  # batch index -> one per target of the plan's PromptLogprobs
+    grammar_done: list[int] = []  # sampling rows whose grammar is complete with this token: the request ends
     errors: dict[int, str] = {}
     error: str | None = None
 
@@ -241,7 +276,7 @@ class Failed(msgspec.Struct, tag="failed"):
 
 # What each inbox accepts (decoders are typed by these unions).
 ApiInbox = TextBatch | RequestError | Status | ControlReply
-TokenizerInbox = GenerateReq | AbortReq | TokenBatch | Finished | RequestError
+TokenizerInbox = GenerateReq | AbortReq | TokenBatch | RequestError
 SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq
 RunnerInbox = ForwardPlan
 LauncherInbox = Ready | Failed

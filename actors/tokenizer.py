@@ -4,12 +4,29 @@ Uses the checkpoint's own tokenizer and chat template through transformers.
 """
 from __future__ import annotations
 
+import re
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radixserve.actors.messages import FinishReason
+from radixserve.actors.messages import (
+    Delta, FinishReason, FinishReq, Finished, Logprob, ScoredPrompt, TokenBatch, TokenLogprob, array,
+)
 from radixserve.sampling_params import SamplingParams
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Detokenized:
+    """A step's tokens as text: the deltas for the client, the stops the scheduler must hear about (a stop
+    string ended the request here), and the requests whose tokens could not be turned into text."""
+
+    deltas: list[Delta] = field(default_factory=list)
+    stops: list[FinishReq] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
 
 
 class TokenizerCore:
@@ -18,6 +35,13 @@ class TokenizerCore:
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.vocab_size = len(self.tokenizer)
+
+    def chat_template(self) -> dict[str, Any] | None:
+        """The role markers of the model's own chat template (None without one), as radixserve.lang uses them."""
+        from radixserve.lang.chat_template import ChatTemplate
+
+        template = ChatTemplate.from_tokenizer(self.tokenizer)
+        return template.to_dict() if template is not None else None
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -38,8 +62,58 @@ class TokenizerCore:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_logprob(self, token_id: int, lp: Logprob | None) -> TokenLogprob:
+        """A token's logprob with the texts of it and its alternatives (``lp`` None: the prompt's first token)."""
+        if lp is None:
+            return TokenLogprob(self.token_text(token_id), token_id, None, [])
+        top = [(self.token_text(t), t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]
+        return TokenLogprob(self.token_text(token_id), token_id, lp.logprob, top)
+
+    def prompt_logprobs(self, scored: ScoredPrompt) -> list[TokenLogprob]:
+        return [self.token_logprob(t, lp) for t, lp in zip(scored.token_ids, scored.logprobs)]
+
+    def prefilled_delta(self, done: Finished) -> Delta:
+        """The one delta of a prefill-only request."""
+        lps = self.prompt_logprobs(done.prompt_logprobs) if done.prompt_logprobs is not None else None
+        return Delta(done.rid, "", [], done.prompt_tokens, 0, done.cached_tokens, done.reason, None, lps)
+
+    def detokenize(self, batch: TokenBatch, live: dict[str, OutputText]) -> Detokenized:
+        """One step's TokenBatch for the requests in ``live`` (finished ones leave it). The tokenizer actor and
+        the offline Engine both go through here."""
+        out = Detokenized()
+        for done in batch.prefilled:
+            if live.pop(done.rid, None) is not None:
+                out.deltas.append(self.prefilled_delta(done))
+        token_ids = array(batch.token_ids).tolist()
+        prompt, cached = array(batch.prompt_tokens).tolist(), array(batch.cached_tokens).tolist()
+        for i, rid in enumerate(batch.rids):
+            text_out = live.get(rid)
+            if text_out is None:  # already ended here (stop string, abort); the scheduler heard or will
+                continue
+            try:
+                text, finish, stopped_here = text_out.add(token_ids[i], batch.finished.get(i))
+                logprobs = [self.token_logprob(token_ids[i], batch.logprobs[i])] if i in batch.logprobs else None
+                scored = batch.prompt_logprobs.get(i)
+                prompt_lp = self.prompt_logprobs(scored) if scored is not None else None
+            except Exception:
+                log.exception("internal error while detokenizing request %s", rid)
+                live.pop(rid, None)
+                out.failed.append(rid)
+                continue
+            if stopped_here:
+                out.stops.append(FinishReq(rid, finish))
+            if finish is not None:
+                del live[rid]
+            out.deltas.append(Delta(rid, text, [token_ids[i]], prompt[i], text_out.completion_tokens, cached[i],
+                                    finish, logprobs, prompt_lp))
+        return out
+
     def detokenizer(self, params: SamplingParams) -> Detokenizer:
-        return Detokenizer(self, params.skip_special_tokens, params.stop_strings)
+        return Detokenizer(self, params.skip_special_tokens, params.stop_strings,
+                           [re.compile(p) for p in params.stop_patterns_source])
 
     def output(self, params: SamplingParams) -> OutputText:
         return OutputText(self.detokenizer(params))
@@ -92,6 +166,7 @@ class Detokenizer:
     core: TokenizerCore
     skip_special_tokens: bool
     stop_strings: list[str]
+    stop_regexes: list[re.Pattern] = field(default_factory=list)  # searched over the whole text each time
     ids: list[int] = field(default_factory=list)
     text: str = ""
     stopped_by: str | None = None
@@ -113,12 +188,13 @@ class Detokenizer:
         return self._find_stop(before)
 
     def _find_stop(self, before: int) -> str | None:
-        if not self.stop_strings:
+        if not self.stop_strings and not self.stop_regexes:
             return None
-        longest = max(map(len, self.stop_strings))
+        longest = max(map(len, self.stop_strings), default=0)
         start = max(0, before - longest + 1)  # a stop string may straddle the old and new text
         hits = [(self.text.find(s, start), s) for s in self.stop_strings]
         hits = [(i, s) for i, s in hits if i >= 0]
+        hits += [(m.start(), r.pattern) for r in self.stop_regexes if (m := r.search(self.text))]
         if not hits:
             return None
         pos, s = min(hits)

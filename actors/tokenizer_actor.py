@@ -9,8 +9,8 @@ import logging
 from typing import Any
 
 from radixserve.actors.messages import (
-    AbortReq, AddReq, Delta, FinishReason, FinishReq, Finished, GenerateReq, Logprob, RequestError, TextBatch,
-    TokenBatch, TokenizerInbox, TokenLogprob, array, to_bytes,
+    AbortReq, AddReq, Delta, FinishReason, FinishReq, GenerateReq, RequestError, TextBatch, TokenBatch,
+    TokenizerInbox, to_bytes,
 )
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
@@ -41,10 +41,6 @@ class TokenizerActor:
             await self.on_generate(msg)
         elif isinstance(msg, AbortReq):
             await self.on_abort(msg)
-        elif isinstance(msg, Finished):
-            if self.live.pop(msg.rid, None) is not None:
-                await self.channel.send("api", TextBatch([Delta(msg.rid, "", [], msg.prompt_tokens, 0,
-                                                                msg.cached_tokens, msg.reason)]))
         elif isinstance(msg, RequestError):  # the scheduler refused or failed it: it holds nothing there any more
             if self.live.pop(msg.rid, None) is not None:
                 await self.channel.send("api", msg)
@@ -58,7 +54,7 @@ class TokenizerActor:
             return
         self.live[msg.rid] = self.core.output(msg.params)
         await self.channel.send("scheduler", AddReq(msg.rid, to_bytes(ids), msg.params, msg.top_logprobs,
-                                                    msg.priority))
+                                                    msg.priority, msg.logprob_start))
 
     def encode(self, msg: GenerateReq) -> list[int]:
         if msg.messages is not None:
@@ -82,35 +78,13 @@ class TokenizerActor:
         await self.channel.send("api", RequestError(rid, message, status=500, code="internal_error"))
 
     async def on_tokens(self, batch: TokenBatch) -> None:
-        token_ids = array(batch.token_ids).tolist()
-        prompt, cached = array(batch.prompt_tokens).tolist(), array(batch.cached_tokens).tolist()
-        deltas = []
-        for i, rid in enumerate(batch.rids):
-            out = self.live.get(rid)
-            if out is None:  # already ended here (stop string, abort); the scheduler heard or will
-                continue
-            try:
-                text, finish, stopped_here = out.add(token_ids[i], batch.finished.get(i))
-                logprobs = [self.token_logprob(token_ids[i], batch.logprobs[i])] if i in batch.logprobs else None
-            except Exception:
-                log.exception("internal error while detokenizing request %s", rid)
-                await self.fail(rid, "internal error while detokenizing (logged)")
-                continue
-            if stopped_here:
-                await self.channel.send("scheduler", FinishReq(rid, finish))
-            if finish is not None:
-                del self.live[rid]
-            deltas.append(Delta(rid, text, [token_ids[i]], prompt[i], out.completion_tokens, cached[i], finish,
-                                logprobs))
-        if deltas:
-            await self.channel.send("api", TextBatch(deltas))
-
-    def token_logprob(self, token_id: int, lp: Logprob) -> TokenLogprob:
-        top = [(self.token_text(t), t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]
-        return TokenLogprob(self.token_text(token_id), token_id, lp.logprob, top)
-
-    def token_text(self, token_id: int) -> str:
-        return self.core.decode([token_id], skip_special_tokens=False)
+        out = self.core.detokenize(batch, self.live)
+        for rid in out.failed:
+            await self.fail(rid, "internal error while detokenizing (logged)")
+        for stop in out.stops:  # a stop string ended it here: the scheduler does not know yet
+            await self.channel.send("scheduler", stop)
+        if out.deltas:
+            await self.channel.send("api", TextBatch(out.deltas))
 
 
 def build(spec: ActorSpec, channel: Channel) -> tuple[TokenizerActor, dict[str, Any]]:
@@ -118,7 +92,7 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[TokenizerActor, dict[str, 
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     core = TokenizerCore(spec.model_dir)
-    return TokenizerActor(core, channel), {"vocab_size": core.vocab_size}
+    return TokenizerActor(core, channel), {"vocab_size": core.vocab_size, "chat_template": core.chat_template()}
 
 
 def main(spec: ActorSpec) -> None:

@@ -94,15 +94,17 @@ class CacheManager:
         return self.tree.match_path(tokens) if self.tree else []
 
     # -- request lifecycle -------------------------------------------------------------------------------
-    def open(self, tokens: Sequence[int], max_tokens: int, priority: int = 0) -> KVHandle:
+    def open(self, tokens: Sequence[int], max_tokens: int, priority: int = 0, limit: int | None = None) -> KVHandle:
         """Start a request's row: reuse (and lock) the longest cached prefix of ``tokens``. Nothing counts as
         used until ``admit``: a request that does not fit after all is closed again and leaves no hit behind.
 
         The match is capped at len-1 so at least one token is computed: its logits give the next token.
+        ``limit`` caps it further (positions whose logits are wanted must be computed).
         """
         handle = KVHandle(row=np.zeros(max_tokens, dtype=SLOT_DTYPE), priority=priority)
-        if self.tree and len(tokens) > 1:
-            slots, node = self.tree.match_prefix(tokens[: len(tokens) - 1], touch=False)
+        cap = len(tokens) - 1 if limit is None else min(limit, len(tokens) - 1)
+        if self.tree and cap > 0:
+            slots, node = self.tree.match_prefix(tokens[:cap], touch=False)
             handle.row[: len(slots)] = slots
             handle.kv_len = handle.tree_len = len(slots)
             self._relock(handle, node)

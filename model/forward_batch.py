@@ -51,7 +51,8 @@ class RopeTable:
 class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    logit_rows: torch.Tensor  # int64 [n]: rows of the tokens whose next-token logits are wanted
+    logit_rows: torch.Tensor  # int64 [S + P]: rows whose next-token logits are wanted: the S sampling rows,
+    # then the P prompt rows whose logprobs were asked for (the plan's prompt_logprobs, in batch order)
     cos: torch.Tensor
     sin: torch.Tensor
     attn: AttentionBatch
@@ -69,6 +70,10 @@ class ForwardBatch:
         seq_ends = np.cumsum(prefix + extend)
         out_idx = np.arange(int(ext_ends[-1])) + np.repeat(seq_ends - ext_ends, extend)
         sampled = array(plan.sample, np.uint8).astype(bool)
+        rows = [(ext_ends - 1)[sampled]]
+        for i, want in sorted(plan.prompt_logprobs.items()):
+            first = int(ext_ends[i] - extend[i]) + want.first
+            rows.append(np.arange(first, first + len(want.targets) // 4))
         positions_t = torch.from_numpy(positions).to(device)
         attn = AttentionBatch(
             mode=plan.mode,
@@ -84,7 +89,7 @@ class ForwardBatch:
         return cls(
             input_ids=torch.from_numpy(array(plan.input_ids).astype(np.int64)).to(device),
             positions=positions_t,
-            logit_rows=torch.from_numpy((ext_ends - 1)[sampled]).to(device),
+            logit_rows=torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(device),
             cos=cos,
             sin=sin,
             attn=attn,

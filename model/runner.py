@@ -18,8 +18,9 @@ from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
+from radixserve.model.grammar import Constraints
 from radixserve.model.llama import CausalLM
-from radixserve.model.sampler import SamplingInputs, sample_rows
+from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.kv = KVPool(cfg.num_layers, num_slots + 1, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.rope = RopeTable(*cfg.rope_inv_freq(), cfg.max_position_embeddings, self.dtype, self.device)
         self.attn = get_backend(attention_backend, self.device, deterministic)
+        self.constraints = Constraints(path, cfg.vocab_size)
         log.info("model loaded in %.1fs (%s, %s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, num_slots, self.kv.nbytes / 2**20)
         if deterministic:
@@ -79,7 +81,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
-        """The next-token logits of the plan's sampling rows (no sampling)."""
+        """The next-token logits of the plan's sampling rows, then of its prompt-logprob rows (no sampling)."""
         return self.model(ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
                                                  self.cfg.num_heads // self.cfg.num_kv_heads))
 
@@ -91,11 +93,28 @@ class ModelRunner:
             batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
                                            self.cfg.num_heads // self.cfg.num_kv_heads)
             sampling = SamplingInputs.from_batch(plan.sampling, self.device)
-            logits = self.model(batch)  # [S, vocab]: only the rows that sample (a prefill chunk writes KV only)
+            logits = self.model(batch)  # [S + P, vocab]: the rows that sample, then prompt rows asked for
+            prompt = prompt_logprobs_of(logits[len(sampling):], plan.prompt_logprobs) if plan.prompt_logprobs else {}
         except Exception as exc:
             log.exception("step %d failed", plan.step)
             return ForwardResult(step=plan.step, error=f"{type(exc).__name__}: {exc}")
+        rows = plan.sampling.constraints
+        start_errors = self.constraints.update(plan.new_grammars, plan.released_grammars)
         if len(sampling) == 0:
-            return ForwardResult(step=plan.step)
-        next_ids, logprobs, errors = sample_rows(logits, sampling)
-        return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, errors=errors)
+            return ForwardResult(step=plan.step, prompt_logprobs=prompt)
+        raw = logits[: len(sampling)]
+        if not rows:
+            next_ids, logprobs, errors = sample_rows(raw, sampling)
+            return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
+                                 errors=errors)
+        masked = raw.clone()  # logprobs stay the model's own; only the choice is constrained
+        refused = self.constraints.mask(masked, rows, sampling.output_index)
+        refused.update({j: start_errors[rid] for j, rid in enumerate(rows) if rid in start_errors})
+        next_ids, logprobs, errors = sample_rows(masked, sampling, logprob_logits=raw)
+        for j in refused:  # a row that could not be constrained is not sampled: that request fails alone
+            next_ids[j] = None
+            logprobs.pop(j, None)
+        done, refused_tokens = self.constraints.advance(rows, next_ids)
+        errors.update({**refused, **refused_tokens})
+        return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
+                             grammar_done=done, errors=errors)

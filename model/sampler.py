@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.actors.messages import Logprob, SamplingBatch, array
+from radixserve.actors.messages import Logprob, PromptLogprobs, SamplingBatch, array
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +102,40 @@ def logprobs_of(logits: torch.Tensor, next_ids: torch.Tensor, s: SamplingInputs)
     return out
 
 
-def sample_rows(logits: torch.Tensor, s: SamplingInputs) -> tuple[list[int | None], dict[int, Logprob],
-                                                                     dict[int, str]]:
-    """Sample every row (and its logprobs). Should the batch fail, each row is tried alone, so one request's
-    failure is that request's alone: ``(ids, logprobs, errors)`` with ids[j] None where row j failed."""
+PROMPT_BLOCK = 256  # log_softmax over this many prompt rows at a time: [rows, vocab] float32 stays small
+
+
+def prompt_logprobs_of(logits: torch.Tensor, wants: dict[int, PromptLogprobs]) -> dict[int, list[Logprob]]:
+    """``logits``: the prompt rows of the plan's ``wants`` (in batch order, back to back). For each request, the
+    log-probability of every target token under the model, with ``top`` alternatives."""
+    out: dict[int, list[Logprob]] = {}
+    row = 0
+    for i, want in sorted(wants.items()):
+        targets = torch.from_numpy(array(want.targets).astype(np.int64)).to(logits.device)
+        entries: list[Logprob] = []
+        for b in range(0, len(targets), PROMPT_BLOCK):
+            t = targets[b : b + PROMPT_BLOCK]
+            logp = torch.log_softmax(logits[row + b : row + b + len(t)].float(), dim=-1)
+            chosen = logp.gather(1, t[:, None])[:, 0].tolist()
+            if want.top > 0:
+                values, ids = (x.tolist() for x in logp.topk(want.top, dim=-1))
+                entries += [Logprob(c, i_, v) for c, i_, v in zip(chosen, ids, values)]
+            else:
+                entries += [Logprob(c) for c in chosen]
+        out[i] = entries
+        row += len(targets)
+    return out
+
+
+def sample_rows(logits: torch.Tensor, s: SamplingInputs, logprob_logits: torch.Tensor | None = None,
+                ) -> tuple[list[int | None], dict[int, Logprob], dict[int, str]]:
+    """Sample every row (and its logprobs, from ``logprob_logits`` if given: the logits before a grammar masked
+    them). Should the batch fail, each row is tried alone, so one request's failure is that request's alone:
+    ``(ids, logprobs, errors)`` with ids[j] None where row j failed."""
+    raw = logits if logprob_logits is None else logprob_logits
     try:
         ids = sample(logits, s)
-        return ids.tolist(), logprobs_of(logits, ids, s), {}
+        return ids.tolist(), logprobs_of(raw, ids, s), {}
     except Exception:
         log.exception("batched sampling failed; sampling row by row")
     next_ids: list[int | None] = []
@@ -119,7 +146,7 @@ def sample_rows(logits: torch.Tensor, s: SamplingInputs) -> tuple[list[int | Non
             one, row = logits[j : j + 1], s.row(j)
             ids = sample(one, row)
             next_ids.append(int(ids[0]))
-            if (lp := logprobs_of(one, ids, row)):
+            if (lp := logprobs_of(raw[j : j + 1], ids, row)):
                 logprobs[j] = lp[0]
         except Exception as exc:
             next_ids.append(None)

@@ -6,10 +6,15 @@ import gc
 import itertools
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-from radixserve.actors.messages import RequestError
-from radixserve.actors.scheduler import Req
+import msgspec
+
+from radixserve.actors.api.native_output import LogprobOptions, NativeBatch, NativeOutput, native_batch
+from radixserve.actors.api.protocol import NativeGenerateRequest
+from radixserve.actors.messages import Delta, FinishReason, GenerateReq
+from radixserve.actors.scheduler.actor import token_batch
 from radixserve.actors.scheduler.scheduler import build_scheduler
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.errors import InvalidRequest
@@ -33,7 +38,7 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
 
-        prepared = prepare(ServerArgs.from_kwargs(model_path=model_path, **server_args))
+        self.prepared = prepared = prepare(ServerArgs.from_kwargs(model_path=model_path, **server_args))
         self.args = args = prepared.args
         self.model_config = prepared.model
         self.model_files = prepared.files
@@ -42,30 +47,53 @@ class Engine:
         self.scheduler = build_scheduler(args, prepared.scheduler_config)
         self._ids = itertools.count()
         self._closed = False
-        self._lock = threading.RLock()  # calls from several threads run one after another, never interleaved
+        self._lock = threading.RLock()  # one step at a time; any caller may run it (see _drive)
+        self._live: dict[str, OutputText] = {}  # rid -> its text so far, as the tokenizer actor keeps it
+        self._sinks: dict[str, _Sink] = {}  # rid -> where its results go
 
     # -- public API --------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: TokenIds = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0, priority: int = 0,
-                 ) -> dict[str, Any] | list[dict[str, Any]]:
+                 return_logprob: bool = False, logprob_start_len: int | None = None, top_logprobs_num: int = 0,
+                 return_text_in_logprobs: bool = False, priority: int = 0, stream: bool = False,
+                 ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list, same order).
 
         Give ``prompt`` (text) or ``input_ids`` (token ids), not both. ``sampling_params`` is one dict /
-        SamplingParams for all, or a list with one per prompt. Each result has ``text``, ``output_ids`` and
-        ``meta_info`` (prompt_tokens, completion_tokens, cached_tokens, finish_reason). ``return_logprob``
-        adds ``output_token_logprobs`` [(logprob, token_id)] and, with ``top_logprobs_num`` > 0,
-        ``output_top_logprobs`` [[(logprob, token_id), ...]] to meta_info. Bad values raise InvalidRequest (a
-        ValueError) naming the field, before anything is queued. A request that fails on our side ends alone,
-        with ``meta_info["error"]``; after an exception or Ctrl-C the Engine is ready for the next call.
+        SamplingParams for all, or a list with one per prompt. Each result is SGLang's: ``text``, ``output_ids``
+        and ``meta_info`` (prompt_tokens, completion_tokens, cached_tokens, finish_reason). ``max_new_tokens``
+        0 computes and caches the prompt only. ``return_logprob`` adds ``output_token_logprobs`` as
+        [logprob, token_id, text] triples (text with ``return_text_in_logprobs``), the prompt's from
+        ``logprob_start_len`` on as ``input_token_logprobs``, and with ``top_logprobs_num`` > 0 the top
+        alternatives. ``stream=True`` returns an iterator of results so far (cumulative text, ``index``: which
+        prompt). Bad values raise InvalidRequest (a ValueError) naming the field, before anything is queued. A
+        request that fails on our side ends alone, with ``meta_info["error"]``. Calls from several threads are
+        batched together; after an exception or Ctrl-C the Engine is ready for the next call.
         """
         self._require_open()
         prompts = text_or_ids(prompt, input_ids, self.model_config.vocab_size, text_param="prompt")
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts.items]
-        params = self._params_per_prompt(sampling_params, len(ids))
-        top_logprobs = top_logprobs_num if return_logprob else None
-        with self._lock:
-            results = self._run(ids, params, top_logprobs, priority)
-        return results[0] if prompts.single else results
+        params = self._params_per_prompt(sampling_params, len(prompts.items))
+        start = None if logprob_start_len is None or logprob_start_len < 0 else logprob_start_len
+        logprobs = LogprobOptions(top_logprobs_num, return_text_in_logprobs, start) if return_logprob else None
+        gens = [GenerateReq(f"engine-{next(self._ids)}", sp, top_logprobs=logprobs.top if logprobs else None,
+                            priority=priority, logprob_start=start if logprobs else None,
+                            **({"text": p} if isinstance(p, str) else {"input_ids": p}))
+                for p, sp in zip(prompts.items, params)]
+        return self._answer(gens, logprobs, prompts.single, stream)
+
+    def native_generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's ``POST /generate`` body in, its response out (``stream`` in the payload is ignored)."""
+        batch = self._native(payload)
+        return self._answer(batch.gens, batch.logprobs, batch.prompts.single, stream=False)
+
+    def native_generate_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """SGLang's streaming ``/generate``: results so far (cumulative text) with ``index``, as the server's
+        events."""
+        batch = self._native(payload)
+        return self._answer(batch.gens, batch.logprobs, batch.prompts.single, stream=True)
+
+    def model_info(self) -> dict[str, Any]:
+        """What ``GET /get_model_info`` answers (model path, the chat template's role markers, ...)."""
+        return self.prepared.model_info(self.tokenizer.chat_template())
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: Params = None) -> dict[str, Any]:
         """One chat turn: the model's chat template is applied to ``messages``."""
@@ -115,6 +143,8 @@ class Engine:
             raise RuntimeError("this Engine was shut down; create a new one")
 
     # -- the loop ----------------------------------------------------------------------------------------
+    # Every call queues its requests and then drives the shared loop: whichever caller holds the lock runs the
+    # next step for all requests in flight (its own and other threads'), and each picks up its own deltas.
     @staticmethod
     def _params_per_prompt(params: Params, n: int) -> list[SamplingParams]:
         if isinstance(params, list):
@@ -125,48 +155,138 @@ class Engine:
         one = SamplingParams.coerce(params)
         return [one] * n
 
-    def _run(self, ids: list[list[int]], params: list[SamplingParams], top_logprobs: int | None,
-             priority: int) -> list[dict[str, Any]]:
-        sched = self.scheduler
-        for p, sp in zip(ids, params):  # validate all before queueing any: a bad prompt loses nothing
-            sched.validate(p, sp, top_logprobs)
-        reqs: list[Req] = []
-        outputs: dict[str, OutputText] = {}
+    def _native(self, payload: dict[str, Any]) -> NativeBatch:
+        self._require_open()
+        if not isinstance(payload, dict):
+            raise InvalidRequest("the payload must be a dict: SGLang's /generate body", param="payload")
         try:
-            for p, sp in zip(ids, params):
-                req = sched.add_request(f"engine-{next(self._ids)}", p, sp, top_logprobs, priority)
-                reqs.append(req)
-                outputs[req.rid] = self.tokenizer.output(sp)
-            while not all(r.finished for r in reqs):
-                plan = sched.schedule()
-                if plan is None:
-                    if sched.failures:  # requests failed while planning; the rest go on
-                        continue
-                    raise RuntimeError("the scheduler has unfinished requests but planned nothing (a bug)")
-                for req in sched.process(self.runner.forward(plan)):
-                    _, finish, stopped_here = outputs[req.rid].add(req.output_ids[-1], req.finish_reason)
-                    if stopped_here:
-                        sched.finish(req.rid, finish)
+            body = msgspec.convert(payload, NativeGenerateRequest)
+        except msgspec.ValidationError as exc:
+            if isinstance(exc.__cause__, InvalidRequest):
+                raise exc.__cause__ from None
+            raise InvalidRequest(f"invalid /generate payload: {exc}", param="payload") from None
+        return native_batch(body, self.model_config.vocab_size)
+
+    def _answer(self, gens: list[GenerateReq], logprobs: LogprobOptions | None, single: bool, stream: bool):
+        outputs = self._submit(gens, logprobs)
+        if stream:
+            return self._stream(outputs)
+        for _ in self._drive(outputs):
+            pass
+        bodies = [o.result() for o in outputs]
+        return bodies[0] if single else bodies
+
+    def _stream(self, outputs: list[_Sink]) -> Iterator[dict[str, Any]]:
+        for i in self._drive(outputs):
+            yield {**outputs[i].result(), "index": i}
+
+    def _submit(self, gens: list[GenerateReq], logprobs: LogprobOptions | None) -> list[_Sink]:
+        ids = [self.tokenizer.encode(g.text) if g.text is not None else g.input_ids for g in gens]
+        with self._lock:
+            self._require_open()
+            sched = self.scheduler
+            for p, g in zip(ids, gens):  # validate all before queueing any: a bad prompt loses nothing
+                sched.validate(p, g.params, g.top_logprobs)
+                if g.logprob_start is not None and g.logprob_start > len(p):
+                    raise InvalidRequest(f"logprob_start_len={g.logprob_start} is past the end of the prompt "
+                                         f"({len(p)} tokens)", param="logprob_start_len")
+            sinks = []
+            for p, g in zip(ids, gens):
+                sched.add_request(g.rid, p, g.params, g.top_logprobs, g.priority, g.logprob_start)
+                sink = _Sink(NativeOutput(g.rid, logprobs))
+                self._live[g.rid] = self.tokenizer.output(g.params)
+                self._sinks[g.rid] = sink
+                sinks.append(sink)
+        return sinks
+
+    def _drive(self, sinks: list[_Sink]) -> Iterator[int]:
+        """Run steps until every one of ``sinks`` is done, yielding the index of each that got something new."""
+        try:
+            while True:
+                with self._lock:
+                    fresh = [i for i, s in enumerate(sinks) if s.take_news()]
+                    if not fresh and all(s.done for s in sinks):
+                        return
+                    if not fresh:
+                        self._step()
+                        fresh = [i for i, s in enumerate(sinks) if s.take_news()]
+                yield from fresh
+        except BaseException:  # an error, Ctrl-C, or a stream the caller dropped: give back what these hold
+            with self._lock:
+                for s in sinks:
+                    if not s.done and self.scheduler is not None:
+                        self.scheduler.finish(s.output.rid, FinishReason("abort", message="interrupted"))
+                        self._end(s.output.rid)
+            raise
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        try:
+            plan = sched.schedule()
+            updated = sched.process(self.runner.forward(plan)) if plan is not None else []
+            if plan is None and not sched.failures:
+                raise RuntimeError("the scheduler has unfinished requests but planned nothing (a bug)")
+            out = self.tokenizer.detokenize(token_batch(updated), self._live)
         except BaseException:  # an error or Ctrl-C mid-step: give back every slot, keep the Engine usable
             sched.fail_step("interrupted")  # the step being computed never finished: its slots hold nothing
             sched.fail_all("interrupted")
-            sched.take_failures()
+            self._deliver_failures()
             raise
-        errors = {e.rid: e for e in sched.take_failures()}
-        return [self._result(r, outputs[r.rid], errors.get(r.rid)) for r in reqs]
+        for stop in out.stops:
+            sched.finish(stop.rid, stop.reason)
+        for rid in out.failed:
+            sched.finish(rid, FinishReason("abort", message="internal error while detokenizing"))
+            self._fail(rid, "internal error while detokenizing (logged)", 500, "internal_error")
+        for delta in out.deltas:
+            sink = self._sinks.get(delta.rid)
+            if sink is not None:
+                sink.add(delta)
+                if delta.finish is not None:
+                    self._end(delta.rid)
+        self._deliver_failures()
 
-    def _result(self, req: Req, output: OutputText, error: RequestError | None) -> dict[str, Any]:
-        meta = {
-            "id": req.rid,
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens or 0,
-            "finish_reason": req.finish_reason.to_dict(),
-        }
-        if req.top_logprobs is not None:
-            meta["output_token_logprobs"] = [(lp.logprob, t) for lp, t in zip(req.output_logprobs, req.output_ids)]
-            if req.top_logprobs > 0:
-                meta["output_top_logprobs"] = [list(zip(lp.top_logprobs, lp.top_ids)) for lp in req.output_logprobs]
-        if error is not None:
-            meta["error"] = {"message": error.message, "status": error.status, "code": error.code}
-        return {"text": output.text, "output_ids": list(req.output_ids), "meta_info": meta}
+    def _deliver_failures(self) -> None:
+        for err in self.scheduler.take_failures():
+            self._fail(err.rid, err.message, err.status, err.code)
+
+    def _fail(self, rid: str, message: str, status: int, code: str | None) -> None:
+        sink = self._sinks.get(rid)
+        if sink is not None:
+            sink.fail({"message": message, "status": status, "code": code})
+        self._end(rid)
+
+    def _end(self, rid: str) -> None:
+        self._sinks.pop(rid, None)
+        self._live.pop(rid, None)
+
+
+class _Sink:
+    """One request's results as they arrive, for the thread that asked."""
+
+    def __init__(self, output: NativeOutput) -> None:
+        self.output = output
+        self.error: dict[str, Any] | None = None
+        self.news = False
+
+    @property
+    def done(self) -> bool:
+        return self.output.done or self.error is not None
+
+    def add(self, delta: Delta) -> None:
+        self.output.add(delta)
+        self.news = True
+
+    def fail(self, error: dict[str, Any]) -> None:
+        self.error, self.news = error, True
+
+    def take_news(self) -> bool:
+        news, self.news = self.news, False
+        return news
+
+    def result(self) -> dict[str, Any]:
+        if self.output.last is None:  # failed before a token: an empty result that says why
+            self.output.add(Delta(self.output.rid, "", [], 0, 0, 0, FinishReason("abort", message="failed")))
+        body = self.output.body()
+        if self.error is not None:
+            body["meta_info"]["error"] = self.error
+        return body

@@ -53,7 +53,8 @@ async def _serve(prepared, launcher) -> int:
         "max_total_tokens": args.max_total_tokens,
         "started": int(time.time()),
         "server_args": {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"},
-        "actors": launcher.info,
+        "actors": {name: {k: v for k, v in a.items() if k != "chat_template"} for name, a in launcher.info.items()},
+        "model_info": prepared.model_info(launcher.info.get("tokenizer", {}).get("chat_template")),
         "runtime_dir": launcher.runtime_dir,
     }
     limits = Limits(max_sequences_per_request=args.max_sequences_per_request,

@@ -3,6 +3,7 @@ server arguments and the scheduler's config. Shared by the server's launcher and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from radixserve.actors.scheduler.scheduler import SchedulerConfig
 from radixserve.model.config import ModelConfig
@@ -18,6 +19,25 @@ class Prepared:
     model: ModelConfig
     scheduler_config: SchedulerConfig
     model_name: str  # what /v1/models lists and clients pass as "model"
+
+    def model_info(self, chat_template: dict[str, Any] | None) -> dict[str, Any]:
+        """``GET /get_model_info`` (SGLang's fields). ``model_path`` is the path the model was loaded from, as
+        given: SGLang's frontend picks its chat template by matching it, and that match must see the truth.
+        ``chat_template``: the role markers of the model's own template (radixserve.lang reads them)."""
+        return {
+            "model_path": str(self.files.source),
+            "tokenizer_path": str(self.files.path),
+            "served_model_name": self.model_name,
+            "is_generation": True,
+            "model_type": self.model.model_type,
+            "context_length": self.args.context_length,
+            "vocab_size": self.model.vocab_size,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "chat_template": chat_template,
+        }
 
 
 def prepare(args: ServerArgs) -> Prepared:

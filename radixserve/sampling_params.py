@@ -3,7 +3,9 @@ every model (``InvalidRequest`` naming the field); ``check_model`` adds the ones
 The API and the offline Engine build the same struct, and the scheduler checks it again, so no path skips it."""
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -29,6 +31,16 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    stop_regex: str | list[str] | None = None  # the output ends where one of these matches (cut before it)
+    regex: str | None = None  # structured output: the whole output matches this regular expression
+    json_schema: str | dict[str, Any] | None = None  # structured output: JSON valid under this schema
+    # Sent by SGLang's clients with these defaults; other values are refused until they are implemented.
+    min_new_tokens: int = 0
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    spaces_between_special_tokens: bool = True  # a slow-tokenizer option: the fast tokenizers used here ignore it
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -60,6 +72,32 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             bad("stop_token_ids", f"has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         if ids and not 0 <= min(ids) <= max(ids) <= INT32_MAX:
             bad("stop_token_ids", "must be token ids in the vocabulary")
+        patterns = self.stop_patterns_source
+        if len(patterns) > MAX_STOP_STRINGS or any(len(p) > MAX_STOP_STRING_CHARS for p in patterns):
+            bad("stop_regex", f"allows at most {MAX_STOP_STRINGS} patterns of at most {MAX_STOP_STRING_CHARS} "
+                              "characters")
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as exc:
+                bad("stop_regex", f"is not a valid regular expression: {exc}")
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        if self.regex is not None and self.json_schema is not None:
+            bad("regex", "and json_schema cannot both be given; choose one constraint")
+        if (spec := self.constraint) is not None:
+            from radixserve.structured import grammar
+
+            grammar(spec[0], spec[1])  # InvalidRequest naming the field if the regex / schema is not valid
+        if self.ebnf is not None:
+            bad("ebnf", "grammars are not supported; constrain the output with regex or json_schema")
+        if self.min_new_tokens != 0:
+            bad("min_new_tokens", "is not supported yet; send 0")
+        if self.n != 1:
+            bad("n", "other than 1 is not supported in sampling_params yet; send the prompt n times in a list")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) != 0:
+                bad(name, "is not supported yet; send 0")
 
     def check_model(self, vocab_size: int) -> None:
         """The ranges that depend on the model: InvalidRequest naming the field if one is out of them."""
@@ -80,6 +118,21 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def stop_patterns_source(self) -> list[str]:
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """("regex" | "json_schema", source) when the output is constrained."""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        return None
 
     @classmethod
     def coerce(cls, value: SamplingParams | dict[str, Any] | None) -> SamplingParams:

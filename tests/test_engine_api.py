@@ -102,13 +102,84 @@ def test_logprobs_match_a_direct_forward(engine, hf_models):
     with torch.no_grad():
         logits = hf_models["llama"](torch.tensor([prompt + out["output_ids"][:2]])).logits[0, -3:]
     ref = torch.log_softmax(logits, -1)
-    for j, ((lp, tok), top) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
-        assert tok == out["output_ids"][j]
+    for j, ((lp, tok, text), top) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
+        assert tok == out["output_ids"][j] and text is None, "SGLang's triples; text only when asked for"
         assert abs(lp - ref[j, tok].item()) < 1e-4
         assert top[0][1] == tok, "greedy: the chosen token is the most likely"
-        assert [t for _, t in top] == ref[j].topk(3).indices.tolist()
+        assert [t for _, t, _ in top] == ref[j].topk(3).indices.tolist()
+    assert meta["input_token_logprobs"] == [], "no logprob_start_len: none of the prompt's"
     plain = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
     assert "output_token_logprobs" not in plain["meta_info"]
+
+
+@pytest.mark.parametrize("start", [0, 2, 5])
+@pytest.mark.parametrize("max_new", [0, 2])
+def test_prompt_logprobs_match_a_direct_forward_even_from_the_cache(engine, hf_models, start, max_new):
+    """input_token_logprobs from logprob_start_len: token t's logprob given the tokens before it; the first
+    token has none. The prompt is cached by a first call, so the second must recompute what it scores."""
+    import torch
+
+    prompt = [7, 8, 9, 10, 11, 12, 13]
+    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0})  # now cached
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": max_new, "temperature": 0},
+                          return_logprob=True, logprob_start_len=start, top_logprobs_num=2,
+                          return_text_in_logprobs=True)
+    meta = out["meta_info"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_models["llama"](torch.tensor([prompt])).logits[0], -1)
+    got = meta["input_token_logprobs"]
+    assert [t for _, t, _ in got] == prompt[start:]
+    assert all(isinstance(text, str) for _, _, text in got)
+    for k, (lp, tok, _) in enumerate(got):
+        pos = start + k
+        if pos == 0:
+            assert lp is None and meta["input_top_logprobs"][k] is None
+        else:
+            assert abs(lp - ref[pos - 1, tok].item()) < 1e-4
+            assert [t for _, t, _ in meta["input_top_logprobs"][k]] == ref[pos - 1].topk(2).indices.tolist()
+    assert len(meta["output_token_logprobs"]) == max_new
+    assert not engine.scheduler.has_work
+    engine.scheduler.check()
+
+
+def test_prefill_only_caches_the_prompt(engine):
+    """max_new_tokens 0 computes the prompt and leaves it in the radix cache: the next request reuses it."""
+    engine.flush_cache()
+    prompt = list(range(100, 140))
+    first = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0})
+    assert first["output_ids"] == [] and first["meta_info"]["prompt_tokens"] == 40
+    again = engine.generate(input_ids=prompt + [5, 6], sampling_params={"max_new_tokens": 1})
+    assert again["meta_info"]["cached_tokens"] == 40
+
+
+def test_native_payloads_and_streams(engine):
+    """The SGLang /generate body through the Engine: the same shapes as the server's."""
+    body = {"text": ["one two", "three"], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop": [],
+                                                              "stop_regex": [], "n": 1, "min_new_tokens": 0}}
+    outs = engine.native_generate(body)
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 3]
+    events = list(engine.native_generate_stream({**body, "text": "one two"}))
+    assert events[-1]["text"] == outs[0]["text"] and all(e["index"] == 0 for e in events)
+    assert [len(e["output_ids"]) for e in events] == [1, 2, 3], "one event per token, cumulative"
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        engine.native_generate({"text": "x", "sampling_params": {"min_new_tokens": 2}})
+    info = engine.model_info()
+    assert info["is_generation"] and info["model_path"].endswith("llama")
+
+
+def test_threads_share_steps(engine):
+    """Calls from several threads are batched into the same steps and each gets its own answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[20 + i, 21, 22] for i in range(6)]
+    solo = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": 4, "temperature": 0})["output_ids"]
+            for p in prompts]
+    steps = engine.scheduler.stats.steps
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda p: engine.generate(
+            input_ids=p, sampling_params={"max_new_tokens": 4, "temperature": 0})["output_ids"], prompts))
+    assert together == solo
+    assert engine.scheduler.stats.steps - steps < 6 * 5, "some steps carried several threads' requests"
 
 
 def test_a_tiny_temperature_is_greedy(engine):

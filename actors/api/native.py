@@ -1,62 +1,15 @@
-"""SGLang-native and operational routes: /generate, /abort_request, /flush_cache, /get_server_info, /health,
-/metrics."""
+"""SGLang-native and operational routes: /generate, /get_model_info, /get_server_info, /abort_request,
+/flush_cache, /health, /metrics -- the contract SGLang's own frontend (``sglang.RuntimeEndpoint``) relies on."""
 from __future__ import annotations
-
-import time
-import uuid
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.io import decode_body, first_deltas, json_response, merged, stream_events
+from radixserve.actors.api.native_output import native_batch
 from radixserve.actors.api.protocol import AbortBody, NativeGenerateRequest, PoliciesBody
 from radixserve.actors.api.server import ApiServer
-from radixserve.actors.messages import Delta, GenerateReq
-from radixserve.prompts import text_or_ids
-from radixserve.sampling_params import SamplingParams
-
-
-class Output:
-    """One request's result in SGLang's shape, accumulated from its deltas."""
-
-    def __init__(self, rid: str, top_logprobs: int | None) -> None:
-        self.rid, self.top_logprobs = rid, top_logprobs
-        self.text, self.ids, self.start = "", [], time.perf_counter()
-        self.token_lp: list[tuple[float, int]] = []
-        self.top_lp: list[list[tuple[float, int]]] = []
-        self.last: Delta | None = None
-
-    def add(self, d: Delta) -> None:
-        self.text += d.text
-        self.ids += d.token_ids
-        for t in d.logprobs or ():
-            self.token_lp.append((t.logprob, t.token_id))
-            self.top_lp.append([(lp, tid) for _, tid, lp in t.top])
-        self.last = d
-
-    def body(self) -> dict[str, Any]:
-        d = self.last
-        meta = {"id": self.rid, "prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
-                "cached_tokens": d.cached_tokens, "finish_reason": d.finish.to_dict() if d.finish else None,
-                "e2e_latency": time.perf_counter() - self.start}
-        if self.top_logprobs is not None:
-            meta["output_token_logprobs"] = self.token_lp
-            if self.top_logprobs > 0:
-                meta["output_top_logprobs"] = self.top_lp
-        return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
-
-
-def sequence_rids(rid: str | list[str] | None, n: int, single: bool) -> tuple[str, list[str]]:
-    """The request's id and its sequences' ids: the client's (one for all, or one per prompt) or fresh ones."""
-    if isinstance(rid, list):
-        if len(rid) != n:
-            raise APIError(400, f"rid is a list of {len(rid)} ids for {n} prompts; give one id or one per prompt",
-                           param="rid")
-        return f"batch-{uuid.uuid4().hex}", list(rid)  # each id names its own sequence
-    base = rid or uuid.uuid4().hex
-    return base, [base] if single else [f"{base}-{i}" for i in range(n)]
 
 
 class NativeRoutes:
@@ -72,24 +25,18 @@ class NativeRoutes:
         r.add_post("/policies", self.set_policies)
         r.add_get("/cache/stats", self.cache_stats)
         r.add_get("/get_server_info", self.server_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/model_info", self.model_info)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await decode_body(request, NativeGenerateRequest)
-        vocab = self.server.limits.vocab_size
-        prompts = text_or_ids(body.text, body.input_ids, vocab)
-        self.server.check_size(len(prompts.items))  # refused before a single sequence is built
-        params = body.sampling_params or SamplingParams()
-        if vocab is not None:
-            params.check_model(vocab)
-        top_logprobs = body.top_logprobs_num if body.return_logprob else None
-        group_rid, rids = sequence_rids(body.rid, len(prompts.items), prompts.single)
-        gens = [GenerateReq(rid, params, top_logprobs=top_logprobs, priority=body.priority,
-                            **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-                for rid, p in zip(rids, prompts.items)]
-        outputs = [Output(rid, top_logprobs) for rid in rids]
-        async with self.server.open(group_rid, gens) as group:
+        self.server.check_size(body.num_sequences())  # refused before a single sequence is built
+        batch = native_batch(body, self.server.limits.vocab_size)
+        outputs, prompts = batch.outputs(), batch.prompts
+        async with self.server.open(batch.rid, batch.gens) as group:
             firsts = await first_deltas(group)
             if not body.stream:
                 async for i, delta in merged(group, firsts):
@@ -131,6 +78,9 @@ class NativeRoutes:
 
     async def cache_stats(self, request: web.Request) -> web.Response:
         return json_response((await self.server.control("cache_stats")).body)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return json_response(self.server.info["model_info"])
 
     async def server_info(self, request: web.Request) -> web.Response:
         return json_response(self.server.server_info())

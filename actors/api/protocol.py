@@ -50,6 +50,31 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
         return "".join(parts)
 
 
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's response_format: plain text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema(self) -> str | None:
+        """The JSON schema the output must follow (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is None or self.json_schema.schema is None:
+            raise APIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                "{...}}}", param="response_format.json_schema")
+        return msgspec.json.encode(self.json_schema.schema).decode()
+
+
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
     max_tokens: PositiveInt | None = None
@@ -71,6 +96,10 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: Priority = 0  # for the priority schedule / eviction policies
+    # structured output: OpenAI's response_format, or SGLang's regex / json_schema (one of them)
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    json_schema: str | None = None
 
     def check_supported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -95,10 +124,19 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            regex=self.regex,
+            json_schema=self.constraint_schema,
         )
         if vocab_size is not None:
             params.check_model(vocab_size)
         return params
+
+    @property
+    def constraint_schema(self) -> str | None:
+        from_format = self.response_format.schema() if self.response_format is not None else None
+        if from_format is not None and (self.json_schema is not None or self.regex is not None):
+            raise APIError(400, "give response_format or regex / json_schema, not both", param="response_format")
+        return from_format if from_format is not None else self.json_schema
 
     @property
     def include_usage(self) -> bool:
@@ -110,7 +148,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -125,8 +162,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
             raise APIError(400, "messages must be a non-empty list", param="messages")
         if self.tools:
             raise APIError(400, "tools / function calling are not supported by radixserve", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -172,16 +207,29 @@ class CompletionRequest(_Common, kw_only=True):
 
 
 class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """SGLang's /generate."""
+    """SGLang's /generate (what its frontend and ``Runtime.generate`` send; null means the default)."""
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # token ids, or a list of token-id lists
     sampling_params: SamplingParams | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] = 0
+    return_logprob: bool | None = False
+    logprob_start_len: int | None = None  # the prompt's logprobs from here on; -1 / None: none
+    top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] | None = 0
+    return_text_in_logprobs: bool = False
     rid: RequestId | list[RequestId] | None = None  # one id, or one per prompt
     priority: Priority = 0
+    # SGLang features radixserve has no use for: accepted when empty, so its clients' defaults pass
+    lora_path: None = None
+    session_id: None = None
+    image_data: None = None
+
+    def num_sequences(self) -> int:
+        if isinstance(self.text, list):
+            return len(self.text)
+        if self.text is None and self.input_ids and isinstance(self.input_ids[0], list):
+            return len(self.input_ids)
+        return 1
 
 
 class AbortBody(msgspec.Struct, forbid_unknown_fields=True):

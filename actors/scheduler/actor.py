@@ -87,13 +87,10 @@ class SchedulerActor:
                 await self.channel.send("tokenizer", token_batch(updated))
         elif isinstance(msg, AddReq):
             try:
-                req = sched.add_request(msg.rid, array(msg.input_ids).tolist(), msg.params, msg.top_logprobs,
-                                        msg.priority)
+                sched.add_request(msg.rid, array(msg.input_ids).tolist(), msg.params, msg.top_logprobs,
+                                  msg.priority, msg.logprob_start)
             except InvalidRequest as exc:
                 await self.channel.send("tokenizer", RequestError(msg.rid, str(exc), param=exc.param))
-                return
-            if req.finished:  # max_new_tokens == 0: done without a step
-                await self.channel.send("tokenizer", Finished(req.rid, req.finish_reason, len(req.prompt_ids), 0))
         elif isinstance(msg, FinishReq):
             sched.finish(msg.rid, msg.reason)
         elif isinstance(msg, ControlReq):
@@ -122,7 +119,12 @@ def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
 
 
 def token_batch(reqs: list[Req]) -> TokenBatch:
-    """One message for the whole step: each request's newest token and, for finished ones, why."""
+    """One message for the whole step: each request's newest token and, for finished ones, why; the prompt
+    logprobs come with a request's first token; prefill-only requests that ended travel in ``prefilled``."""
+    prefilled = [Finished(r.rid, r.finish_reason, len(r.prompt_ids), r.cached_tokens or 0,
+                          r.prompt_logprobs_out() if r.logprob_start is not None else None)
+                 for r in reqs if not r.output_ids]
+    reqs = [r for r in reqs if r.output_ids]
     return TokenBatch(
         rids=[r.rid for r in reqs],
         token_ids=to_bytes([r.output_ids[-1] for r in reqs]),
@@ -130,6 +132,9 @@ def token_batch(reqs: list[Req]) -> TokenBatch:
         cached_tokens=to_bytes([r.cached_tokens or 0 for r in reqs]),
         finished={i: r.finish_reason for i, r in enumerate(reqs) if r.finish_reason is not None},
         logprobs={i: r.output_logprobs[-1] for i, r in enumerate(reqs) if r.top_logprobs is not None},
+        prompt_logprobs={i: r.prompt_logprobs_out() for i, r in enumerate(reqs)
+                         if r.logprob_start is not None and len(r.output_ids) == 1},
+        prefilled=prefilled,
     )
 
 

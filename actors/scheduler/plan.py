@@ -6,7 +6,7 @@ from typing import Literal
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan, SamplingBatch
+from radixserve.actors.messages import ForwardPlan, GrammarSpec, PromptLogprobs, SamplingBatch
 from radixserve.actors.scheduler.req import Req
 
 
@@ -26,17 +26,18 @@ class Step:
 
 
 def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int],
-               vocab_size: int) -> ForwardPlan:
+               vocab_size: int, released_grammars: list[str] | None = None) -> ForwardPlan:
     """``starts[i]``: how many of reqs[i]'s tokens were in the pool before this step (the rest are new).
 
-    Every request's KV handle must already hold slots for all the tokens it computes now.
+    Every request's KV handle must already hold slots for all the tokens it computes now. A constrained request
+    that samples for the first time brings its grammar along (the caller marks it started once the plan is sent).
     """
     kv_lens = [r.kv_len for r in reqs]
     if mode == "decode":
         input_ids = [r.output_ids[-1] for r in reqs]
     else:
         input_ids = [t for r, s, e in zip(reqs, starts, kv_lens) for t in r.tokens(s, e)]
-    sample = [e == r.seq_len for r, e in zip(reqs, kv_lens)]
+    sample = [e == r.seq_len and not r.prefill_only for r, e in zip(reqs, kv_lens)]
     return ForwardPlan(
         step=step,
         mode=mode,
@@ -46,7 +47,23 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
         slots=np.concatenate([r.kv.slots for r in reqs]).astype(np.int32, copy=False).tobytes(),
         sample=np.asarray(sample, dtype=np.uint8).tobytes(),
         sampling=sampling_batch([r for r, s in zip(reqs, sample) if s], vocab_size),
+        prompt_logprobs=prompt_logprobs(mode, reqs, starts, kv_lens),
+        new_grammars={r.rid: GrammarSpec(*r.params.constraint) for r, s in zip(reqs, sample)
+                      if s and r.params.constraint is not None and not r.grammar_started},
+        released_grammars=released_grammars or [],
     )
+
+
+def prompt_logprobs(mode: str, reqs: list[Req], starts: list[int], ends: list[int]) -> dict[int, PromptLogprobs]:
+    """The prompt positions computed this step whose logprobs a request asked for."""
+    if mode == "decode":
+        return {}
+    out = {}
+    for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
+        if (span := r.prompt_logprob_span(s, e)) is not None:
+            first, targets = span
+            out[i] = PromptLogprobs(first, np.asarray(targets, dtype=np.int32).tobytes(), r.top_logprobs or 0)
+    return out
 
 
 def sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
@@ -62,6 +79,8 @@ def sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
         output_index=np.asarray([len(r.output_ids) for r in reqs], dtype=np.int32).tobytes(),
         top_logprobs=[r.top_logprobs for r in reqs],
         all_greedy=all(p.greedy for p in params),
+        constraints=[r.rid if p.constraint is not None else None for r, p in zip(reqs, params)]
+        if any(p.constraint is not None for p in params) else [],
     )
 
 

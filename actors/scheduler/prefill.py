@@ -40,7 +40,7 @@ class PrefillAdder:
             return False
         fresh = req.kv is None
         if fresh:
-            req.kv = self.cache.open(req.fill_ids, req.max_seq_len, req.priority)
+            req.kv = self.cache.open(req.fill_ids, req.max_seq_len, req.priority, limit=req.match_limit)
         want = req.extend_len
         if want <= self.tokens_left:
             n = want
@@ -50,7 +50,7 @@ class PrefillAdder:
             n = want  # chunking off: a prompt larger than the budget runs alone
         else:
             return self._reject(req, fresh)
-        reserve = self.future_tokens(req) if n == want else 0.0
+        reserve = self.future_tokens(req) if n == want else 0.0  # 0 for a prefill-only request
         if self.cache.available - self.reserved < n + reserve:
             return self._reject(req, fresh)
         start = req.kv_len

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.actors.messages import FinishReason, Logprob
+from radixserve.actors.messages import FinishReason, Logprob, ScoredPrompt
 from radixserve.cache.invariants import require
 from radixserve.cache.manager import KVHandle
 from radixserve.sampling_params import SamplingParams
@@ -19,15 +19,21 @@ class Req:
     arrival: float
     top_logprobs: int | None = None  # None: no logprobs; else how many alternatives come with each token's
     priority: int = 0  # larger = more important (priority schedule / eviction policies)
+    logprob_start: int | None = None  # with top_logprobs: the prompt's logprobs from this position on
     first_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)  # one per output token, when asked for
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # computed so far, for prompt tokens from
+    # max(logprob_start, 1) on (token t's comes from the logits at position t - 1)
     kv: KVHandle | None = None  # set while the request holds KV (running or mid-prefill)
     cached_tokens: int | None = None  # prefix reused from the cache when first admitted
     finish_reason: FinishReason | None = None
+    grammar_started: bool = False  # the runner holds a matcher for this request's constraint
 
     def __post_init__(self) -> None:
         require(len(self.prompt_ids) >= 1 and self.max_new_tokens >= 0, "a request needs a prompt and a budget")
+        require(self.logprob_start is None or 0 <= self.logprob_start <= len(self.prompt_ids),
+                "logprob_start lies within the prompt")
 
     @property
     def seq_len(self) -> int:
@@ -54,6 +60,49 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_new_tokens 0: compute (and cache) the prompt, generate nothing."""
+        return self.max_new_tokens == 0
+
+    # Prompt logprobs. Positions p in [first, n - 1) of the prompt must be computed, not matched from the cache:
+    #   prompt  | t0 | t1 | ... | t(L-1) | tL ...... t(n-1) |
+    #   logits                    p=L-1 -> tL      p=n-2 -> t(n-1)      (p = n-1 predicts the first output)
+    @property
+    def _logprob_first(self) -> int:
+        return max(self.logprob_start or 0, 1) - 1
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        return self.logprob_start is not None and (
+            self._logprob_first + len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+
+    @property
+    def match_limit(self) -> int:
+        """The most tokens a cache match may cover: one token is always computed (its logits give the next),
+        and the prompt positions whose logprobs are still wanted are computed too."""
+        limit = self.seq_len - 1
+        if self.prompt_logprobs_pending:
+            limit = min(limit, self._logprob_first + len(self.prompt_logprobs))
+        return limit
+
+    def prompt_logprob_span(self, start: int, end: int) -> tuple[int, list[int]] | None:
+        """For a step computing positions [start, end): the offset of the first position whose logits are
+        wanted and the prompt tokens they predict; None if none are."""
+        if not self.prompt_logprobs_pending:
+            return None
+        first = self._logprob_first + len(self.prompt_logprobs)
+        last = min(end, len(self.prompt_ids) - 1)
+        require(first >= start, "the positions whose prompt logprobs are wanted were computed")
+        if first >= last:
+            return None
+        return first - start, self.prompt_ids[first + 1 : last + 1]
+
+    def prompt_logprobs_out(self) -> ScoredPrompt:
+        """Everything from logprob_start on, once computed: None for the first token (nothing precedes it)."""
+        start = self.logprob_start or 0
+        return ScoredPrompt(self.prompt_ids[start:], ([None] if start == 0 else []) + self.prompt_logprobs)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """fill_ids[start:end] without building fill_ids."""

@@ -72,6 +72,7 @@ class Scheduler:
         self._blocked: tuple[tuple[int, int], float] | None = None  # (queue, cache) state and room of the last
         # prefill that admitted nothing
         self._inflight: Step | None = None
+        self._released_grammars: list[str] = []  # constrained requests that ended: the next plan tells the runner
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -87,23 +88,25 @@ class Scheduler:
 
     # -- requests in and out -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
-                    priority: int = 0) -> Req:
+                    priority: int = 0, logprob_start: int | None = None) -> Req:
         """Queue a request; InvalidRequest (nothing queued) if it can never run. ``top_logprobs``: None for no
-        logprobs, else how many top alternatives to record with each output token's logprob."""
+        logprobs, else how many top alternatives to record with each output token's logprob; with it,
+        ``logprob_start`` asks for the prompt's logprobs from that position on. ``max_new_tokens`` 0 computes
+        and caches the prompt and ends without a token (a prefill only)."""
         if rid in self.live:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="rid")
         max_new = self.validate(prompt_ids, params, top_logprobs)
+        if logprob_start is not None and not 0 <= logprob_start <= len(prompt_ids):
+            raise InvalidRequest(f"logprob_start_len={logprob_start} must be in [0, {len(prompt_ids)}] (the prompt "
+                                 f"has {len(prompt_ids)} tokens)", param="logprob_start_len")
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.config.eos_ids
         req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock(),
-                  top_logprobs=top_logprobs, priority=priority)
+                  top_logprobs=top_logprobs, priority=priority,
+                  logprob_start=logprob_start if top_logprobs is not None else None)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
-        if max_new == 0:  # nothing to generate
-            req.finish_reason = FinishReason("length")
-            req.cached_tokens = 0
-            return req
         self.live[rid] = req
         self.waiting.append(req)
         self._queue_version += 1
@@ -176,7 +179,8 @@ class Scheduler:
         return self._schedule_prefill() or self._schedule_decode()
 
     def process(self, result: ForwardResult) -> list[Req]:
-        """Apply the runner's tokens. Returns the requests that got a token (finished ones included)."""
+        """Apply the runner's tokens. Returns the requests that got a token (finished ones included) and the
+        prefill-only ones that ended (they have no output token)."""
         step = self._inflight
         if step is None or step.plan.step != result.step:
             log.warning("dropping the result of step %d: it is not the step in flight", result.step)
@@ -189,6 +193,7 @@ class Scheduler:
         plan, reqs = step.plan, step.reqs
         updated = []
         sampled = np.flatnonzero(array(plan.sample, np.uint8)).tolist()  # sampling row j is batch row sampled[j]
+        done_rows = set(result.grammar_done)
         row_of = {i: j for j, i in enumerate(sampled)}
         now = self.clock()
         for i, req in enumerate(reqs):
@@ -196,6 +201,13 @@ class Scheduler:
                 continue
             if plan.mode == "extend":  # what was just computed is reusable by others at once (kept locked)
                 self.cache.cache_prefix(req.kv, req.fill_ids)
+                req.prompt_logprobs.extend(result.prompt_logprobs.get(i, ()))
+                if req.prefill_only and req.extend_len == 0:  # the whole prompt is computed and cached: done
+                    req.first_token_at = now
+                    req.finish_reason = FinishReason("length")
+                    self._release(req)
+                    updated.append(req)
+                    continue
             j = row_of.get(i)
             if j is None:  # a prefill chunk that is not the last
                 continue
@@ -206,6 +218,7 @@ class Scheduler:
             if req is self.chunked:
                 self.chunked = None
             req.output_ids.append(result.next_ids[j])
+            grammar_done = j in done_rows
             if req.first_token_at is None:
                 req.first_token_at = now
             if req.top_logprobs is not None:
@@ -213,7 +226,8 @@ class Scheduler:
             self.stats.generated_tokens += 1
             self.epochs[-1].generated_tokens += 1
             updated.append(req)
-            req.finish_reason = req.check_finished()
+            req.finish_reason = req.check_finished() or (
+                FinishReason("stop", matched=req.output_ids[-1]) if grammar_done else None)  # the grammar ended it
             if req.finished:
                 self._release(req)
             elif plan.mode == "extend":
@@ -303,7 +317,7 @@ class Scheduler:
         slots of this step go back and the others run without it."""
         self._step += 1
         try:
-            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size)
+            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size, self._released_grammars)
         except Exception:
             log.exception("could not plan step %d; finding the request(s) that break it", self._step)
             bad = [r for r, s in zip(reqs, starts) if not plannable(mode, r, s, self.config.vocab_size)] or reqs
@@ -316,7 +330,10 @@ class Scheduler:
             if not keep:
                 return None
             reqs, starts = [r for r, _ in keep], [s for _, s in keep]
-            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size)
+            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size, self._released_grammars)
+        self._released_grammars = []
+        for req in reqs:
+            req.grammar_started |= req.rid in plan.new_grammars
         self._inflight = Step(plan, reqs, starts)
         return plan
 
@@ -354,6 +371,9 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Drop ``req`` from the running set and close its KV (computed tokens go to the tree)."""
+        if req.finished and req.grammar_started:
+            req.grammar_started = False
+            self._released_grammars.append(req.rid)
         if req.kv is not None:
             self.cache.close(req.kv, req.fill_ids)
             req.kv = None
