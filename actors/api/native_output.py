@@ -44,8 +44,14 @@ def native_batch(body: NativeGenerateRequest, vocab_size: int | None) -> NativeB
     """InvalidRequest (a 400 naming the field) for what cannot run on any model of this vocabulary."""
     prompts = text_or_ids(body.text, body.input_ids, vocab_size)
     params = body.sampling_params or SamplingParams()
+    if not isinstance(params, list):
+        params = [params] * len(prompts.items)
+    elif len(params) != len(prompts.items):
+        raise InvalidRequest(f"got {len(params)} sampling_params for {len(prompts.items)} prompts; give one or one "
+                             "per prompt", param="sampling_params")
     if vocab_size is not None:
-        params.check_model(vocab_size)
+        for p in params:
+            p.check_model(vocab_size)
     start = body.logprob_start_len
     if start is not None and start < -1:
         raise InvalidRequest(f"logprob_start_len={start} must be -1 (no prompt logprobs) or a position >= 0",
@@ -55,10 +61,10 @@ def native_batch(body: NativeGenerateRequest, vocab_size: int | None) -> NativeB
         logprobs = LogprobOptions(body.top_logprobs_num or 0, body.return_text_in_logprobs,
                                   None if start is None or start < 0 else start)
     rid, rids = sequence_rids(body.rid, len(prompts.items), prompts.single)
-    gens = [GenerateReq(r, params, top_logprobs=logprobs.top if logprobs else None, priority=body.priority,
+    gens = [GenerateReq(r, sp, top_logprobs=logprobs.top if logprobs else None, priority=body.priority,
                         logprob_start=logprobs.start if logprobs else None,
                         **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-            for r, p in zip(rids, prompts.items)]
+            for r, p, sp in zip(rids, prompts.items, params)]
     return NativeBatch(rid, gens, prompts, logprobs)
 
 

@@ -211,7 +211,7 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # token ids, or a list of token-id lists
-    sampling_params: SamplingParams | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None  # one for all, or one per prompt
     stream: bool = False
     return_logprob: bool | None = False
     logprob_start_len: int | None = None  # the prompt's logprobs from here on; -1 / None: none
