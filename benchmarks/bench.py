@@ -3,7 +3,10 @@ model, dtype and prompts, measured side by side in one run; writes benchmarks/re
 results.json. See benchmarks/README.md.
 
     python benchmarks/bench.py [--quick] [--out benchmarks/results]
-                               [--only shared,multiturn,unique,forward,overhead,deterministic]
+                               [--only shared,multiturn,unique,forward,overhead,deterministic,grammar]
+
+``--only`` reruns some stages and keeps the other stages' results from the last run's results.json (the report
+lists when each stage was measured).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import deterministic_cost  # noqa: E402
+import grammar_cost  # noqa: E402
 import machine  # noqa: E402
 import report  # noqa: E402
 from forward_speed import HF, Ours  # noqa: E402
@@ -30,7 +34,10 @@ from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
-STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic")
+STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar")
+STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf"), "multiturn": ("multiturn",),
+              "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
+              "deterministic": ("deterministic",), "grammar": ("grammar",)}
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -61,7 +68,7 @@ def main() -> None:
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
-    bar = tqdm(total=5, desc="bench", unit="stage")
+    bar = tqdm(total=6, desc="bench", unit="stage")
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
         try:
@@ -114,10 +121,33 @@ def main() -> None:
     if "deterministic" in only:
         res["deterministic"] = deterministic_cost.measure("bfloat16", 2 if q else 5, q, args.model_path)
     bar.update()
+    if "grammar" in only:
+        res["grammar"] = grammar_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)
+    bar.update()
     bar.close()
+    res = keep_other_stages(res, only, out / "results.json")
     (out / "results.json").write_text(json.dumps(res, indent=2))
     report.write(res, out)
     print(f"wrote {out / 'REPORT.md'}")
+
+
+def keep_other_stages(res: dict, only: set[str], path: Path) -> dict:
+    """With ``--only``, the stages not rerun keep their results from the last run (same model and sizes only);
+    ``stage_started`` says when each stage was measured."""
+    started = {stage: res["started"] for stage in only}
+    if only >= set(STAGES) or not path.exists():
+        return {**res, "stage_started": started}
+    old = json.loads(path.read_text())
+    if (old.get("model"), old.get("quick")) != (res["model"], res["quick"]):
+        return {**res, "stage_started": started}
+    merged = dict(res)
+    for stage in set(STAGES) - only:
+        for key in STAGE_KEYS[stage]:
+            if key in old and key not in merged:
+                merged[key] = old[key]
+        if any(key in old for key in STAGE_KEYS[stage]):
+            started[stage] = old.get("stage_started", {}).get(stage, old["started"])
+    return {**merged, "stage_started": started}
 
 
 def machine_limits() -> dict:

@@ -36,11 +36,15 @@ def check(name: str, value: float, ok: bool, target: str) -> str:
 
 
 def write(res: dict, out: Path) -> None:
+    runs = sorted(set(res.get("stage_started", {}).values()) or {res["started"]})
+    where = ("one run of `make bench` (`python benchmarks/bench.py`)" if len(runs) == 1 else
+             f"{len(runs)} runs of `python benchmarks/bench.py` (the stages rerun with `--only` are listed at the end; "
+             "within a stage everything comes from one run)")
     L = [f"# radixserve benchmark report", "",
          f"{res['model']}, {res['dtype']}, {res['threads']} torch threads, started {res['started']}"
-         f"{' (--quick sizes)' if res['quick'] else ''}. Every number in this file comes from one run of "
-         f"`make bench` (`python benchmarks/bench.py`): all systems side by side, same prompts (token ids), "
-         f"greedy, each request generating exactly its max_new_tokens.", ""]
+         f"{' (--quick sizes)' if res['quick'] else ''}. Every number in this file comes from {where}: all "
+         f"systems side by side, same prompts (token ids), greedy, each request generating exactly its "
+         f"max_new_tokens.", ""]
     targets = ["| target | measured | wanted | |", "|---|---|---|---|"]
     if "shared" in res:
         rows, best = res["shared"], res["shared_best_hf"]
@@ -175,6 +179,30 @@ def write(res: dict, out: Path) -> None:
                      f"{r['slowdown']:.2f}x |")
         L += ["", "![deterministic cost](deterministic.png)", ""]
         plot_deterministic(d["rows"], out / "deterministic.png")
+    if "grammar" in res:
+        g = res["grammar"]
+        o = g["one_off"]
+        L += ["## Structured output: what a grammar costs per decode step", "",
+              "The runner's decode step with 0, 1 or all B rows under a grammar (llguidance), side by side "
+              f"(alternating, median of repeats; {g['dtype']}). 'grammar ms' is the time of the step spent in the "
+              "grammar itself (mask fill + applying it to the logits + advancing the matcher), timed inside the "
+              "runner; slowdown = constrained step / free step. JSON schema: an array of at least 200 integers (no "
+              "row ends early); free-text regex: `[a-z ,.]{2000,}`, which allows a large part of the vocabulary "
+              "at every step (the costliest mask to fill). One-off costs: llguidance's view of the tokenizer "
+              f"{o['tokenizer_s']:.2f} s (once per runner, on the first constrained request), compiling a grammar "
+              f"{1e3 * o['compile_s']:.1f} ms (once per distinct grammar), a cached grammar's start "
+              f"{1e3 * o['cached_start_s']:.2f} ms.", "",
+              "| grammar | batch | constrained rows | free step ms | constrained step ms | grammar ms | grammar us / row "
+              "| slowdown |", "|---|---|---|---|---|---|---|---|"]
+        for r in g["rows"]:
+            L.append(f"| {r['grammar']} | {r['batch']} | {r['constrained_rows']} | {r['free_ms']:.2f} | "
+                     f"{r['constrained_ms']:.2f} | {r['grammar_ms']:.2f} | {r['grammar_us_per_row']:.0f} | "
+                     f"{r['slowdown']:.2f}x |")
+        L += ["", "![grammar cost](grammar.png)", ""]
+        plot_grammar(g["rows"], out / "grammar.png")
+    if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
+        L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
+              *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
 
@@ -224,6 +252,23 @@ def plot_deterministic(rows: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("tokens / s")
     ax.set_title("batch-invariant mode vs default (same runner, same weights)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_grammar(rows: list[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['grammar']}\nB={r['batch']}, {r['constrained_rows']} constrained" for r in rows]
+    x = range(len(rows))
+    ax.bar(list(x), [r["free_ms"] for r in rows], width=0.6, label="free step", color="tab:blue")
+    ax.bar(list(x), [r["constrained_ms"] - r["free_ms"] for r in rows], bottom=[r["free_ms"] for r in rows],
+           width=0.6, label="added with the grammar", color="tab:orange")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("structured output: decode step time, free vs constrained rows")
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
     fig.tight_layout()

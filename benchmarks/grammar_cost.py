@@ -1,0 +1,148 @@
+"""What structured output costs per decode step: the runner's step time with 0, 1 or all of B rows under a
+grammar, side by side in one run (alternating, median of repeats), and the grammar's own share of it (llguidance's
+mask fill + applying it to the logits + advancing the matcher, timed inside the runner). Two grammars: a JSON
+schema (an array of at least 200 integers, so no row ends early) and a free-text regex that allows a large part
+of the vocabulary at every step (the worst case for the mask fill). Also the one-off costs: llguidance's view of
+the tokenizer (once per runner) and compiling a grammar (once per distinct schema, then cached).
+
+    python benchmarks/grammar_cost.py [--dtype bfloat16] [--repeats 3] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from forward_speed import prompt_ids
+
+from radixserve import Engine, SamplingParams
+from radixserve.actors.messages import GrammarSpec
+
+GRAMMARS = {
+    "json schema": {"json_schema": json.dumps({"type": "object", "properties": {"values": {
+        "type": "array", "items": {"type": "integer"}, "minItems": 200}}, "required": ["values"]})},
+    "free-text regex": {"regex": r"[a-z ,.]{2000,}"},
+}
+BATCHES = (1, 8, 32)
+
+
+class Timed:
+    """Wraps the runner's Constraints so the grammar's own time per step is measured where it is spent."""
+
+    def __init__(self, constraints) -> None:
+        self.inner, self.seconds = constraints, 0.0
+        for name in ("mask", "advance"):
+            setattr(self, name, self._timed(getattr(constraints, name)))
+
+    def _timed(self, fn):
+        def call(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return call
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def decode_step(engine: Engine, timed: Timed, batch: int, constrained: int, grammar: dict, steps: int,
+                seed: int) -> tuple[float, float]:
+    """Median seconds per decode step of ``batch`` requests, ``constrained`` of them under ``grammar``, and the
+    median seconds of that step spent in the grammar."""
+    sched, runner = engine.scheduler, engine.runner
+    for i in range(batch):
+        extra = grammar if i < constrained else {"ignore_eos": True}
+        sched.add_request(f"g{seed}-{i}", prompt_ids(64, seed + i),
+                          SamplingParams(max_new_tokens=steps + 2, temperature=0, **extra))
+    while len(sched.running) < batch:
+        sched.process(runner.forward(sched.schedule()))
+    total, inside = [], []
+    for _ in range(steps):
+        plan = sched.schedule()
+        timed.seconds = 0.0
+        start = time.perf_counter()
+        result = runner.forward(plan)
+        total.append(time.perf_counter() - start)
+        inside.append(timed.seconds)
+        sched.process(result)
+    while sched.has_work:
+        sched.process(runner.forward(sched.schedule()))
+    engine.flush_cache()
+    return statistics.median(total), statistics.median(inside)
+
+
+def one_off_costs(engine: Engine) -> dict:
+    c = engine.runner.constraints.inner
+    start = time.perf_counter()
+    c._llg_tokenizer()
+    tokenizer_s = time.perf_counter() - start
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "string"}}}))
+    start = time.perf_counter()
+    c.update({"probe": spec}, [])
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    c.update({"probe2": spec}, ["probe"])
+    cached = time.perf_counter() - start
+    c.update({}, ["probe2"])
+    return {"tokenizer_s": tokenizer_s, "compile_s": first, "cached_start_s": cached}
+
+
+def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, model_path: str | None = None) -> dict:
+    engine = Engine(model_path, dtype=dtype, max_total_tokens=20000)
+    timed = Timed(engine.runner.constraints)
+    engine.runner.constraints = timed
+    one_off = one_off_costs(engine)
+    steps = 8 if quick else 16
+    decode_step(engine, timed, 2, 1, GRAMMARS["json schema"], 4, 0)  # warm-up (oneDNN kernels, grammar cache)
+    rows = []
+    jobs = [(name, b, k) for name in GRAMMARS for b in (BATCHES[:2] if quick else BATCHES) for k in sorted({1, b})]
+    for name, batch, k in tqdm(jobs, desc="grammar cost", leave=False):
+        free, constrained, inside = [], [], []
+        for r in range(repeats):  # alternate free and constrained, so drifting load hits both alike
+            order = [0, k] if r % 2 == 0 else [k, 0]
+            for n in order:
+                step, grammar_s = decode_step(engine, timed, batch, n, GRAMMARS[name], steps, 1000 * r + n)
+                (constrained if n else free).append(step)
+                if n:
+                    inside.append(grammar_s)
+        f, c = statistics.median(free), statistics.median(constrained)
+        rows.append({"grammar": name, "batch": batch, "constrained_rows": k, "free_ms": 1e3 * f,
+                     "constrained_ms": 1e3 * c, "grammar_ms": 1e3 * statistics.median(inside),
+                     "slowdown": c / f, "grammar_us_per_row": 1e6 * statistics.median(inside) / k})
+    engine.shutdown()
+    return {"dtype": dtype, "threads": torch.get_num_threads(), "one_off": one_off, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--out", default="benchmarks/results/grammar_cost.json")
+    args = ap.parse_args()
+    res = measure(args.dtype, args.repeats, args.quick, args.model_path)
+    print(f"\n{'grammar':16} {'batch':>5} {'rows':>4} {'free ms':>8} {'constr. ms':>10} {'grammar ms':>10} "
+          f"{'us/row':>7} {'slowdown':>8}   ({res['dtype']}, {res['threads']} threads)")
+    for r in res["rows"]:
+        print(f"{r['grammar']:16} {r['batch']:>5} {r['constrained_rows']:>4} {r['free_ms']:>8.2f} "
+              f"{r['constrained_ms']:>10.2f} {r['grammar_ms']:>10.2f} {r['grammar_us_per_row']:>7.0f} "
+              f"{r['slowdown']:>7.2f}x")
+    o = res["one_off"]
+    print(f"one-off: tokenizer for llguidance {o['tokenizer_s']:.2f}s (once per runner), compile "
+          f"{1e3 * o['compile_s']:.1f} ms (once per grammar), a cached grammar's start {1e3 * o['cached_start_s']:.2f} ms")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
