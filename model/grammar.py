@@ -1,7 +1,9 @@
 """Constrained decoding in the runner: one llguidance matcher per constrained request, beside the sampler.
 
 Each step, before sampling, every constrained row's logits lose the tokens its grammar forbids; after sampling,
-the row's matcher consumes the chosen token. Unconstrained rows in the same batch are not touched.
+the row's matcher consumes the chosen token. Unconstrained rows in the same batch are not touched. The masks
+depend only on the tokens consumed so far, so they are filled on a helper thread while the model computes the
+step (llguidance releases the GIL, as torch does): on a CPU the fill mostly hides behind the forward.
 
 Ownership of a matcher's state (the scheduler decides, the runner follows, as with KV slots):
 
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +39,15 @@ class _Live:
     consumed: int = 0
 
 
+@dataclass
+class Masks:
+    """One step's masks: ``forbidden[j, t]`` is set where sampling row j may not take token t (None: no row is
+    constrained); ``errors``: row -> why it cannot be constrained (it must not be sampled)."""
+
+    forbidden: torch.Tensor | None = None  # bool [S, vocab]
+    errors: dict[int, str] = field(default_factory=dict)
+
+
 class Constraints:
     def __init__(self, tokenizer_path: Path, vocab_size: int) -> None:
         self.tokenizer_path = tokenizer_path
@@ -43,6 +55,7 @@ class Constraints:
         self._tokenizer = None  # llguidance's view of the tokenizer: built on the first constrained request
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.live: dict[str, _Live] = {}
+        self._filler: ThreadPoolExecutor | None = None  # one thread: fills masks while the model runs
 
     def update(self, new: dict[str, GrammarSpec], released: list[str]) -> dict[str, str]:
         """Drop the released requests' matchers, start the new ones'. Returns rid -> error for a grammar that
@@ -58,31 +71,38 @@ class Constraints:
                 errors[rid] = f"{type(exc).__name__}: {exc}"
         return errors
 
-    def mask(self, logits: torch.Tensor, rows: list[str | None], output_index: list[int]) -> dict[int, str]:
-        """Set the logits of the tokens each constrained row may not take to -inf (in place). Returns row ->
-        error for rows that cannot be constrained (they must not be sampled)."""
-        errors: dict[int, str] = {}
-        picked, masks = [], []
+    def fill(self, rows: list[str | None], output_index: list[int]) -> Masks:
+        """The masks of this step's constrained rows, from their matchers' states (reads only)."""
+        out = Masks()
+        forbidden = np.zeros((len(rows), self.vocab_size), dtype=bool)
         for j, rid in enumerate(rows):
             if rid is None:
                 continue
             live = self.live.get(rid)
             if live is None or live.consumed != output_index[j]:
-                errors[j] = "grammar state lost" if live is None else (
+                out.errors[j] = "grammar state lost" if live is None else (
                     f"grammar consumed {live.consumed} tokens, the request has {output_index[j]}")
                 continue
             bits = np.unpackbits(np.frombuffer(live.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
             allowed = bits[: self.vocab_size]
             if not allowed.any():
-                errors[j] = f"the grammar allows no token: {live.matcher.get_error() or 'it has ended'}"
+                out.errors[j] = f"the grammar allows no token: {live.matcher.get_error() or 'it has ended'}"
                 continue
-            picked.append(j)
-            masks.append(allowed)
-        if picked:
-            allowed = torch.from_numpy(np.stack(masks).astype(bool)).to(logits.device)
-            idx = torch.tensor(picked, device=logits.device)
-            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-        return errors
+            np.equal(allowed, 0, out=forbidden[j])
+        out.forbidden = torch.from_numpy(forbidden)
+        return out
+
+    def fill_async(self, rows: list[str | None], output_index: list[int]) -> Future[Masks]:
+        """``fill`` on the helper thread; nothing may touch the matchers until its result is taken."""
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._filler.submit(self.fill, rows, output_index)
+
+    @staticmethod
+    def apply(logits: torch.Tensor, masks: Masks) -> None:
+        """Set the logits of the tokens each constrained row may not take to -inf (in place)."""
+        if masks.forbidden is not None:
+            logits.masked_fill_(masks.forbidden.to(logits.device), float("-inf"))
 
     def advance(self, rows: list[str | None], next_ids: list[int | None]) -> tuple[list[int], dict[int, str]]:
         """Feed each constrained row its sampled token. Returns the rows whose grammar is now complete (the

@@ -18,7 +18,7 @@ from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
-from radixserve.model.grammar import Constraints
+from radixserve.model.grammar import Constraints, Masks
 from radixserve.model.llama import CausalLM
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows
 
@@ -89,17 +89,24 @@ class ModelRunner:
     def forward(self, plan: ForwardPlan) -> ForwardResult:
         """Run one step. Nothing in it ends the runner: a step that raises comes back as ``error`` (the scheduler
         fails its requests and frees what they allocated), a request whose sampling raises as ``errors[row]``."""
+        start_errors = self.constraints.update(plan.new_grammars, plan.released_grammars)  # even if the step fails
         try:
             batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
                                            self.cfg.num_heads // self.cfg.num_kv_heads)
             sampling = SamplingInputs.from_batch(plan.sampling, self.device)
-            logits = self.model(batch)  # [S + P, vocab]: the rows that sample, then prompt rows asked for
-            prompt = prompt_logprobs_of(logits[len(sampling):], plan.prompt_logprobs) if plan.prompt_logprobs else {}
         except Exception as exc:
             log.exception("step %d failed", plan.step)
             return ForwardResult(step=plan.step, error=f"{type(exc).__name__}: {exc}")
         rows = plan.sampling.constraints
-        start_errors = self.constraints.update(plan.new_grammars, plan.released_grammars)
+        masks = self.constraints.fill_async(rows, sampling.output_index) if rows else None  # during the forward
+        try:
+            logits = self.model(batch)  # [S + P, vocab]: the rows that sample, then prompt rows asked for
+            prompt = prompt_logprobs_of(logits[len(sampling):], plan.prompt_logprobs) if plan.prompt_logprobs else {}
+        except Exception as exc:
+            log.exception("step %d failed", plan.step)
+            if masks is not None:
+                masks.result()  # the helper thread is done with the matchers before anything else uses them
+            return ForwardResult(step=plan.step, error=f"{type(exc).__name__}: {exc}")
         if len(sampling) == 0:
             return ForwardResult(step=plan.step, prompt_logprobs=prompt)
         raw = logits[: len(sampling)]
@@ -108,7 +115,13 @@ class ModelRunner:
             return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
                                  errors=errors)
         masked = raw.clone()  # logprobs stay the model's own; only the choice is constrained
-        refused = self.constraints.mask(masked, rows, sampling.output_index)
+        try:
+            filled = masks.result()
+        except Exception as exc:  # a bug around the grammars: the constrained rows fail, the others go on
+            log.exception("filling the grammar masks failed")
+            filled = Masks(errors={j: f"{type(exc).__name__}: {exc}" for j, rid in enumerate(rows) if rid})
+        self.constraints.apply(masked, filled)
+        refused = dict(filled.errors)
         refused.update({j: start_errors[rid] for j, rid in enumerate(rows) if rid in start_errors})
         next_ids, logprobs, errors = sample_rows(masked, sampling, logprob_logits=raw)
         for j in refused:  # a row that could not be constrained is not sampled: that request fails alone
