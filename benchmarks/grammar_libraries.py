@@ -5,8 +5,7 @@ schemas, and the per-step cost of filling, applying and advancing a mask at batc
 
 Each library in its own target folder (xgrammar is not a radixserve dependency), e.g.:
   .venv/bin/pip install --no-deps --target /tmp/gram/llg llguidance
-  .venv/bin/pip install --no-deps --target /tmp/gram/xg xgrammar apache-tvm-ffi pydantic pydantic-core \
-      annotated-types typing-inspection
+  .venv/bin/pip install --no-deps --target /tmp/gram/xg xgrammar apache-tvm-ffi   # pydantic: in the venv
   PYTHONPATH=/tmp/gram/llg .venv/bin/python benchmarks/grammar_libraries.py llg
   PYTHONPATH=/tmp/gram/xg  .venv/bin/python benchmarks/grammar_libraries.py xg
 Prints medians (ms / us).
@@ -16,7 +15,6 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 
 LIB = sys.argv[1]
