@@ -6,15 +6,14 @@ and decode over a shared prefix (where the default mode gathers each shared K/V 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
 from forward_speed import Ours
+from harness import stage_cli
+from tqdm import tqdm
 
 from radixserve import Engine
 
@@ -56,13 +55,7 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--model-path", default=None)
-    ap.add_argument("--out", default="benchmarks/results/deterministic_cost.json")
-    args = ap.parse_args()
+    args = stage_cli(__doc__, "benchmarks/results/deterministic_cost.json")
     res = measure(args.dtype, args.repeats, args.quick, args.model_path)
     print(f"\n{'':22} {'size':>5} {'default tok/s':>14} {'deterministic':>14} {'slowdown':>9}   ({res['dtype']}, "
           f"{res['threads']} threads)")

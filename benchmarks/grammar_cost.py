@@ -9,19 +9,18 @@ the tokenizer (once per runner) and compiling a grammar (once per distinct schem
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from forward_speed import prompt_ids
+from harness import stage_cli
+from radixserve.actors.messages import GrammarSpec
 from tqdm import tqdm
 
-from forward_speed import prompt_ids
-
 from radixserve import Engine, SamplingParams
-from radixserve.actors.messages import GrammarSpec
 
 GRAMMARS = {
     "json schema": {"json_schema": json.dumps({"type": "object", "properties": {"values": {
@@ -125,13 +124,7 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--model-path", default=None)
-    ap.add_argument("--out", default="benchmarks/results/grammar_cost.json")
-    args = ap.parse_args()
+    args = stage_cli(__doc__, "benchmarks/results/grammar_cost.json")
     res = measure(args.dtype, args.repeats, args.quick, args.model_path)
     print(f"\n{'grammar':16} {'batch':>5} {'rows':>4} {'free ms':>8} {'constr. ms':>10} {'fill ms':>8} "
           f"{'serial ms':>9} {'fill us/row':>11} {'slowdown':>8}   ({res['dtype']}, {res['threads']} threads)")

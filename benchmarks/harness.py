@@ -3,6 +3,7 @@ at once, streamed, timed from the client), and the HF transformers baselines a u
 ``generate`` one prompt at a time, and ``generate`` on the whole batch with left padding."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
@@ -35,6 +36,17 @@ class RunResult:
                 "ttft_p50_s": pct(self.ttft, 50), "ttft_p90_s": pct(self.ttft, 90), "e2e_mean_s": mean(self.e2e),
                 "makespan_s": self.makespan, "generated_tokens": self.generated,
                 "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None, **self.extra}
+
+
+def stage_cli(doc: str, default_out: str) -> argparse.Namespace:
+    """The flags every stage script takes when run alone: --dtype, --repeats, --quick, --model-path, --out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--out", default=default_out)
+    return ap.parse_args()
 
 
 def pct(values: list[float], q: float) -> float:

@@ -8,9 +8,7 @@ the members that follow find it in the radix cache.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from radixserve.lang.executor import RunContext
@@ -24,6 +22,7 @@ from radixserve.lang.ir import (
     as_expr,
     leaves,
 )
+from radixserve.lang.roles import Roles
 from radixserve.lang.sampling import prefill_payload
 from radixserve.lang.state import ProgramState
 from radixserve.lang.transcript import Transcript
@@ -38,7 +37,7 @@ class _ModelCall(BaseException):
     """The probe reached a model call; a BaseException so a program's ``except Exception`` cannot swallow it."""
 
 
-class ProbeState:
+class ProbeState(Roles):
     """Stands in for ProgramState while probing: records constant text, stops at gen/select/fork/reads."""
 
     def __init__(self, transcript: Transcript) -> None:
@@ -55,27 +54,6 @@ class ProbeState:
             elif isinstance(e, (Gen, Select)):
                 raise _ModelCall()
         return self
-
-    def _role(self, role: str, expr: Expr | str | None) -> Any:
-        if expr is not None:
-            self += RoleBegin(role) + as_expr(expr) + RoleEnd(role)
-            return None
-        return self._scope(role)
-
-    @contextmanager
-    def _scope(self, role: str) -> Iterator[None]:
-        self += RoleBegin(role)
-        yield
-        self += RoleEnd(role)
-
-    def system(self, expr: Expr | str | None = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Expr | str | None = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Expr | str | None = None) -> Any:
-        return self._role("assistant", expr)
 
     def text(self) -> str:
         return self.transcript.text

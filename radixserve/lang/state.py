@@ -6,14 +6,14 @@ that stopped the program, so nothing blocks forever on a variable a failed call 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from radixserve.lang.executor import Executor
-from radixserve.lang.ir import Expr, ExprList, RoleBegin, RoleEnd, as_expr
+from radixserve.lang.roles import Roles
+from radixserve.lang.ir import Expr, as_expr
 
 
-class ProgramState:
+class ProgramState(Roles):
     def __init__(self, executor: Executor) -> None:
         self._ex = executor
 
@@ -23,28 +23,6 @@ class ProgramState:
             raise ValueError("tried to append None to the state; did a helper forget to return its expression?")
         self._ex.submit(as_expr(other))
         return self
-
-    def _role(self, role: str, expr: Expr | str | None) -> Any:
-        if expr is not None:
-            self += ExprList((RoleBegin(role), as_expr(expr), RoleEnd(role)))
-            return None
-        return self._role_scope(role)
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self._ex.submit(RoleBegin(role))
-        yield
-        self._ex.submit(RoleEnd(role))
-
-    def system(self, expr: Expr | str | None = None) -> Any:
-        """With an expression: append a system turn. Without: a context manager, ``with s.system(): ...``."""
-        return self._role("system", expr)
-
-    def user(self, expr: Expr | str | None = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Expr | str | None = None) -> Any:
-        return self._role("assistant", expr)
 
     def fork(self, n: int = 1) -> StateGroup:
         """``n`` copies of this state that continue independently (and concurrently).
