@@ -6,14 +6,13 @@ and decode over a shared prefix (where the default mode gathers each shared K/V 
 """
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import torch
-from forward_speed import Ours
-from harness import stage_cli
 from tqdm import tqdm
+
+from forward_speed import Ours
+from harness import stage_cli, write_json
 
 from radixserve import Engine
 
@@ -64,10 +63,7 @@ def main() -> None:
               f"{r['slowdown']:>8.2f}x")
     print(f"start-up: default {res['start_s']['default']:.1f}s, deterministic {res['start_s']['deterministic']:.1f}s"
           " (includes the batch-invariance check)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_json(res, args.out)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from forward_speed import prompt_ids
-from harness import stage_cli
-from radixserve.actors.messages import GrammarSpec
 from tqdm import tqdm
 
+from forward_speed import prompt_ids
+from harness import stage_cli, write_json
+
 from radixserve import Engine, SamplingParams
+from radixserve.actors.messages import GrammarSpec
 
 GRAMMARS = {
     "json schema": {"json_schema": json.dumps({"type": "object", "properties": {"values": {
@@ -135,10 +135,7 @@ def main() -> None:
     o = res["one_off"]
     print(f"one-off: tokenizer for llguidance {o['tokenizer_s']:.2f}s (once per runner), compile "
           f"{1e3 * o['compile_s']:.1f} ms (once per grammar), a cached grammar's start {1e3 * o['cached_start_s']:.2f} ms")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_json(res, args.out)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -47,6 +49,13 @@ def stage_cli(doc: str, default_out: str) -> argparse.Namespace:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--out", default=default_out)
     return ap.parse_args()
+
+
+def write_json(res: dict, path: str) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}")
 
 
 def pct(values: list[float], q: float) -> float:
