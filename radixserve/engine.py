@@ -50,6 +50,7 @@ class Engine:
         self._lock = threading.RLock()  # one step at a time; any caller may run it (see _drive)
         self._live: dict[str, OutputText] = {}  # rid -> its text so far, as the tokenizer actor keeps it
         self._sinks: dict[str, _Sink] = {}  # rid -> where its results go
+        self._model_info: dict[str, Any] | None = None
 
     # -- public API --------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: TokenIds = None,
@@ -93,12 +94,17 @@ class Engine:
 
     def model_info(self) -> dict[str, Any]:
         """What ``GET /get_model_info`` answers (model path, the chat template's role markers, ...)."""
-        return self.prepared.model_info(self.tokenizer.chat_template())
+        if self._model_info is None:
+            with self._lock:
+                self._model_info = self.prepared.model_info(self.tokenizer.chat_template())
+        return self._model_info
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: Params = None) -> dict[str, Any]:
         """One chat turn: the model's chat template is applied to ``messages``."""
         self._require_open()
-        return self.generate(input_ids=self.tokenizer.apply_chat_template(messages), sampling_params=sampling_params)
+        with self._lock:  # the tokenizer is used by the steps too
+            ids = self.tokenizer.apply_chat_template(messages)
+        return self.generate(input_ids=ids, sampling_params=sampling_params)
 
     def set_policies(self, eviction: str | None = None, schedule: str | None = None) -> dict[str, Any]:
         """Switch the eviction and/or schedule policy by name (built-in or plugin); returns ``policies()``."""
@@ -181,9 +187,9 @@ class Engine:
             yield {**outputs[i].result(), "index": i}
 
     def _submit(self, gens: list[GenerateReq], logprobs: LogprobOptions | None) -> list[_Sink]:
-        ids = [self.tokenizer.encode(g.text) if g.text is not None else g.input_ids for g in gens]
-        with self._lock:
+        with self._lock:  # the tokenizer too: HF's fast tokenizer may not encode while another thread decodes
             self._require_open()
+            ids = [self.tokenizer.encode(g.text) if g.text is not None else g.input_ids for g in gens]
             sched = self.scheduler
             for p, g in zip(ids, gens):  # validate all before queueing any: a bad prompt loses nothing
                 sched.validate(p, g.params, g.top_logprobs)
