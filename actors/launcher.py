@@ -46,7 +46,8 @@ class Launcher:
     def start(self) -> None:
         """Spawn every actor and wait for all to be ready; LaunchError names the one that was not."""
         p = self.prepared
-        spec = ActorSpec(self.endpoints, p.args, str(p.files.path), p.scheduler_config, p.args.log_level)
+        spec = ActorSpec(self.endpoints, p.args, str(p.files.path), p.scheduler_config, p.args.log_level,
+                         str(p.files.source))
         ctx = zmq.Context()
         inbox = ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.LINGER, 0)

@@ -26,9 +26,11 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[RunnerActor, dict[str, Any
 
     args = spec.server_args
     cfg = ModelConfig.from_hf(*load_configs(Path(spec.model_dir)))
-    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args)
+    source = Path(spec.model_source) if spec.model_source else None
+    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source)
     return RunnerActor(runner, channel), {"dtype": args.dtype, "device": args.device, "attention": runner.attn.name,
-                                          "deterministic": args.deterministic, "kv_pool_bytes": runner.kv.nbytes}
+                                          "deterministic": args.deterministic, "quantization": args.quantization,
+                                          "kv_pool_bytes": runner.kv.nbytes}
 
 
 def main(spec: ActorSpec) -> None:

@@ -89,6 +89,7 @@ class ActorSpec:
     model_dir: str  # a HF-format folder
     scheduler_config: Any  # SchedulerConfig
     log_level: str = "info"
+    model_source: str | None = None  # the file or folder the user gave (a GGUF file's own quantized weights)
 
 
 def die_with_parent() -> None:

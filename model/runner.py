@@ -36,20 +36,43 @@ def iter_safetensors(path: Path):
 
 
 def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
-                deterministic: bool = False) -> CausalLM:
+                deterministic: bool = False, quantization: str | None = None, source: Path | None = None) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)  # no random init: every weight is loaded next
     model.load_weights(iter_safetensors(path))
+    if quantization is not None:
+        quantize(model, cfg, quantization, dtype, device, source)
     packed = pack_linears(model, deterministic)  # CPU bf16: same results, faster matrix-vector products
     if packed:
         log.info("packed %d linear layers for oneDNN", packed)
     return model.eval()
 
 
+def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.dtype, device: torch.device,
+             source: Path | None) -> None:
+    """Weight-only int8 / int4 linear layers (CPU). Under int4 a GGUF source's Q4_0/Q4_1 weights are taken as they
+    ship; the output projection is int8 either way (the most sensitive layer: llama.cpp's Q4 files keep it at 6-8
+    bits, the bundled one at Q8_0)."""
+    from radixserve.kernels.cpu_quant import quantize_linear, quantize_model
+
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on the CPU only (torch's packed CPU kernels)")
+    bits = 8 if quantization == "int8" else 4
+    prebuilt = {"lm_head": quantize_linear(model.lm_head, 8, dtype)}
+    if bits == 4 and source is not None and source.suffix == ".gguf":
+        from radixserve.model.gguf_quant import gguf_int4_linears
+
+        prebuilt = {**gguf_int4_linears(source, cfg, dtype), **prebuilt}
+        log.info("int4: %d linear layers taken from %s as they ship", len(prebuilt) - 1, source.name)
+    swapped = quantize_model(model, bits, dtype, prebuilt)
+    log.info("%s: %d linear layers quantized", quantization, swapped)
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
-                 attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False) -> None:
+                 attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
+                 quantization: str | None = None, source: Path | None = None) -> None:
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         elif deterministic:
@@ -58,7 +81,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         start = time.perf_counter()
-        self.model = build_model(cfg, path, self.dtype, self.device, deterministic)
+        self.model = build_model(cfg, path, self.dtype, self.device, deterministic, quantization, source)
         self.kv = KVPool(cfg.num_layers, num_slots + 1, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.rope = RopeTable(*cfg.rope_inv_freq(), cfg.max_position_embeddings, self.dtype, self.device)
         self.attn = get_backend(attention_backend, self.device, deterministic)
@@ -73,11 +96,12 @@ class ModelRunner:
             log.info("deterministic: batch invariance checked on this machine in %.1fs", time.perf_counter() - start)
 
     @classmethod
-    def from_args(cls, cfg: ModelConfig, path: Path, args) -> ModelRunner:
-        """The runner a server or Engine runs, configured by ``args`` (resolved ServerArgs)."""
+    def from_args(cls, cfg: ModelConfig, path: Path, args, source: Path | None = None) -> ModelRunner:
+        """The runner a server or Engine runs, configured by ``args`` (resolved ServerArgs); ``source``: the file
+        the user gave (a GGUF file's quantized weights can be used as they ship)."""
         return cls(cfg, path, dtype=args.dtype, num_slots=args.max_total_tokens, device=args.device,
                    attention_backend=args.attention_backend, num_threads=args.num_threads,
-                   deterministic=args.deterministic)
+                   deterministic=args.deterministic, quantization=args.quantization, source=source)
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:

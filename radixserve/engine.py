@@ -43,7 +43,7 @@ class Engine:
         self.model_config = prepared.model
         self.model_files = prepared.files
         self.tokenizer = TokenizerCore(prepared.files.path)
-        self.runner = ModelRunner.from_args(prepared.model, prepared.files.path, args)
+        self.runner = ModelRunner.from_args(prepared.model, prepared.files.path, args, prepared.files.source)
         self.scheduler = build_scheduler(args, prepared.scheduler_config)
         self._ids = itertools.count()
         self._closed = False

@@ -9,6 +9,7 @@ from typing import Any, Literal
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
+QUANTIZATIONS = (None, "none", "int8", "int4")
 DEFAULT_MAX_TOTAL_TOKENS = 65536
 KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
 
@@ -39,6 +40,7 @@ class ServerArgs:
     queue_timeout: float | None = None  # seconds a request may wait to start; longer: 503. None: no limit
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
+    quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
     check_invariants: bool = False  # check pool accounting after every step (tests, debugging)
 
     def __post_init__(self) -> None:
@@ -58,6 +60,13 @@ class ServerArgs:
             raise ValueError(f"tp={self.tp} must be >= 1")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests={self.max_queued_requests} must be >= 0")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not one of int8, int4 (or none)")
+        if self.quantization == "none":
+            object.__setattr__(self, "quantization", None)  # normalising at construction, not patching later
+        if self.quantization and self.deterministic:
+            raise ValueError("--quantization and --deterministic cannot be combined: a quantized layer switches "
+                             "kernels with the number of rows, which is what batch invariance forbids")
         if self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request={self.max_sequences_per_request} must be >= 1")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
@@ -123,6 +132,8 @@ HELP = {
     "shutdown_timeout": "seconds SIGTERM/SIGINT waits for requests in flight (new ones get 503) before stopping",
     "deterministic": "batch-invariant inference (alias --enable-deterministic-inference): greedy and seeded "
                      "tokens never depend on the batch (CPU; see the README for the cost)",
+    "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
+                    "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
     "check_invariants": "check KV pool accounting after every step (slow; for debugging)",
 }
 ALIASES = {"deterministic": ["--enable-deterministic-inference"]}  # SGLang's name for the same switch
