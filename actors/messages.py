@@ -225,10 +225,12 @@ class GrammarSpec(msgspec.Struct, array_like=True, frozen=True):
 class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     """One model step over a ragged batch. Per request i (B requests), in batch order:
 
-    ``prefix_lens[i]`` tokens are already in the pool, ``extend_lens[i]`` new tokens are computed now, and
-    ``slots`` holds the request's whole row -- prefix_lens[i] + extend_lens[i] slot indices, concatenated over
-    requests. The new tokens' K/V go to the last extend_lens[i] slots of that row. ``sample[i]`` is 1 when
-    request i samples its next token this step (0: a prefill chunk that is not its last).
+    ``prefix_lens[i]`` tokens are already in the pool, ``extend_lens[i]`` new tokens are computed now; the new
+    tokens' K/V go to row positions prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1 of the request's row of
+    slot indices. The runner keeps every request's row (``rows[i]``: its row number, assigned by the scheduler);
+    the plan sends only what changed: the slots of positions ``row_writes[i]`` .. prefix + extend of each row,
+    back to back in ``new_slots`` (a decode step: one slot per request). ``sample[i]`` is 1 when request i samples
+    its next token this step (0: a prefill chunk that is not its last, or a prefill-only request).
     """
 
     step: int
@@ -236,7 +238,9 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     input_ids: bytes  # [sum(extend_lens)] the new tokens
     prefix_lens: bytes  # [B]
     extend_lens: bytes  # [B]
-    slots: bytes  # [sum(prefix_lens + extend_lens)]
+    rows: bytes  # [B] the runner's row of each request's slot indices
+    row_writes: bytes  # [B] the first row position new_slots writes, per request
+    new_slots: bytes  # [sum(prefix + extend - row_writes)]
     sample: bytes  # uint8 [B]
     sampling: SamplingBatch
     prompt_logprobs: dict[int, PromptLogprobs] = {}  # batch index -> the prompt logprobs it wants this step

@@ -29,7 +29,8 @@ def samples(batch: int, context: int) -> dict[str, msgspec.Struct]:
         "AbortReq (tiny)": AbortReq("chatcmpl-0123456789abcdef-0"),
         f"ForwardPlan decode, batch {batch}, {context}-token rows": ForwardPlan(
             step=1, mode="decode", input_ids=col(5), prefix_lens=col(context - 1), extend_lens=col(1),
-            slots=to_bytes(np.arange(batch * context)), sample=col(1, np.uint8),
+            rows=to_bytes(np.arange(batch)), row_writes=col(context - 1), new_slots=to_bytes(np.arange(batch)),
+            sample=col(1, np.uint8),
             sampling=SamplingBatch(temperature=col(0, np.float32), top_p=col(1, np.float32), top_k=col(49152),
                                    min_p=col(0, np.float32), seeds=[None] * batch, output_index=col(3),
                                    top_logprobs=[None] * batch, all_greedy=True)),

@@ -29,9 +29,18 @@ class KVHandle:
     tree_len: int = 0
     node: TreeNode | None = None  # deepest locked node; None when nothing is locked
     priority: int = 0  # the request's, passed on to the tree nodes it uses
+    synced: int = 0  # leading row entries the runner holds as they are here (everything after is sent again)
 
     def __post_init__(self) -> None:
         require(0 <= self.tree_len <= self.kv_len <= len(self.row), "a KV handle's lengths are out of order")
+
+    def rewrite(self, start: int, slots: np.ndarray) -> None:
+        """Row positions start.. now hold ``slots``; where that changes an entry the runner holds, it is resent."""
+        old = self.row[start : start + len(slots)]
+        changed = np.flatnonzero(old != slots)
+        if len(changed):
+            self.synced = min(self.synced, start + int(changed[0]))
+        old[:] = slots
 
     @property
     def slots(self) -> np.ndarray:
@@ -141,7 +150,7 @@ class CacheManager:
         # Re-match: where another request cached the same tokens first, ours were freed and we use the tree's.
         slots, node = self.tree.match_prefix(tokens[:kv], hit=False, priority=handle.priority)
         require(len(slots) == kv, "an unlocked insert was evicted before it could be locked")
-        handle.row[:kv] = slots
+        handle.rewrite(0, slots)
         self.owned_by_requests -= kv - handle.tree_len
         handle.tree_len = kv
         self._relock(handle, node)
@@ -157,6 +166,7 @@ class CacheManager:
         self.allocator.free(handle.row[kv_len : handle.kv_len])
         self.owned_by_requests -= handle.kv_len - kv_len
         handle.kv_len = kv_len
+        handle.synced = min(handle.synced, kv_len)
 
     def close(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         """The request leaves the pool (finished, retracted or aborted): its computed KV goes to the tree as

@@ -9,6 +9,7 @@ import torch
 
 from radixserve.actors.messages import ForwardPlan, array
 from radixserve.kernels.base import AttentionBackend, AttentionBatch
+from radixserve.model.slot_table import SlotTable
 
 
 class KVPool:
@@ -61,9 +62,10 @@ class ForwardBatch:
 
     @classmethod
     def from_plan(cls, plan: ForwardPlan, kv: KVPool, rope: RopeTable, backend: AttentionBackend,
-                  dtype: torch.dtype, device: torch.device, group: int = 1) -> ForwardBatch:
+                  dtype: torch.dtype, device: torch.device, group: int, table: SlotTable) -> ForwardBatch:
+        """``table``: the runner's rows of slot indices; the plan's new slots are written into it here."""
         prefix, extend = array(plan.prefix_lens), array(plan.extend_lens)
-        slots = torch.from_numpy(array(plan.slots).astype(np.int64)).to(device)
+        slots = torch.from_numpy(table.apply(plan)).to(device)
         ext_ends = np.cumsum(extend)
         # positions: prefix_len .. prefix_len + extend_len - 1 for each request, back to back
         positions = np.arange(int(ext_ends[-1])) - np.repeat(ext_ends - extend - prefix, extend)

@@ -19,6 +19,7 @@ from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.grammar import Constraints, Masks
+from radixserve.model.slot_table import SlotTable
 from radixserve.model.llama import CausalLM
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows
 
@@ -85,6 +86,7 @@ class ModelRunner:
         self.kv = KVPool(cfg.num_layers, num_slots + 1, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.rope = RopeTable(*cfg.rope_inv_freq(), cfg.max_position_embeddings, self.dtype, self.device)
         self.attn = get_backend(attention_backend, self.device, deterministic)
+        self.table = SlotTable()
         self.constraints = Constraints(path, cfg.vocab_size)
         log.info("model loaded in %.1fs (%s, %s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, num_slots, self.kv.nbytes / 2**20)
@@ -106,8 +108,11 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
         """The next-token logits of the plan's sampling rows, then of its prompt-logprob rows (no sampling)."""
-        return self.model(ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
-                                                 self.cfg.num_heads // self.cfg.num_kv_heads))
+        return self.model(self._batch(plan))
+
+    def _batch(self, plan: ForwardPlan) -> ForwardBatch:
+        return ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
+                                      self.cfg.num_heads // self.cfg.num_kv_heads, self.table)
 
     @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> ForwardResult:
@@ -115,8 +120,7 @@ class ModelRunner:
         fails its requests and frees what they allocated), a request whose sampling raises as ``errors[row]``."""
         start_errors = self.constraints.update(plan.new_grammars, plan.released_grammars)  # even if the step fails
         try:
-            batch = ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
-                                           self.cfg.num_heads // self.cfg.num_kv_heads)
+            batch = self._batch(plan)
             sampling = SamplingInputs.from_batch(plan.sampling, self.device)
         except Exception as exc:
             log.exception("step %d failed", plan.step)

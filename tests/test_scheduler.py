@@ -8,12 +8,13 @@ import random
 
 import numpy as np
 import pytest
-
 from radixserve.actors.messages import ForwardPlan, ForwardResult, array
 from radixserve.actors.scheduler import FinishReason, Scheduler, SchedulerConfig
 from radixserve.cache import CacheManager
+from radixserve.model.slot_table import SlotTable
 from radixserve.policies.eviction import LRU
 from radixserve.policies.schedule import FCFS, LongestPrefixMatch
+
 from radixserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -30,10 +31,11 @@ def next_token(seq: list[int]) -> int:
 class TokenPoolRunner:
     def __init__(self, capacity: int) -> None:
         self.pool = np.full(capacity + 1, -1, dtype=np.int64)
+        self.table = SlotTable()  # the rows of slot indices, kept from plan to plan as the real runner keeps them
 
     def forward(self, plan: ForwardPlan) -> ForwardResult:
         ids, pre, ext = array(plan.input_ids), array(plan.prefix_lens), array(plan.extend_lens)
-        slots, sample = array(plan.slots), array(plan.sample, np.uint8)
+        slots, sample = self.table.apply(plan), array(plan.sample, np.uint8)
         out, t, s = [], 0, 0
         for i in range(len(pre)):
             row = slots[s : s + pre[i] + ext[i]]
@@ -155,3 +157,38 @@ def test_validation_errors_are_clear():
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request("x", [1], SamplingParams())
     assert not sched.waiting[1:], "failed requests were not queued"
+
+
+def test_a_decode_plan_carries_one_slot_per_request_whatever_the_context():
+    """The runner keeps each request's row of slot indices: a decode step sends one new slot per request, not the
+    whole rows (so the plan's size and the scheduler's work per step grow with the batch, not the context)."""
+    sched, runner = make(capacity=4000, chunk=64)
+    for i in range(4):
+        sched.add_request(f"long{i}", [1 + (i * 13 + j) % (VOCAB - 1) for j in range(300)],
+                          SamplingParams(max_new_tokens=6, temperature=0))
+    sizes = []
+    while sched.has_work:
+        plan = sched.schedule()
+        if plan.mode == "decode":
+            sizes.append((plan.batch_size, len(plan.new_slots) // 4))
+        sched.process(runner.forward(plan))
+    assert sizes and all(n == b for b, n in sizes), sizes
+
+
+def test_a_row_the_cache_rewrites_is_sent_again():
+    """Two requests compute the same prefix in one step; the second one's row then points at the first one's
+    slots (its own duplicates are freed): the runner must hear about the rewrite, or it would read freed slots.
+    TokenPoolRunner reads every token back through the rows it keeps, so a stale row changes the output."""
+    sched, runner = make(capacity=400, chunk=0)
+    prompt = [1 + j % (VOCAB - 2) for j in range(59)]
+    a = sched.add_request("a", prompt + [VOCAB - 1], SamplingParams(max_new_tokens=8, temperature=0))
+    b = sched.add_request("b", prompt + [VOCAB - 2], SamplingParams(max_new_tokens=8, temperature=0))
+    resent = 0
+    while sched.has_work:
+        plan = sched.schedule()
+        if plan.mode == "decode":  # more than one new slot for a request: part of its row was sent again
+            resent += len(plan.new_slots) // 4 - plan.batch_size
+        sched.process(runner.forward(plan))
+    sched.check()
+    assert resent >= len(prompt) - 1, "the rewritten row was not sent again"
+    assert a.output_ids == reference(a.prompt_ids, 8) and b.output_ids == reference(b.prompt_ids, 8)

