@@ -79,6 +79,15 @@ class ModelConfig:
     def kv_values_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the model (biases and norms included): what sizing the KV pool must leave room for."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + 2 * h  # q, k, v, o and the two norms
+        mlp = 3 * h * self.intermediate_size
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + embeddings + h
+
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         """Inverse frequencies and the cos/sin scale, computed by transformers itself (exact same RoPE)."""
         import torch

@@ -46,7 +46,7 @@ def prepare(args: ServerArgs) -> Prepared:
         raise ValueError(f"tensor parallelism (--tp {args.tp}) is not supported yet; use --tp 1")
     files = resolve_model(args.model_path)
     model = ModelConfig.from_hf(*load_configs(files.path))
-    args = args.resolved(model.kv_values_per_token, model.max_position_embeddings)
+    args = args.resolved(model.kv_values_per_token, model.max_position_embeddings, model.num_parameters)
     load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
     cfg = SchedulerConfig(
         context_length=args.context_length,

@@ -12,6 +12,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 QUANTIZATIONS = (None, "none", "int8", "int4")
 DEFAULT_MAX_TOTAL_TOKENS = 65536
 KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
+GPU_MEM_FRACTION = 0.85  # CUDA: of the GPU's memory, for weights and the KV pool (the rest: activations, CUDA)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ServerArgs:
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
     quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
+    mem_fraction_static: float | None = None  # CUDA: share of the GPU's memory for weights + KV pool (0.85)
     check_invariants: bool = False  # check pool accounting after every step (tests, debugging)
 
     def __post_init__(self) -> None:
@@ -71,6 +73,8 @@ class ServerArgs:
             raise ValueError(f"max_sequences_per_request={self.max_sequences_per_request} must be >= 1")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout={self.queue_timeout} must be > 0 seconds (leave it unset for no limit)")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
 
@@ -82,10 +86,11 @@ class ServerArgs:
             raise ValueError(f"unknown server argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
         return cls(**kwargs)
 
-    def resolved(self, kv_values_per_token: int, model_context: int) -> ServerArgs:
+    def resolved(self, kv_values_per_token: int, model_context: int, num_parameters: int = 0) -> ServerArgs:
         """A copy with every auto value made concrete (the frozen config the actors run on).
 
-        ``kv_values_per_token``: K and V elements one token takes over all layers (2 * layers * kv_heads * head_dim).
+        ``kv_values_per_token``: K and V elements one token takes over all layers (2 * layers * kv_heads * head_dim);
+        ``num_parameters``: the model's weights (on CUDA the pool gets what the weights leave of the GPU's share).
         """
         dtype = "bfloat16" if self.dtype == "auto" else self.dtype
         device = self.device
@@ -96,12 +101,31 @@ class ServerArgs:
         kv_bytes_per_token = kv_values_per_token * (4 if dtype == "float32" else 2)
         context = min(self.context_length or model_context, model_context)
         total = self.max_total_tokens
-        if total is None:
+        if total is None and device.startswith("cuda"):
+            weight_bytes = num_parameters * (4 if dtype == "float32" else 2)
+            total = gpu_pool_tokens(self.mem_fraction_static or GPU_MEM_FRACTION, weight_bytes, kv_bytes_per_token)
+        elif total is None:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             # not forced up to the context: a long-context model on a small machine gets a smaller pool (requests
             # that cannot fit are refused with a message naming --max-total-tokens) instead of running out of RAM
             total = max(256, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
         return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total, device=device)
+
+
+def gpu_pool_tokens(fraction: float, weight_bytes: int, kv_bytes_per_token: int) -> int:
+    """KV pool tokens on the current GPU, as SGLang sizes it: of ``fraction`` of the device's memory, what the
+    weights and whatever else already holds memory there leave. ValueError if that is not even 256 tokens."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    budget = free - (1 - fraction) * total - weight_bytes
+    tokens = int(budget // kv_bytes_per_token)
+    if tokens < 256:
+        raise ValueError(f"the GPU has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB; with "
+                         f"--mem-fraction-static {fraction} and {weight_bytes / 2**30:.1f} GiB of weights that leaves "
+                         f"room for {max(tokens, 0)} KV tokens: raise --mem-fraction-static, free the GPU, or set "
+                         "--max-total-tokens")
+    return tokens
 
 
 HELP = {
@@ -134,6 +158,8 @@ HELP = {
                      "tokens never depend on the batch (CPU; see the README for the cost)",
     "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
                     "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
+    "mem_fraction_static": "CUDA: the share of the GPU's memory for the weights and the KV pool; the pool gets what "
+                           "the weights leave of it (default 0.85)",
     "check_invariants": "check KV pool accounting after every step (slow; for debugging)",
 }
 ALIASES = {"deterministic": ["--enable-deterministic-inference"]}  # SGLang's name for the same switch
