@@ -3,7 +3,7 @@ model, dtype and prompts, measured side by side in one run; writes benchmarks/re
 results.json. See benchmarks/README.md.
 
     python benchmarks/bench.py [--quick] [--out benchmarks/results]
-                               [--only shared,multiturn,unique,forward,overhead,deterministic,grammar]
+                               [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant]
 
 ``--only`` reruns some stages and keeps the other stages' results from the last run's results.json (the report
 lists when each stage was measured).
@@ -23,6 +23,7 @@ from tqdm import tqdm  # noqa: E402
 
 import deterministic_cost  # noqa: E402
 import grammar_cost  # noqa: E402
+import quant_cost  # noqa: E402
 import machine  # noqa: E402
 import report  # noqa: E402
 from forward_speed import HF, Ours  # noqa: E402
@@ -34,10 +35,10 @@ from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
-STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar")
+STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
-              "deterministic": ("deterministic",), "grammar": ("grammar",)}
+              "deterministic": ("deterministic",), "grammar": ("grammar",), "quant": ("quant",)}
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -68,7 +69,7 @@ def main() -> None:
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
-    bar = tqdm(total=6, desc="bench", unit="stage")
+    bar = tqdm(total=7, desc="bench", unit="stage")
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
         try:
@@ -123,6 +124,9 @@ def main() -> None:
     bar.update()
     if "grammar" in only:
         res["grammar"] = grammar_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)
+    bar.update()
+    if "quant" in only:
+        res["quant"] = quant_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)
     bar.update()
     bar.close()
     res = keep_other_stages(res, only, out / "results.json")

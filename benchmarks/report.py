@@ -203,6 +203,22 @@ def write(res: dict, out: Path) -> None:
                      f"{r['fill_us_per_row']:.0f} | {r['slowdown']:.2f}x |")
         L += ["", "![grammar cost](grammar.png)", ""]
         plot_grammar(g["rows"], out / "grammar.png")
+    if "quant" in res:
+        qd = res["quant"]
+        L += ["## Quantized weights: speed and accuracy", "",
+              "The model runner with bf16 weights and with `--quantization int8` / `int4` (int4: the bundled GGUF's "
+              "Q4_1 blocks as they ship; the output projection int8), activations in bf16, side by side "
+              "(alternating, median of repeats). Accuracy: mean log-probability per token of a fixed English text "
+              f"({qd['rows'][0]['scored_tokens']} scored tokens, windows of 256 scoring the last 128), scored by "
+              "the engine from prompt logprobs; perplexity = exp(-mean). llama.cpp's numbers for the same "
+              "quantizations are not in this run.", "",
+              "| weights | decode tok/s, batch 1 | decode tok/s, batch 8 | prefill tok/s, 512 | mean logprob | "
+              "perplexity | start-up s |", "|---|---|---|---|---|---|---|"]
+        for r in qd["rows"]:
+            L.append(f"| {r['mode']} | {r['decode_1_tok_s']:.1f} | {r['decode_8_tok_s']:.1f} | "
+                     f"{r['prefill_512_tok_s']:.0f} | {r['mean_logprob']:.4f} | {r['perplexity']:.3f} | "
+                     f"{r['start_s']:.1f} |")
+        L += [""]
     if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
         L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]
