@@ -15,7 +15,7 @@ from radixserve.actors.api.native_output import LogprobOptions, NativeBatch, Nat
 from radixserve.actors.api.protocol import NativeGenerateRequest
 from radixserve.actors.messages import Delta, FinishReason, GenerateReq
 from radixserve.actors.scheduler.actor import token_batch
-from radixserve.actors.scheduler.scheduler import build_scheduler
+from radixserve.actors.scheduler import build_scheduler
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.errors import InvalidRequest
 from radixserve.prepare import prepare
@@ -192,10 +192,7 @@ class Engine:
             ids = [self.tokenizer.encode(g.text) if g.text is not None else g.input_ids for g in gens]
             sched = self.scheduler
             for p, g in zip(ids, gens):  # validate all before queueing any: a bad prompt loses nothing
-                sched.validate(p, g.params, g.top_logprobs)
-                if g.logprob_start is not None and g.logprob_start > len(p):
-                    raise InvalidRequest(f"logprob_start_len={g.logprob_start} is past the end of the prompt "
-                                         f"({len(p)} tokens)", param="logprob_start_len")
+                sched.validate(p, g.params, g.top_logprobs, g.logprob_start)
             sinks = []
             for p, g in zip(ids, gens):
                 sched.add_request(g.rid, p, g.params, g.top_logprobs, g.priority, g.logprob_start)

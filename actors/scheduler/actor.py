@@ -14,7 +14,8 @@ from radixserve.actors.messages import (
     TokenBatch, array, to_bytes,
 )
 from radixserve.actors.scheduler.req import Req
-from radixserve.actors.scheduler.scheduler import Scheduler, build_scheduler
+from radixserve.actors.scheduler import build_scheduler
+from radixserve.actors.scheduler.scheduler import Scheduler
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
 from radixserve.errors import InvalidRequest
 

@@ -13,6 +13,11 @@ from radixserve.policies.eviction import LRU
 DEDUP_MIN_TOKENS = 32  # an uncached prefix shared with a request admitted this step is worth waiting for
 
 
+def future_tokens(req: Req, clip: int, ratio: float) -> float:
+    """Decode slots to keep for ``req``: its remaining budget, clipped, scaled by the observed ratio."""
+    return min(req.max_new_tokens - len(req.output_ids), clip) * ratio
+
+
 class PrefillAdder:
     def __init__(self, cache: CacheManager, token_budget: int, chunking: bool, reserved: float, new_token_ratio: float,
                  clip_max_new_tokens: int) -> None:
@@ -27,8 +32,7 @@ class PrefillAdder:
         self.partial: Req | None = None  # the one request that only got part of its prompt (chunked prefill)
 
     def future_tokens(self, req: Req) -> float:
-        """Decode slots to keep for ``req``: its remaining budget, clipped, scaled by the observed ratio."""
-        return min(req.max_new_tokens - len(req.output_ids), self.clip) * self.ratio
+        return future_tokens(req, self.clip, self.ratio)
 
     def add(self, req: Req) -> bool:
         """Try to admit ``req`` (a new or retracted request, or the chunked one continuing).

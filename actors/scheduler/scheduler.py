@@ -20,8 +20,9 @@ import numpy as np
 from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError, array
 from radixserve.actors.scheduler.plan import Step, build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
-from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder
+from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
 from radixserve.actors.scheduler.req import FinishReason, Req
+from radixserve.actors.scheduler.runner_state import RunnerState
 from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
 from radixserve.actors.scheduler.validate import check_request
 from radixserve.cache.invariants import require
@@ -72,9 +73,7 @@ class Scheduler:
         self._blocked: tuple[tuple[int, int], float] | None = None  # (queue, cache) state and room of the last
         # prefill that admitted nothing
         self._inflight: Step | None = None
-        self._released_grammars: list[str] = []  # constrained requests that ended: the next plan tells the runner
-        # the runner's rows of slot indices: one per request holding KV (running, mid-prefill, or in the step)
-        self._free_rows = list(range(config.max_running_requests + 1))[::-1]
+        self.runner_state = RunnerState(config.max_running_requests + 1)  # table rows and grammars, per request
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -97,10 +96,7 @@ class Scheduler:
         and caches the prompt and ends without a token (a prefill only)."""
         if rid in self.live:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="rid")
-        max_new = self.validate(prompt_ids, params, top_logprobs)
-        if logprob_start is not None and not 0 <= logprob_start <= len(prompt_ids):
-            raise InvalidRequest(f"logprob_start_len={logprob_start} must be in [0, {len(prompt_ids)}] (the prompt "
-                                 f"has {len(prompt_ids)} tokens)", param="logprob_start_len")
+        max_new = self.validate(prompt_ids, params, top_logprobs, logprob_start)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.config.eos_ids
@@ -114,10 +110,11 @@ class Scheduler:
         self._queue_version += 1
         return req
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None) -> int:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
+                 logprob_start: int | None = None) -> int:
         """Check a request against the model and the pool (again: the offline Engine has no API in front of
         it); returns the resolved max_new_tokens. InvalidRequest names the field that is wrong."""
-        return check_request(self.config, self.cache.capacity, prompt_ids, params, top_logprobs)
+        return check_request(self.config, self.cache.capacity, prompt_ids, params, top_logprobs, logprob_start)
 
     def finish(self, rid: str, reason: FinishReason) -> Req | None:
         """End a request now (stop string found, client gone, abort); its KV stays cached as evictable."""
@@ -267,7 +264,7 @@ class Scheduler:
             return None
         cfg = self.config
         chunking = cfg.chunked_prefill_size > 0
-        reserved = sum(map(self._future_tokens, self.running))
+        reserved = sum(future_tokens(r, cfg.clip_max_new_tokens, self.new_token_ratio) for r in self.running)
         room_tokens = self.cache.available - reserved
         state = (self._queue_version, self.cache.version)
         if self._blocked is not None and self.running and self._blocked[0] == state and room_tokens <= self._blocked[1]:
@@ -319,11 +316,10 @@ class Scheduler:
         slots of this step go back and the others run without it."""
         self._step += 1
         for req in reqs:
-            if req.table_row is None:
-                require(bool(self._free_rows), "more requests hold KV than the runner has rows")
-                req.table_row = self._free_rows.pop()
+            self.runner_state.take_row(req)
         try:
-            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size, self._released_grammars)
+            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size,
+                              self.runner_state.released_grammars())
         except Exception:
             log.exception("could not plan step %d; finding the request(s) that break it", self._step)
             bad = [r for r, s in zip(reqs, starts) if not plannable(mode, r, s, self.config.vocab_size)] or reqs
@@ -336,11 +332,9 @@ class Scheduler:
             if not keep:
                 return None
             reqs, starts = [r for r, _ in keep], [s for _, s in keep]
-            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size, self._released_grammars)
-        self._released_grammars = []
-        for req in reqs:
-            req.grammar_started |= req.rid in plan.new_grammars
-            req.kv.synced = req.kv.kv_len  # the runner holds the whole row once it has this plan
+            plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size,
+                              self.runner_state.released_grammars())  # with the requests that just failed
+        self.runner_state.sent(reqs, plan)
         self._inflight = Step(plan, reqs, starts)
         return plan
 
@@ -358,9 +352,6 @@ class Scheduler:
         return self.lab.cache_stats(self.stats)
 
     # -- retraction --------------------------------------------------------------------------------------
-    def _future_tokens(self, req: Req) -> float:
-        return min(req.max_new_tokens - len(req.output_ids), self.config.clip_max_new_tokens) * self.new_token_ratio
-
     def _retract_one(self) -> bool:
         """Send back to the queue the request whose retraction loses least: the one mid-prefill, else the one
         with the fewest generated tokens (longest first on ties, it frees most). Its KV goes to the tree, so
@@ -378,15 +369,10 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Drop ``req`` from the running set and close its KV (computed tokens go to the tree)."""
-        if req.finished and req.grammar_started:
-            req.grammar_started = False
-            self._released_grammars.append(req.rid)
         if req.kv is not None:
             self.cache.close(req.kv, req.fill_ids)
             req.kv = None
-        if req.table_row is not None:
-            self._free_rows.append(req.table_row)
-            req.table_row = None
+        self.runner_state.release(req)
         if req is self.chunked:
             self.chunked = None
         elif req in self.running:
@@ -410,18 +396,4 @@ class Scheduler:
         require(len(self.running) + (self.chunked is not None) <= self.config.max_running_requests,
                 "more requests running than --max-running-requests")
         require(not any(r.finished for r in self.live.values()), "a finished request is still live")
-        rows = [r.table_row for r in self.live.values() if r.table_row is not None]
-        require(len(set(rows)) == len(rows) and not set(rows) & set(self._free_rows)
-                and len(rows) + len(self._free_rows) == self.config.max_running_requests + 1,
-                "the runner's table rows are not each held once")
-        require(all(r.kv is not None for r in self.live.values() if r.table_row is not None),
-                "a request without KV holds a table row")
-
-
-def build_scheduler(args, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> Scheduler:
-    """The scheduler a server or Engine runs: cache manager and policies named by ``args`` (ServerArgs)."""
-    from radixserve.policies import load_eviction_policy, load_schedule_policy
-
-    cache = CacheManager(args.max_total_tokens, load_eviction_policy(args.eviction_policy),
-                         disable_radix_cache=args.disable_radix_cache, clock=clock)
-    return Scheduler(config, cache, load_schedule_policy(args.schedule_policy), clock=clock)
+        self.runner_state.check(self.live.values())

@@ -15,7 +15,7 @@ MAX_TOP_LOGPROBS = 20
 
 
 def check_request(config: SchedulerConfig, capacity: int, prompt_ids: list[int], params: SamplingParams,
-                  top_logprobs: int | None = None) -> int:
+                  top_logprobs: int | None = None, logprob_start: int | None = None) -> int:
     """The resolved max_new_tokens, or InvalidRequest naming the field that is wrong."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}",
@@ -30,6 +30,9 @@ def check_request(config: SchedulerConfig, capacity: int, prompt_ids: list[int],
     if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
         bad = next(t for t in prompt_ids if not 0 <= t < vocab)
         raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+    if logprob_start is not None and not 0 <= logprob_start <= n:
+        raise InvalidRequest(f"logprob_start_len={logprob_start} must be in [0, {n}] (the prompt has {n} tokens)",
+                             param="logprob_start_len")
     limit = min(ctx, cap)
     if n >= ctx:
         raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {ctx} tokens and at least one "
