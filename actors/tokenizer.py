@@ -37,10 +37,15 @@ class TokenizerCore:
         self.vocab_size = len(self.tokenizer)
 
     def chat_template(self) -> dict[str, Any] | None:
-        """The role markers of the model's own chat template (None without one), as radixserve.lang uses them."""
+        """The role markers of the model's own chat template (None without one), as radixserve.lang uses them.
+        A convenience for clients: a template that defeats the derivation is logged, never a reason not to serve."""
         from radixserve.lang.chat_template import ChatTemplate
 
-        template = ChatTemplate.from_tokenizer(self.tokenizer)
+        try:
+            template = ChatTemplate.from_tokenizer(self.tokenizer)
+        except Exception:
+            log.exception("could not derive role markers from the chat template; /get_model_info reports none")
+            return None
         return template.to_dict() if template is not None else None
 
     def encode(self, text: str) -> list[int]:
