@@ -77,7 +77,19 @@ class PackedLinear(nn.Module):
         n = x.shape[0]
         if 0 < n < self.min_rows:
             x = x.expand(self.min_rows, -1) if n == 1 else torch.cat([x, x[:1].expand(self.min_rows - n, -1)])
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")[:n]
+        return packed_linear(x.contiguous(), self.packed, self.bias)[:n]
+
+
+@torch.library.custom_op("radixserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product with a weight reordered by ``_reorder_linear_weight``; an opaque op to torch.compile (whose
+    own lowering of it only takes weights frozen into the graph)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 def can_pack(dtype: torch.dtype, device: torch.device, deterministic: bool = False) -> bool:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from radixserve.kernels.base import AttentionBatch
 
 
@@ -79,6 +78,12 @@ class TorchAttention:
                 j = torch.arange(p + e, device=device)[None, :]
                 masks.append(j <= p + i)
         return _Extend(_starts(batch.extend_lens), _starts(batch.seq_lens), masks)
+
+    @staticmethod
+    def compilable(batch: AttentionBatch) -> bool:
+        """Whether this step's attention can run inside a compiled graph (model.compiled): the plain decode
+        path (fixed ops over an index matrix), not the shared-key one (shapes that depend on the data)."""
+        return isinstance(batch.backend_data, _Decode)
 
     def _shared_decode(self, batch: AttentionBatch) -> _SharedDecode | None:
         if len(batch.prefix_lens) < 2:

@@ -5,6 +5,7 @@ The block reads like the paper: norm -> attention -> residual -> norm -> MLP -> 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,20 +62,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         n, h, kv = x.shape[0], self.num_heads, self.num_kv_heads
         qk, v = self.qkv_proj(x).view(n, h + 2 * kv, self.head_dim).split([h + kv, kv], dim=1)
         q, k = apply_rope(qk, batch.cos, batch.sin).split([h, kv], dim=1)  # q and k heads in one go
-        k_pool, v_pool = batch.kv.layer(self.layer_id)
         attn, meta = batch.attn_backend, batch.attn
         attn.store_kv(k_pool, v_pool, meta, k, v)
         if meta.mode == "decode":
@@ -97,15 +96,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch)
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """``k_pool``/``v_pool``: this layer's part of the KV pool."""
+        h = h + self.self_attn(self.input_layernorm(h), batch, k_pool, v_pool)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -113,7 +113,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -127,10 +127,13 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, run_layer: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """``run_layer(layer, h, batch, k_pool, v_pool)``: how a layer is run (a compiled decode layer); default:
+        ``layer(h, batch, k_pool, v_pool)``."""
         h = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
-            h = layer(h, batch)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, batch, *batch.kv.layer(i)) if run_layer is None else run_layer(layer, h, batch,
+                                                                                         *batch.kv.layer(i))
         h = self.model.norm(h[batch.logit_rows])
         return self.lm_head(h).float()
 

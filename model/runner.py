@@ -16,12 +16,14 @@ from tqdm import tqdm
 from radixserve.actors.messages import ForwardPlan, ForwardResult
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
+from radixserve.model.compiled import CompiledDecode
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.grammar import Constraints, Masks
-from radixserve.model.slot_table import SlotTable
 from radixserve.model.llama import CausalLM
+from radixserve.model.loader import cache_root
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows
+from radixserve.model.slot_table import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
                  attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
-                 quantization: str | None = None, source: Path | None = None) -> None:
+                 quantization: str | None = None, source: Path | None = None, compile_decode: bool = False,
+                 max_batch: int = 1) -> None:
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         elif deterministic:
@@ -90,6 +93,12 @@ class ModelRunner:
         self.constraints = Constraints(path, cfg.vocab_size)
         log.info("model loaded in %.1fs (%s, %s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, num_slots, self.kv.nbytes / 2**20)
+        self.compiled: CompiledDecode | None = None
+        if compile_decode:
+            self.compiled = CompiledDecode(self.model, self.kv, self.rope, cache_root() / "inductor")
+            seconds = self.compiled.warm_up(self.attn, self.dtype, self.device, self._group, max_batch)
+            log.info("decode compiled in %.1fs (a layer per graph; cached in %s)", seconds,
+                     os.environ["TORCHINDUCTOR_CACHE_DIR"])
         if deterministic:
             from radixserve.model.determinism import check_batch_invariance
 
@@ -103,16 +112,26 @@ class ModelRunner:
         the user gave (a GGUF file's quantized weights can be used as they ship)."""
         return cls(cfg, path, dtype=args.dtype, num_slots=args.max_total_tokens, device=args.device,
                    attention_backend=args.attention_backend, num_threads=args.num_threads,
-                   deterministic=args.deterministic, quantization=args.quantization, source=source)
+                   deterministic=args.deterministic, quantization=args.quantization, source=source,
+                   compile_decode=not args.disable_compile, max_batch=args.max_running_requests)
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
         """The next-token logits of the plan's sampling rows, then of its prompt-logprob rows (no sampling)."""
-        return self.model(self._batch(plan))
+        return self._run(self._batch(plan))
+
+    @property
+    def _group(self) -> int:
+        return self.cfg.num_heads // self.cfg.num_kv_heads
 
     def _batch(self, plan: ForwardPlan) -> ForwardBatch:
-        return ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device,
-                                      self.cfg.num_heads // self.cfg.num_kv_heads, self.table)
+        return ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device, self._group,
+                                      self.table)
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.compiled is not None and self.compiled.applies(batch):
+            return self.compiled(batch)
+        return self.model(batch)
 
     @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> ForwardResult:
@@ -128,7 +147,7 @@ class ModelRunner:
         rows = plan.sampling.constraints
         masks = self.constraints.fill_async(rows, sampling.output_index) if rows else None  # during the forward
         try:
-            logits = self.model(batch)  # [S + P, vocab]: the rows that sample, then prompt rows asked for
+            logits = self._run(batch)  # [S + P, vocab]: the rows that sample, then prompt rows asked for
             prompt = prompt_logprobs_of(logits[len(sampling):], plan.prompt_logprobs) if plan.prompt_logprobs else {}
         except Exception as exc:
             log.exception("step %d failed", plan.step)

@@ -42,6 +42,7 @@ class ServerArgs:
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
     quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
+    disable_compile: bool = False  # eager decode (default: compiled decode graphs on the CPU)
     mem_fraction_static: float | None = None  # CUDA: share of the GPU's memory for weights + KV pool (0.85)
     check_invariants: bool = False  # check pool accounting after every step (tests, debugging)
 
@@ -109,7 +110,12 @@ class ServerArgs:
             # not forced up to the context: a long-context model on a small machine gets a smaller pool (requests
             # that cannot fit are refused with a message naming --max-total-tokens) instead of running out of RAM
             total = max(256, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
-        return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total, device=device)
+        # compiled decode: the CPU's default, except where it would change what is promised (--deterministic's
+        # probed kernels) or is not built (CUDA); RADIXSERVE_DISABLE_COMPILE=1 is the flag for whole test runs
+        eager = (self.disable_compile or self.deterministic or device != "cpu"
+                 or os.environ.get("RADIXSERVE_DISABLE_COMPILE") == "1")
+        return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total, device=device,
+                                   disable_compile=eager)
 
 
 def gpu_pool_tokens(fraction: float, weight_bytes: int, kv_bytes_per_token: int) -> int:
@@ -158,6 +164,8 @@ HELP = {
                      "tokens never depend on the batch (CPU; see the README for the cost)",
     "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
                     "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
+    "disable_compile": "run decode steps eagerly: no torch.compile graphs (they take a few seconds at start-up, "
+                       "cached across restarts; CPU only, never with --deterministic)",
     "mem_fraction_static": "CUDA: the share of the GPU's memory for the weights and the KV pool; the pool gets what "
                            "the weights leave of it (default 0.85)",
     "check_invariants": "check KV pool accounting after every step (slow; for debugging)",

@@ -10,6 +10,8 @@ import pytest
 from radixserve.server_process import ServerProcess  # noqa: E402  (tests import it from here)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# compiled decode costs seconds per start-up: tests run eager unless they ask for it (tests/test_compiled.py)
+os.environ.setdefault("RADIXSERVE_DISABLE_COMPILE", "1")
 
 
 def _interpret_triton_without_a_gpu() -> None:

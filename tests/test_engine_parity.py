@@ -48,13 +48,23 @@ def hf_reference(hf_models, prompts):
     return out
 
 
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_matches_hf(kind, mode, tiny_models, prompts, hf_reference):
+def test_greedy_matches_hf(kind, mode, decode, tiny_models, prompts, hf_reference, monkeypatch):
+    if decode == "compiled":
+        monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
     engine = Engine(str(tiny_models[kind]), dtype="float32", check_invariants=True, **MODES[mode])
+    assert (engine.runner.compiled is not None) == (decode == "compiled")
     params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    if decode == "compiled":  # one at a time, then as a batch: batch 1 and larger batches run their own graphs
+        alone = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts[-2:]]
+        assert alone == hf_reference[kind][-2:]
+        engine.flush_cache()
     first = engine.generate(input_ids=prompts, sampling_params=params)
     assert [r["output_ids"] for r in first] == hf_reference[kind]
+    if decode == "compiled":
+        assert engine.runner.compiled.steps >= MAX_NEW and not engine.runner.compiled.eager_sizes
     second = engine.generate(input_ids=prompts, sampling_params=params)
     assert [r["output_ids"] for r in second] == hf_reference[kind]
     stats = engine.scheduler.stats

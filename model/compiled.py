@@ -1,0 +1,109 @@
+"""Decode steps as compiled graphs on the CPU: torch.compile (inductor's C++ backend) of one decoder layer's decode.
+
+An eager decode step is hundreds of small ops (per layer: norm, projections, RoPE, KV store, gather, attention,
+SiLU-mul, residuals), each paying Python and dispatcher time. Compiled, a layer is one call: the element-wise work
+is fused into a few C++ loops, the KV store and attention run inside the graph, and only the linear layers stay
+library calls (oneDNN's packed products; opaque to the compiler as ``radixserve::packed_linear``).
+
+Why one layer and not the whole step: every layer has the same code, so one graph serves all of them (its weights
+and KV pool are inputs); compiling takes seconds instead of the ~100 s the 30-layer graph took here, and a call per
+layer costs ~0.1 ms. The embedding and the output projection stay eager (one op each).
+
+Shapes: the context length is dynamic (one graph for every length). The batch size is specialised for 1, then
+dynamic; products of 64 rows and more may switch kernels (``cpu_linear.F32_MIN_ROWS``), which is a third graph. All
+of them are compiled at start-up (``warm_up``), and compiled code is cached on disk, so a restart mostly loads it.
+A step that would need a new graph never compiles on a request's path: ``fail_on_recompile`` raises, and that
+batch size runs eager from then on (logged).
+
+Numerics: fused element-wise code rounds differently in the last bits from eager ops (bf16); float32 greedy
+output stays identical to HF in the parity tests. ``benchmarks/compile_cost.py`` counts greedy tokens that flip.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from radixserve.kernels.base import AttentionBatch
+from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
+from radixserve.model.llama import CausalLM, DecoderLayer
+
+log = logging.getLogger(__name__)
+
+BIG_BATCH = 64  # = cpu_linear.F32_MIN_ROWS: from here a linear may take another path, so another graph
+
+
+def _decode_layer(layer: DecoderLayer, h: torch.Tensor, batch: ForwardBatch, k_pool: torch.Tensor,
+                  v_pool: torch.Tensor) -> torch.Tensor:
+    return layer(h, batch, k_pool, v_pool)
+
+
+class CompiledDecode:
+    """Runs the model's decode steps through a compiled layer where the attention backend allows it
+    (``applies``); everything else (prefill, shared-prefix decode, other backends) stays eager."""
+
+    def __init__(self, model: CausalLM, kv: KVPool, rope: RopeTable, cache_dir: Path) -> None:
+        # inductor's on-disk cache of compiled graphs, kept across restarts with radixserve's other caches (inductor
+        # reads the variable whenever it compiles, and fills it with a /tmp default on first use)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+        self.model, self.kv, self.rope = model, kv, rope
+        self.layer = torch.compile(_decode_layer, fullgraph=True)
+        self.eager_sizes: set[int] = set()  # batch sizes whose graph was missing: they run eager
+        self.compile_seconds = 0.0
+        self.steps = 0  # decode steps that ran compiled
+
+    def applies(self, batch: ForwardBatch) -> bool:
+        compilable = getattr(batch.attn_backend, "compilable", None)
+        return (batch.attn.mode == "decode" and compilable is not None and compilable(batch.attn)
+                and len(batch.input_ids) not in self.eager_sizes)
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        attn = batch.attn.backend_data
+        torch._dynamo.mark_dynamic(attn.index, 1)  # the context length: one graph for every length
+        torch._dynamo.mark_dynamic(attn.mask, 3)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                logits = self.model(batch, run_layer=self.layer)
+            self.steps += 1
+            return logits
+        except Exception as exc:  # no graph for this shape (or a compiler bug): this batch size runs eager
+            size = len(batch.input_ids)
+            self.eager_sizes.add(size)
+            log.warning("compiled decode: batch of %d runs eager from now on (%s: %s)", size, type(exc).__name__,
+                        str(exc))
+            return self.model(batch)  # rewrites the same K/V the compiled layers may have stored: same values
+
+    def warm_up(self, backend, dtype: torch.dtype, device: torch.device, group: int, max_batch: int) -> float:
+        """Compile every graph a decode step can need (batch 1, 2.., and >= BIG_BATCH if it can occur) on synthetic
+        batches that write only the dummy slot; returns the seconds taken."""
+        start = time.perf_counter()
+        num_slots = self.kv.k.shape[1]
+        sizes = [1, 2] + ([BIG_BATCH] if max_batch >= BIG_BATCH and 2 * BIG_BATCH < num_slots else [])
+        for size in sizes:
+            if 2 * size >= num_slots:
+                break
+            with torch.inference_mode():  # as the runner's steps: guards check a tensor's inference-mode keys
+                batch = _synthetic_decode(size, self.kv, self.rope, backend, dtype, device, group)
+                if not self.applies(batch):
+                    break
+                torch._dynamo.mark_dynamic(batch.attn.backend_data.index, 1)
+                torch._dynamo.mark_dynamic(batch.attn.backend_data.mask, 3)
+                self.model(batch, run_layer=self.layer)
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+
+def _synthetic_decode(size: int, kv: KVPool, rope: RopeTable, backend, dtype: torch.dtype, device: torch.device,
+                      group: int) -> ForwardBatch:
+    """``size`` decode rows of two tokens each: every row reads distinct slots (so the backend takes its plain
+    decode path) and writes its new token's K/V to the dummy slot 0."""
+    zeros = torch.zeros(size, dtype=torch.int64, device=device)
+    attn = AttentionBatch(mode="decode", prefix_lens=[1] * size, extend_lens=[1] * size,
+                          slots=torch.arange(1, 2 * size + 1, device=device), out_slots=zeros, dtype=dtype,
+                          group=group)
+    attn.backend_data = backend.prepare(attn)
+    cos, sin = rope.lookup(zeros)
+    return ForwardBatch(input_ids=zeros, positions=zeros, logit_rows=torch.arange(size, device=device), cos=cos,
+                        sin=sin, attn=attn, attn_backend=backend, kv=kv)

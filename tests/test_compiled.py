@@ -1,0 +1,101 @@
+"""Compiled decode (model/compiled.py): the same greedy tokens as eager in float32 at batch 1 and in batches, a shape
+without a graph falls back to eager instead of compiling on a request's path, and the server reports it.
+(HF parity on the compiled path: tests/test_engine_parity.py, ``decode=compiled``.)"""
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.server_args import ServerArgs
+
+PARAMS = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Unrelated prompts of different lengths: the batch takes the plain decode path (no shared prefix)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+@pytest.fixture()
+def compiled_engine(tiny_models, monkeypatch):
+    monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
+    engine = Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True)
+    yield engine
+    engine.shutdown()
+
+
+class _Spy:
+    """Stands in for the runner's CompiledDecode and records the size of every batch it runs."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled, self.sizes = compiled, []
+
+    def applies(self, batch) -> bool:
+        return self.compiled.applies(batch)
+
+    def __call__(self, batch):
+        self.sizes.append(len(batch.input_ids))
+        return self.compiled(batch)
+
+
+def test_compiled_batches_match_eager(compiled_engine, tiny_models):
+    prompts = _prompts(6)
+    eager = Engine(str(tiny_models["llama"]), dtype="float32", disable_compile=True)
+    assert eager.runner.compiled is None
+    want = [r["output_ids"] for r in eager.generate(input_ids=prompts, sampling_params=PARAMS)]
+    eager.shutdown()
+    compiled = compiled_engine.runner.compiled
+    assert compiled.compile_seconds > 0
+    spy = compiled_engine.runner.compiled = _Spy(compiled)
+    got = [r["output_ids"] for r in compiled_engine.generate(input_ids=prompts, sampling_params=PARAMS)]
+    assert got == want
+    assert max(spy.sizes) == len(prompts), "the batch decoded through the compiled layers"
+    alone = compiled_engine.generate(input_ids=prompts[0], sampling_params=PARAMS)["output_ids"]
+    assert alone == want[0] and 1 in spy.sizes
+    assert not compiled.eager_sizes
+
+
+def test_a_missing_graph_runs_eager_and_is_never_compiled_on_the_request_path(compiled_engine, tiny_models):
+    prompts = _prompts(3, seed=1)
+    want = [r["output_ids"] for r in compiled_engine.generate(input_ids=prompts, sampling_params=PARAMS)]
+    compiled = compiled_engine.runner.compiled
+    steps = compiled.steps
+    torch._dynamo.reset()  # every graph gone: a step would have to compile
+    again = [r["output_ids"] for r in compiled_engine.generate(input_ids=prompts, sampling_params=PARAMS)]
+    assert again == want
+    assert compiled.eager_sizes, "the batch sizes without a graph are recorded and run eager"
+    assert compiled.steps == steps, "nothing compiled while serving"
+
+
+def test_compile_is_resolved_off_where_it_does_not_apply(monkeypatch):
+    monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
+
+    def resolved(**kw) -> ServerArgs:
+        return ServerArgs(**kw).resolved(kv_values_per_token=2 * 2 * 64, model_context=2048)
+
+    assert resolved(device="cpu").disable_compile is False
+    assert resolved(device="cpu", disable_compile=True).disable_compile is True
+    assert resolved(device="cpu", deterministic=True).disable_compile is True  # its probed kernels are the promise
+    assert resolved(device="cuda", max_total_tokens=1024).disable_compile is True  # CPU graphs only
+    monkeypatch.setenv("RADIXSERVE_DISABLE_COMPILE", "1")
+    assert resolved(device="cpu").disable_compile is True
+
+
+def test_server_reports_compiled_decode(tiny_models, monkeypatch):
+    from radixserve.server_process import ServerProcess
+
+    monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
+    for flags, expected in (([], True), (["--disable-compile"], False)):
+        server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", *flags)
+        try:
+            info = httpx.get(server.url + "/get_server_info").json()
+            assert info["actors"]["runner"]["compiled_decode"] is expected
+            out = httpx.post(server.url + "/generate", json={"text": "Hello", "sampling_params": PARAMS}).json()
+            assert out["meta_info"]["completion_tokens"] == PARAMS["max_new_tokens"]
+        finally:
+            server.stop()
