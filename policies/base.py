@@ -62,6 +62,8 @@ class WaitingRequest(Protocol):
     @property
     def fill_ids(self) -> list[int]: ...  # every token whose KV it needs (prompt + output so far)
     @property
+    def fill_key(self) -> Sequence[int]: ...  # the same tokens packed (array('i')): cache lookups take it as is
+    @property
     def max_new_tokens(self) -> int: ...  # its output budget
     @property
     def priority(self) -> int: ...  # larger = more important (the request's own, default 0)

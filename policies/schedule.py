@@ -35,7 +35,7 @@ class LongestPrefixMatch:
     def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
         queue = by_arrival(waiting)
         head, tail = queue[:MAX_MATCHED], queue[MAX_MATCHED:]
-        return sorted(head, key=lambda r: (-cache.match_len(r.fill_ids), r.arrival)) + tail
+        return sorted(head, key=lambda r: (-cache.match_len(r.fill_key), r.arrival)) + tail
 
 
 class LPMAging:
@@ -72,7 +72,7 @@ class DFSWeight:
         for req in waiting:
             parent = root
             weight[root] += 1
-            for node in cache.match_path(req.fill_ids):
+            for node in cache.match_path(req.fill_key):
                 if node not in weight:
                     children[parent].append(node)
                 weight[node] += 1

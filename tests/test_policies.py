@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass, field
 
 import pytest
@@ -77,6 +78,10 @@ class FakeReq:
     max_new_tokens: int = 16
     priority: int = 0
     output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def fill_key(self) -> array:
+        return array("i", self.fill_ids)
 
 
 def cache_with(*seqs: list[int]) -> RadixTree:

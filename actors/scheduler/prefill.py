@@ -44,7 +44,7 @@ class PrefillAdder:
             return False
         fresh = req.kv is None
         if fresh:
-            req.kv = self.cache.open(req.fill_ids, req.max_seq_len, req.priority, limit=req.match_limit)
+            req.kv = self.cache.open(req.fill_key, req.max_seq_len, req.priority, limit=req.match_limit)
         want = req.extend_len
         if want <= self.tokens_left:
             n = want
@@ -73,7 +73,7 @@ class PrefillAdder:
 
     def _reject(self, req: Req, fresh: bool) -> bool:
         if fresh:  # give back the prefix lock it took; a continuing chunked request keeps what it holds
-            self.cache.close(req.kv, req.fill_ids)
+            self.cache.close(req.kv, req.fill_key)
             req.kv = None
         return False
 
@@ -89,9 +89,9 @@ class InBatchDedup:
     def defer(self, req: Req, anything_admitted: bool) -> bool:
         if not anything_admitted:
             return False
-        tokens = req.fill_ids
+        tokens = req.fill_key
         return self.batch.match_len(tokens) - self.cache.match_len(tokens) >= DEDUP_MIN_TOKENS
 
     def admitted(self, req: Req) -> None:
-        tokens = req.fill_ids
+        tokens = req.fill_key
         self.batch.insert(tokens, np.zeros(len(tokens), dtype=np.int32))

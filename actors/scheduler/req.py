@@ -1,6 +1,7 @@
 """A request as the scheduler sees it: the minimum state, the rest derived."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from radixserve.actors.messages import FinishReason, Logprob, ScoredPrompt
@@ -30,11 +31,13 @@ class Req:
     finish_reason: FinishReason | None = None
     grammar_started: bool = False  # the runner holds a matcher for this request's constraint
     table_row: int | None = None  # the runner's row of this request's slot indices, while it holds KV
+    _key: array = field(init=False, repr=False)  # fill_ids packed (fill_key), extended as the output grows
 
     def __post_init__(self) -> None:
         require(len(self.prompt_ids) >= 1 and self.max_new_tokens >= 0, "a request needs a prompt and a budget")
         require(self.logprob_start is None or 0 <= self.logprob_start <= len(self.prompt_ids),
                 "logprob_start lies within the prompt")
+        self._key = array("i", self.prompt_ids)
 
     @property
     def seq_len(self) -> int:
@@ -48,6 +51,17 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token whose KV the request needs: the prompt and the output so far. Read-only."""
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def fill_key(self) -> array:
+        """``fill_ids`` as int32 (the radix tree's key format, so its lookups pack nothing): the prompt is packed
+        once, each output token when it is first asked for. Read-only."""
+        have = len(self._key)
+        if have > self.seq_len:  # output was taken back: repack
+            self._key = array("i", self.fill_ids)
+        elif have < self.seq_len:
+            self._key.extend(self.output_ids[have - len(self.prompt_ids) :])
+        return self._key
 
     @property
     def kv_len(self) -> int:

@@ -199,7 +199,7 @@ class Scheduler:
             if req.finished:  # aborted while its step ran (its KV of this step was already given back)
                 continue
             if plan.mode == "extend":  # what was just computed is reusable by others at once (kept locked)
-                self.cache.cache_prefix(req.kv, req.fill_ids)
+                self.cache.cache_prefix(req.kv, req.fill_key)
                 req.prompt_logprobs.extend(result.prompt_logprobs.get(i, ()))
                 if req.prefill_only and req.extend_len == 0:  # the whole prompt is computed and cached: done
                     req.first_token_at = now
@@ -370,7 +370,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Drop ``req`` from the running set and close its KV (computed tokens go to the tree)."""
         if req.kv is not None:
-            self.cache.close(req.kv, req.fill_ids)
+            self.cache.close(req.kv, req.fill_key)
             req.kv = None
         self.runner_state.release(req)
         if req is self.chunked:
