@@ -48,6 +48,7 @@ def pack(tokens: Tokens) -> bytes:
 @dataclass(eq=False, slots=True)
 class TreeNode:
     key: bytes  # this segment's token ids, packed (``pack``)
+    num_tokens: int  # = len(key) // TOKEN: kept, since policies and every walk read it
     slots: np.ndarray
     parent: TreeNode | None
     depth: int  # tokens from the root to the end of this node
@@ -58,10 +59,6 @@ class TreeNode:
     lock_ref: int = 0
     heap_version: int = 0
     children: dict[bytes, TreeNode] = field(default_factory=dict)  # by first token (packed)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.key) // TOKEN
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -102,7 +99,7 @@ class RadixTree:
         self.clock = clock
         self.free_slots = free_slots
         now = clock()
-        self.root = TreeNode(key=b"", slots=EMPTY_SLOTS, parent=None, depth=0, created=now, last_access=now)
+        self.root = TreeNode(key=b"", num_tokens=0, slots=EMPTY_SLOTS, parent=None, depth=0, created=now, last_access=now)
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
@@ -197,6 +194,7 @@ class RadixTree:
         if pos < len(tokens):
             leaf = TreeNode(
                 key=data[pos * TOKEN :],
+                num_tokens=len(tokens) - pos,
                 slots=np.asarray(slots[pos:], dtype=SLOT_DTYPE).copy(),
                 parent=node,
                 depth=node.depth + len(tokens) - pos,
@@ -299,6 +297,7 @@ class RadixTree:
         cut = n * TOKEN
         upper = TreeNode(
             key=child.key[:cut],
+            num_tokens=n,
             slots=child.slots[:n],
             parent=parent,
             depth=child.depth - child.num_tokens + n,
@@ -308,7 +307,7 @@ class RadixTree:
             priority=child.priority,
             lock_ref=child.lock_ref,  # every lock through child also runs through its prefix
         )
-        child.key, child.slots = child.key[cut:], child.slots[n:]
+        child.key, child.slots, child.num_tokens = child.key[cut:], child.slots[n:], child.num_tokens - n
         child.parent = upper
         upper.children[child.key[:TOKEN]] = child
         parent.children[upper.key[:TOKEN]] = upper
@@ -335,7 +334,8 @@ class RadixTree:
         owned = []
         for node in self.nodes():
             count += 1
-            require(node.num_tokens > 0 and len(node.slots) == node.num_tokens, "empty or ragged node")
+            require(node.num_tokens > 0 and len(node.slots) == node.num_tokens == len(node.key) // TOKEN,
+                    "empty or ragged node")
             require(node.parent.children.get(node.key[:TOKEN]) is node, "child keyed by the wrong token")
             require(node.depth == node.parent.depth + node.num_tokens, "wrong depth")
             require(node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock below an unlocked node")

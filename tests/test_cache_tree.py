@@ -206,3 +206,32 @@ def test_partial_match_stops_inside_the_split_node():
     slots, node = tree.match_prefix([0, 1, 0])
     assert len(slots) == 1 and node.depth == 1 and tree.match_len([0, 1, 0]) == 1
     tree.check()
+
+
+@settings(max_examples=100, deadline=None)
+@given(seqs=st.lists(st.tuples(tokens_st, st.integers(0, 10)), min_size=1, max_size=25))
+def test_insert_from_a_locked_match_equals_insert_from_the_root(seqs):
+    """What the cache manager does per request (match, lock, insert from the matched node) leaves the same tree
+    and the same counts as inserting from the root, and hands back the tree's slots for the walked part."""
+    trees = []
+    for resume in (False, True):
+        alloc = SlotAllocator(1024)
+        tree = RadixTree(LRU(), alloc.free, FakeClock())
+        counts = []
+        for toks, cut in seqs:
+            slots, node = tree.match_prefix(toks[: min(cut, len(toks))])
+            tree.lock(node)
+            full = np.concatenate([slots, alloc.alloc(len(toks) - len(slots))])
+            if resume:
+                cached, last, walked = tree.insert_from(node, np.array(toks, dtype=np.int32), full)
+                assert last.depth == len(toks)
+                assert walked.tolist() == tree.match_prefix(toks, touch=False)[0][node.depth :].tolist()
+            else:
+                cached = tree.insert(toks, full)
+            counts.append(cached)
+            tree.unlock(node)
+            owned = tree.check()
+            alloc.check()
+            assert sum(len(o) for o in owned) + alloc.num_free == 1024
+        trees.append((tree_paths(tree), counts))
+    assert trees[0] == trees[1]
