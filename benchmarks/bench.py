@@ -3,7 +3,8 @@ model, dtype and prompts, measured side by side in one run; writes benchmarks/re
 results.json. See benchmarks/README.md.
 
     python benchmarks/bench.py [--quick] [--out benchmarks/results]
-                               [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant]
+                               [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant,
+                                       compile,peer,radix]
 
 ``--only`` reruns some stages and keeps the other stages' results from the last run's results.json (the report
 lists when each stage was measured).
@@ -21,10 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import compile_cost  # noqa: E402
+import cpu_peer  # noqa: E402
 import deterministic_cost  # noqa: E402
 import grammar_cost  # noqa: E402
-import quant_cost  # noqa: E402
+import llama_cpp  # noqa: E402
 import machine  # noqa: E402
+import quant_cost  # noqa: E402
+import radix_speed  # noqa: E402
 import report  # noqa: E402
 from forward_speed import HF, Ours  # noqa: E402
 from harness import best_hf, load_hf  # noqa: E402
@@ -35,10 +40,12 @@ from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
-STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant")
-STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf"), "multiturn": ("multiturn",),
+STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant", "compile",
+          "peer", "radix")
+STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
-              "deterministic": ("deterministic",), "grammar": ("grammar",), "quant": ("quant",)}
+              "deterministic": ("deterministic",), "grammar": ("grammar",), "quant": ("quant",),
+              "compile": ("compile",), "peer": ("peer",), "radix": ("radix",)}
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -69,9 +76,12 @@ def main() -> None:
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
-    bar = tqdm(total=7, desc="bench", unit="stage")
+    bar = tqdm(total=10, desc="bench", unit="stage")
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
+        llama = start_llama_cpp(files.path) if only & {"shared", "multiturn"} else None
+        if llama is not None:
+            res["llama_cpp"] = llama if isinstance(llama, str) else "llama.cpp BF16 (llama-server, 8 slots)"
         try:
             warm = SharedPrefix(tok, n=8, max_new=8, seed=99)  # first requests pay oneDNN's kernel set-up
             for server in servers.values():
@@ -89,9 +99,17 @@ def main() -> None:
                     res.setdefault("seed_small", []).append(small.radix(server.url, label))
                 if "multiturn" in only:
                     res.setdefault("multiturn", []).append(multi.radix(server.url, label, model_name))
+            if not isinstance(llama, (str, type(None))):  # the CPU peer at the same precision, same prompts
+                warm.llama(llama.url, "warm-up")
+                if "shared" in only:
+                    res["shared"].append(shared.llama(llama.url, res["llama_cpp"]).summary())
+                if "multiturn" in only:
+                    res["multiturn"].append(multi.radix(llama.url, res["llama_cpp"], model_name))
         finally:
             for server in servers.values():
                 server.stop()
+            if not isinstance(llama, (str, type(None))):
+                llama.stop()
     bar.update()
     hf = load_hf(files.path, torch.bfloat16) if only & {"shared", "unique", "forward"} else None
     pad = cfg.hf_config.pad_token_id or 0
@@ -128,11 +146,28 @@ def main() -> None:
     if "quant" in only:
         res["quant"] = quant_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)
     bar.update()
+    if "compile" in only:
+        res["compile"] = compile_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)
+    bar.update()
+    if "peer" in only:
+        res["peer"] = cpu_peer.measure(q, args.model_path)
+    bar.update()
+    if "radix" in only:
+        res["radix"] = radix_speed.measure(5000 if q else 20000, (200000, 50000), 2 if q else 3)
+    bar.update()
     bar.close()
     res = keep_other_stages(res, only, out / "results.json")
     (out / "results.json").write_text(json.dumps(res, indent=2))
     report.write(res, out)
     print(f"wrote {out / 'REPORT.md'}")
+
+
+def start_llama_cpp(hf_folder: Path):
+    """llama-server on the BF16 GGUF of the same weights, or why it cannot run here (a string)."""
+    try:
+        return cpu_peer.LlamaServer(llama_cpp.gguf_files(hf_folder)["bf16"])
+    except (llama_cpp.Unavailable, RuntimeError) as exc:
+        return f"llama.cpp is not in this run: {exc}"
 
 
 def keep_other_stages(res: dict, only: set[str], path: Path) -> dict:

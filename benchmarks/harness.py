@@ -102,6 +102,42 @@ def radix_run(system: str, url: str, prompts: list[list[int]], max_new: int, seq
                      sum(m["cached_tokens"] for _, _, m in outs))
 
 
+# -- llama.cpp's llama-server over HTTP ----------------------------------------------------------------------
+async def _llama_generate(session: aiohttp.ClientSession, url: str, ids: list[int], max_new: int) -> tuple:
+    body = {"prompt": ids, "n_predict": max_new, "ignore_eos": True, "stream": True, "temperature": 0,
+            "cache_prompt": True}
+    start = time.perf_counter()
+    ttft, last = None, {}
+    async with session.post(url + "/completion", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.strip()
+            if line.startswith(b"data: {"):
+                last = msgspec.json.decode(line[6:])
+                if ttft is None and (last.get("content") or last.get("tokens")):
+                    ttft = time.perf_counter() - start
+    timings = last.get("timings", {})
+    return ttft, time.perf_counter() - start, {"completion_tokens": timings.get("predicted_n", max_new),
+                                               "prompt_tokens": len(ids),
+                                               "cached_tokens": timings.get("cache_n", 0)}
+
+
+def llama_run(system: str, url: str, prompts: list[list[int]], max_new: int) -> RunResult:
+    """``radix_run`` against llama-server's /completion (token ids in, its own prompt cache on)."""
+
+    async def all_at_once() -> list[tuple]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=None)) as session:
+            return await asyncio.gather(*(_llama_generate(session, url, p, max_new) for p in prompts))
+
+    start = time.perf_counter()
+    outs = asyncio.run(all_at_once())
+    makespan = time.perf_counter() - start
+    return RunResult(system, [t for t, _, _ in outs], [e for _, e, _ in outs], makespan,
+                     sum(m["completion_tokens"] for _, _, m in outs), sum(m["prompt_tokens"] for _, _, m in outs),
+                     sum(m["cached_tokens"] for _, _, m in outs))
+
+
 # -- HF transformers baselines ------------------------------------------------------------------------------
 class FirstTokenClock:
     """A stopping criterion that never stops: it notes when the first new token exists."""

@@ -57,6 +57,12 @@ def write(res: dict, out: Path) -> None:
         targets.append(check("shared prefix: throughput / best HF", ratio, ratio >= 8, ">= 8"))
         targets.append(check("shared prefix: TTFT p50 / best HF's", on["ttft_p50_s"] / bh["ttft_p50_s"],
                              on["ttft_p50_s"] < bh["ttft_p50_s"] / 4, "far below 1 (< 0.25)"))
+        peer = next((r for r in rows if r["system"] == res.get("llama_cpp")), None)
+        if peer:
+            ratio = on["throughput_tok_s"] / peer["throughput_tok_s"]
+            targets.append(check("shared prefix: throughput / llama.cpp (BF16)", ratio, ratio >= 10, ">= 10"))
+        elif "llama_cpp" in res:
+            L += [f"{res['llama_cpp']}", ""]
         plot_serving(rows, out / "shared_prefix.png", "shared prefix")
         L += ["![shared prefix](shared_prefix.png)", ""]
         L += ["### The seed's small case", "",
@@ -219,11 +225,105 @@ def write(res: dict, out: Path) -> None:
                      f"{r['prefill_512_tok_s']:.0f} | {r['mean_logprob']:.4f} | {r['perplexity']:.3f} | "
                      f"{r['start_s']:.1f} |")
         L += [""]
+    if "compile" in res:
+        L += compile_section(res["compile"], out)
+    if "peer" in res:
+        L += peer_section(res["peer"], targets, out)
+    if "radix" in res:
+        L += radix_section(res["radix"], targets)
     if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
         L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
+
+
+def compile_section(c: dict, out: Path) -> list[str]:
+    s = c["startup"]
+    L = ["## Compiled decode vs eager", "",
+         "The same engine's decode step with the compiled decoder layers (`torch.compile`, one graph per layer, "
+         "model/compiled.py) and eager (`--disable-compile`), alternating step by step on one running batch of "
+         f"128-token prompts (median per variant, then the median of repeats; {c['dtype']}). Start-up compile: "
+         f"{s['cold']['compile_s']:.1f} s with an empty cache, {s['warm']['compile_s']:.1f} s on a restart (the "
+         "compiled code is cached on disk).", "",
+         "| batch | eager tok/s | compiled tok/s | speedup |", "|---|---|---|---|"]
+    for r in c["decode"]:
+        L.append(f"| {r['batch']} | {r['eager_tok_s']:.1f} | {r['compiled_tok_s']:.1f} | {r['speedup']:.2f}x |")
+    L += ["", "Greedy tokens, compiled vs eager on the same prompts (one at a time, then all as one batch):", "",
+          "| dtype | batch | prompts | tokens each | prompts that differ | first differing positions |",
+          "|---|---|---|---|---|---|"]
+    for dtype, rows in c["flips"].items():
+        for r in rows:
+            L.append(f"| {dtype} | {r['batch']} | {r['prompts']} | {r['tokens']} | {r['differing_prompts']} | "
+                     f"{r['first_flip_positions'] or '-'} |")
+    plot_bars([f"batch {r['batch']}" for r in c["decode"]],
+              {"eager": [r["eager_tok_s"] for r in c["decode"]],
+               "compiled": [r["compiled_tok_s"] for r in c["decode"]]},
+              "decode tokens / s", "compiled decode vs eager (same engine, alternating steps)", out / "compile.png")
+    return L + ["", "![compiled vs eager](compile.png)", ""]
+
+
+def peer_section(p: dict, targets: list[str], out: Path) -> list[str]:
+    if "skipped" in p:
+        return ["## Against llama.cpp", "", f"Not in this run: {p['skipped']}", ""]
+    L = ["## Against llama.cpp, whole server against whole server", "",
+         f"radixserve's server against llama.cpp's `llama-server` on the same weights at the same precision, both "
+         f"on 2 threads, side by side (a pair's servers up together, taking turns): one streamed completion of "
+         f"{p['tokens']} tokens (tokens/s after the first token), and {p['streams']} different prompts at once "
+         f"(output tokens / wall time, prefill included). Perplexity of benchmarks/data/perplexity.txt the way "
+         f"`llama-perplexity` computes it (chunks of {p['chunk']} tokens scoring their second half), ours over the "
+         "same chunks of our tokenization. Pairs: bf16 / llama.cpp's BF16 GGUF (its own converter, from our "
+         "checkpoint); int8 / Q8_0; int4 / the bundled Q4_1 file, which both read as it ships.", "",
+         "| precision | system | one stream tok/s | vs llama.cpp | 8 streams tok/s | vs llama.cpp | perplexity |",
+         "|---|---|---|---|---|---|---|"]
+    for r in p["rows"]:
+        L.append(f"| {r['precision']} | {r['system']} | {r['one_stream_tok_s']:.1f} | "
+                 f"{r['one_stream_vs_llama_cpp']:.2f}x | {r['eight_streams_tok_s']:.1f} | "
+                 f"{r['eight_streams_vs_llama_cpp']:.2f}x | {r['perplexity']:.3f} |")
+    for r in p["rows"]:
+        if r["system"].startswith("radixserve") and not r["system"].endswith("eager"):
+            targets.append(check(f"one stream / llama.cpp, {r['system']}", r["one_stream_vs_llama_cpp"],
+                                 r["one_stream_vs_llama_cpp"] >= 1.0, ">= 1.0"))
+            targets.append(check(f"8 streams / llama.cpp, {r['system']}", r["eight_streams_vs_llama_cpp"],
+                                 r["eight_streams_vs_llama_cpp"] >= 1.5, ">= 1.5"))
+    plot_bars([r["system"].replace("radixserve ", "").replace("llama.cpp ", "llama ") for r in p["rows"]],
+              {"one stream": [r["one_stream_tok_s"] for r in p["rows"]],
+               "8 streams": [r["eight_streams_tok_s"] for r in p["rows"]]},
+              "output tokens / s", "radixserve vs llama.cpp's llama-server (same weights, same precision)",
+              out / "llama_cpp.png")
+    return L + ["", "![against llama.cpp](llama_cpp.png)", ""]
+
+
+def radix_section(r: dict, targets: list[str]) -> list[str]:
+    L = ["## The prefix cache against SGLang's RadixCache", "",
+         f"The cache bookkeeping a scheduler does per request (match, lock, evict for room, allocate, insert prompt + "
+         f"output, unlock) on one synthetic trace of {r['requests']} requests ({r['prompt_tokens']} prompt tokens: "
+         "prefix groups, questions, continued conversations), radixserve's CacheManager against SGLang 0.5.23's "
+         "own `RadixCache`, both LRU, alternating, best of repeats (`benchmarks/radix_speed.py`).", "",
+         "| pool capacity (tokens) | radixserve req/s | SGLang req/s | speedup | hit rate (ours / SGLang) |",
+         "|---|---|---|---|---|"]
+    for row in r["rows"]:
+        L.append(f"| {row['capacity']} | {row['radixserve_req_s']:.0f} | {row['sglang_req_s']:.0f} | "
+                 f"{row['speedup']:.2f}x | {pct(row['radixserve_hit_rate'])} / {pct(row['sglang_hit_rate'])} |")
+        targets.append(check(f"radix tree / SGLang RadixCache at {row['capacity']} tokens", row["speedup"],
+                             row["speedup"] >= 3, ">= 3"))
+    return L + [""]
+
+
+def plot_bars(labels: list[str], series: dict[str, list[float]], ylabel: str, title: str, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))], values, width=width,
+               label=name)
+    ax.set_xticks(list(range(len(labels))), labels, fontsize=8, rotation=15)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_serving(rows: list[dict], path: Path, title: str) -> None:

@@ -9,7 +9,7 @@ import time
 import aiohttp
 import msgspec
 
-from harness import RunResult, best_hf, hf_batched, hf_sequential, mean, radix_run
+from harness import RunResult, best_hf, hf_batched, hf_sequential, llama_run, mean, radix_run
 
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
          "word but not what all were we when your can said there use an each which she do how their if will up "
@@ -56,6 +56,9 @@ class SharedPrefix:
 
         httpx.post(url + "/flush_cache", json={})
         return radix_run(label, url, self.prompts, self.max_new)
+
+    def llama(self, url: str, label: str) -> RunResult:
+        return llama_run(label, url, self.prompts, self.max_new)
 
     def hf(self, model, pad_id: int) -> list[RunResult]:
         return [hf_sequential(model, self.prompts, self.max_new), hf_batched(model, self.prompts, self.max_new, pad_id)]
@@ -136,9 +139,11 @@ class MultiTurn:
                 for h, (_, answer, _) in zip(histories, outs):
                     h.append({"role": "assistant", "content": answer})
                 prompt = sum(u["prompt_tokens"] for _, _, u in outs)
-                cached = sum(u["prompt_tokens_details"]["cached_tokens"] for _, _, u in outs)
+                # llama-server's usage has no cached_tokens: its hit rate is not known
+                cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for _, _, u in outs]
                 per_round.append({"round": r + 1, "ttft_mean_s": mean([t for t, _, _ in outs]),
-                                  "prompt_tokens": prompt, "hit_rate": cached / prompt})
+                                  "prompt_tokens": prompt,
+                                  "hit_rate": None if None in cached else sum(cached) / prompt})
         return {"system": label, "rounds": per_round,
                 "ttft_ratio_last_first": per_round[-1]["ttft_mean_s"] / per_round[0]["ttft_mean_s"]}
 

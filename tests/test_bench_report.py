@@ -81,3 +81,54 @@ def test_bench_report_unique_on_off_outside_three_percent_is_not_met(tmp_path):
     res["unique"][1]["throughput_tok_s"] = 90.0  # on is 13% faster than off: the cache "costs" something
     report.write(res, tmp_path)
     assert target_rows((tmp_path / "REPORT.md").read_text())["unique: radix on vs off throughput"] == "**not met**"
+
+
+def cpu_stages() -> dict:
+    peer = lambda system, precision, one, eight: {  # noqa: E731
+        "precision": precision, "system": system, "one_stream_tok_s": one, "eight_streams_tok_s": eight,
+        "perplexity": 30.0}
+    rows = [peer("radixserve bf16, compiled", "bf16", 30.0, 160.0), peer("radixserve bf16, eager", "bf16", 20.0, 90.0),
+            peer("llama.cpp BF16", "bf16", 40.0, 100.0), peer("radixserve int4", "int4 / Q4_1", 70.0, 120.0),
+            peer("llama.cpp Q4_1", "int4 / Q4_1", 60.0, 100.0)]
+    for r in rows:
+        base = rows[2] if r["precision"] == "bf16" else rows[4]
+        r["one_stream_vs_llama_cpp"] = r["one_stream_tok_s"] / base["one_stream_tok_s"]
+        r["eight_streams_vs_llama_cpp"] = r["eight_streams_tok_s"] / base["eight_streams_tok_s"]
+    flips = [{"batch": 1, "prompts": 8, "tokens": 24, "differing_prompts": 1, "first_flip_positions": [7]}]
+    return {
+        "compile": {"dtype": "bfloat16", "startup": {"cold": {"compile_s": 30.0}, "warm": {"compile_s": 5.0}},
+                    "decode": [{"batch": 1, "eager_tok_s": 15.0, "compiled_tok_s": 18.0, "speedup": 1.2}],
+                    "flips": {"bfloat16": flips}},
+        "peer": {"tokens": 200, "streams": 8, "chunk": 256, "rows": rows},
+        "radix": {"requests": 20000, "prompt_tokens": 10**7,
+                  "rows": [{"capacity": 200000, "radixserve_req_s": 9000, "sglang_req_s": 2000, "speedup": 4.5,
+                            "radixserve_hit_rate": 0.7, "sglang_hit_rate": 0.7},
+                           {"capacity": 50000, "radixserve_req_s": 5000, "sglang_req_s": 2000, "speedup": 2.5,
+                            "radixserve_hit_rate": 0.5, "sglang_hit_rate": 0.5}]},
+    }
+
+
+def test_bench_report_judges_the_cpu_targets(tmp_path):
+    res = {**results(), **cpu_stages()}
+    res["shared"].append(serving("llama.cpp BF16 (llama-server, 8 slots)", 9.0, 30.0))
+    res["llama_cpp"] = "llama.cpp BF16 (llama-server, 8 slots)"
+    report.write(res, tmp_path)
+    text = (tmp_path / "REPORT.md").read_text()
+    rows = target_rows(text)
+    assert rows["shared prefix: throughput / llama.cpp (BF16)"] == "met"  # 100 / 9
+    assert rows["one stream / llama.cpp, radixserve bf16, compiled"] == "**not met**"  # 0.75
+    assert rows["8 streams / llama.cpp, radixserve bf16, compiled"] == "met"  # 1.6
+    assert rows["one stream / llama.cpp, radixserve int4"] == "met"  # 1.17
+    assert rows["8 streams / llama.cpp, radixserve int4"] == "**not met**"  # 1.2
+    assert not any("eager" in k for k in rows), "the eager row is shown, not judged"
+    assert rows["radix tree / SGLang RadixCache at 200000 tokens"] == "met"
+    assert rows["radix tree / SGLang RadixCache at 50000 tokens"] == "**not met**"
+    assert "| bfloat16 | 1 | 8 | 24 | 1 | [7] |" in text
+    for png in ("compile.png", "llama_cpp.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+
+
+def test_bench_report_says_why_llama_cpp_is_missing(tmp_path):
+    res = {**results(), "peer": {"skipped": "llama.cpp needs cmake and a C++ compiler, and this machine lacks one"}}
+    report.write(res, tmp_path)
+    assert "Not in this run: llama.cpp needs cmake" in (tmp_path / "REPORT.md").read_text()
