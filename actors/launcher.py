@@ -9,10 +9,9 @@ import shutil
 import tempfile
 import time
 
-import msgspec
 import zmq
 
-from radixserve.actors.messages import Failed, LauncherInbox, Ready
+from radixserve.actors.messages import Failed, LauncherInbox, Ready, decoder as inbox_decoder
 from radixserve.actors.transport import ActorSpec, Endpoints
 from radixserve.prepare import Prepared
 
@@ -52,7 +51,7 @@ class Launcher:
         inbox = ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.LINGER, 0)
         inbox.bind(self.endpoints.address("launcher"))
-        decoder = msgspec.msgpack.Decoder(LauncherInbox)
+        decoder = inbox_decoder(LauncherInbox)
         spawn = mp.get_context("spawn")
         try:
             for name in ACTOR_MODULES:

@@ -6,8 +6,9 @@
                    api <---------------------------Status/ControlReply--ControlReq--> scheduler
     every actor --Ready/Failed--> launcher
 
-Token and slot arrays travel as raw little-endian bytes (``int32`` unless noted) -- compact and copy-cheap --
-viewed back as numpy arrays with ``array``. One message per hop per step carries the whole batch.
+Token and slot arrays are numpy arrays at both ends (``int32`` unless noted) and raw bytes on the wire: a msgpack
+extension value whose code names the dtype (``encoder``/``decoder``), so no consumer parses bytes. One message per
+hop per step carries the whole batch.
 """
 from __future__ import annotations
 
@@ -19,13 +20,41 @@ import numpy as np
 from radixserve.sampling_params import SamplingParams
 
 
-def array(buf: bytes, dtype: type = np.int32) -> np.ndarray:
-    """A read-only numpy view of an array field."""
-    return np.frombuffer(buf, dtype=dtype)
+def array(values, dtype: type = np.int32) -> np.ndarray:
+    """An array field's value (``int32`` unless told): ``values`` as a numpy array of that dtype, not copied when
+    it already is one."""
+    return np.asarray(values, dtype=dtype)
 
 
-def to_bytes(values, dtype: type = np.int32) -> bytes:
-    return np.asarray(values, dtype=dtype).tobytes()
+# -- arrays on the wire: msgpack extension values, the ext code naming the dtype --------------------------------
+_EXT_DTYPES = {1: np.dtype(np.int32), 2: np.dtype(np.float32), 3: np.dtype(np.uint8)}
+_EXT_CODES = {dtype: code for code, dtype in _EXT_DTYPES.items()}
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray) and obj.dtype in _EXT_CODES:
+        return msgspec.msgpack.Ext(_EXT_CODES[obj.dtype], np.ascontiguousarray(obj).tobytes())
+    raise NotImplementedError(f"cannot send {type(obj).__name__} {getattr(obj, 'dtype', '')} between actors")
+
+
+def _ext_hook(code: int, data: memoryview) -> np.ndarray:
+    return np.frombuffer(data, dtype=_EXT_DTYPES[code]).copy()  # data is a view of the frame: keep our own
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    if kind is np.ndarray and isinstance(obj, np.ndarray):
+        return obj
+    raise NotImplementedError(f"expected {kind}, got {type(obj).__name__}")
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    """The encoder every hop uses (numpy array fields as extension values)."""
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def decoder(kind: Any) -> msgspec.msgpack.Decoder:
+    """The decoder of an inbox whose messages are ``kind``: array fields come back as numpy arrays."""
+    return msgspec.msgpack.Decoder(kind, ext_hook=_ext_hook, dec_hook=_dec_hook)
 
 
 class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -61,7 +90,7 @@ class AbortReq(msgspec.Struct, tag="abort"):
 # -- tokenizer -> scheduler ---------------------------------------------------------------------------------
 class AddReq(msgspec.Struct, tag="add"):
     rid: str
-    input_ids: bytes
+    input_ids: np.ndarray
     params: SamplingParams
     top_logprobs: int | None = None
     priority: int = 0
@@ -105,9 +134,9 @@ class TokenBatch(msgspec.Struct, tag="tokens"):
     """One new token for each of B requests; per-request arrays are in ``rids`` order."""
 
     rids: list[str]
-    token_ids: bytes  # [B]
-    prompt_tokens: bytes  # [B]
-    cached_tokens: bytes  # [B]
+    token_ids: np.ndarray  # [B]
+    prompt_tokens: np.ndarray  # [B]
+    cached_tokens: np.ndarray  # [B]
     finished: dict[int, FinishReason]  # batch index -> why it ended (only the ones that did)
     logprobs: dict[int, Logprob] = {}  # batch index -> logprobs (only the requests that asked)
     prompt_logprobs: dict[int, ScoredPrompt] = {}  # batch index -> with a request's first token, if it asked
@@ -195,12 +224,12 @@ class SamplingBatch(msgspec.Struct, frozen=True):
     """How to pick the next token of each request that samples this step (the plan's ``sample`` rows, in batch
     order). Every value is explicit: ``top_k`` is the vocabulary size when there is no limit."""
 
-    temperature: bytes  # float32 [S]; 0 = greedy
-    top_p: bytes  # float32 [S]
-    top_k: bytes  # int32 [S], 1 ..= vocab
-    min_p: bytes  # float32 [S]
+    temperature: np.ndarray  # float32 [S]; 0 = greedy
+    top_p: np.ndarray  # float32 [S]
+    top_k: np.ndarray  # int32 [S], 1 ..= vocab
+    min_p: np.ndarray  # float32 [S]
     seeds: list[int | None]  # [S] None: unseeded
-    output_index: bytes  # int32 [S]: the position of the token being sampled in the request's output
+    output_index: np.ndarray  # int32 [S]: the position of the token being sampled in the request's output
     top_logprobs: list[int | None]  # [S] None: no logprobs; else how many alternatives to return
     all_greedy: bool = False
     constraints: list[str | None] = []  # [S] the request id of a row under a grammar (None: free); empty: none
@@ -211,7 +240,7 @@ class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
     first + len(targets) - 1`` of this step predict ``targets`` (int32); ``top`` alternatives come with each."""
 
     first: int
-    targets: bytes
+    targets: np.ndarray
     top: int
 
 
@@ -235,13 +264,13 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
 
     step: int
     mode: Literal["extend", "decode"]  # decode: every extend_len is 1
-    input_ids: bytes  # [sum(extend_lens)] the new tokens
-    prefix_lens: bytes  # [B]
-    extend_lens: bytes  # [B]
-    rows: bytes  # [B] the runner's row of each request's slot indices
-    row_writes: bytes  # [B] the first row position new_slots writes, per request
-    new_slots: bytes  # [sum(prefix + extend - row_writes)]
-    sample: bytes  # uint8 [B]
+    input_ids: np.ndarray  # [sum(extend_lens)] the new tokens
+    prefix_lens: np.ndarray  # [B]
+    extend_lens: np.ndarray  # [B]
+    rows: np.ndarray  # [B] the runner's row of each request's slot indices
+    row_writes: np.ndarray  # [B] the first row position new_slots writes, per request
+    new_slots: np.ndarray  # [sum(prefix + extend - row_writes)]
+    sample: np.ndarray  # uint8 [B]
     sampling: SamplingBatch
     prompt_logprobs: dict[int, PromptLogprobs] = {}  # batch index -> the prompt logprobs it wants this step
     new_grammars: dict[str, GrammarSpec] = {}  # rid -> its constraint, from this step on
@@ -249,7 +278,7 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
 
     @property
     def batch_size(self) -> int:
-        return len(self.prefix_lens) // 4
+        return len(self.prefix_lens)
 
 
 # -- runner -> scheduler ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.actors.messages import (
-    Delta, FinishReason, FinishReq, Finished, Logprob, ScoredPrompt, TokenBatch, TokenLogprob, array,
+    Delta, FinishReason, FinishReq, Finished, Logprob, ScoredPrompt, TokenBatch, TokenLogprob,
 )
 from radixserve.sampling_params import SamplingParams
 
@@ -92,8 +92,8 @@ class TokenizerCore:
         for done in batch.prefilled:
             if live.pop(done.rid, None) is not None:
                 out.deltas.append(self.prefilled_delta(done))
-        token_ids = array(batch.token_ids).tolist()
-        prompt, cached = array(batch.prompt_tokens).tolist(), array(batch.cached_tokens).tolist()
+        token_ids = batch.token_ids.tolist()
+        prompt, cached = batch.prompt_tokens.tolist(), batch.cached_tokens.tolist()
         for i, rid in enumerate(batch.rids):
             text_out = live.get(rid)
             if text_out is None:  # already ended here (stop string, abort); the scheduler heard or will

@@ -10,7 +10,7 @@ from typing import Any
 
 from radixserve.actors.messages import (
     AbortReq, AddReq, Delta, FinishReason, FinishReq, GenerateReq, RequestError, TextBatch, TokenBatch,
-    TokenizerInbox, to_bytes,
+    TokenizerInbox, array,
 )
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
@@ -53,7 +53,7 @@ class TokenizerActor:
             await self.channel.send("api", RequestError(msg.rid, text, param="messages" if msg.messages else "prompt"))
             return
         self.live[msg.rid] = self.core.output(msg.params)
-        await self.channel.send("scheduler", AddReq(msg.rid, to_bytes(ids), msg.params, msg.top_logprobs,
+        await self.channel.send("scheduler", AddReq(msg.rid, array(ids), msg.params, msg.top_logprobs,
                                                     msg.priority, msg.logprob_start))
 
     def encode(self, msg: GenerateReq) -> list[int]:

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.actors.messages import Failed, Ready
+from radixserve.actors.messages import Failed, Ready, decoder, encoder
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ class Channel:
             sock.setsockopt(zmq.LINGER, 1000)  # a last message (Failed) still leaves when we exit
             sock.connect(endpoints.address(peer))
             self.outboxes[peer] = sock
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(inbox_type)
+        self._encoder = encoder()
+        self._decoder = decoder(inbox_type)
 
     async def recv(self) -> Any:
         return self._decoder.decode(await self.inbox.recv(copy=False))

@@ -17,19 +17,19 @@ import numpy as np
 import zmq
 
 from radixserve.actors.messages import (
-    AbortReq, Delta, ForwardPlan, ForwardResult, SamplingBatch, TextBatch, TokenBatch, to_bytes,
+    AbortReq, Delta, ForwardPlan, ForwardResult, SamplingBatch, TextBatch, TokenBatch, array, decoder, encoder,
 )
 
 Any = ForwardPlan | ForwardResult | TokenBatch | TextBatch | AbortReq
 
 
 def samples(batch: int, context: int) -> dict[str, msgspec.Struct]:
-    col = lambda v, dt=np.int32: to_bytes(np.full(batch, v), dt)  # noqa: E731
+    col = lambda v, dt=np.int32: array(np.full(batch, v), dt)  # noqa: E731
     return {
         "AbortReq (tiny)": AbortReq("chatcmpl-0123456789abcdef-0"),
         f"ForwardPlan decode, batch {batch}, {context}-token rows": ForwardPlan(
             step=1, mode="decode", input_ids=col(5), prefix_lens=col(context - 1), extend_lens=col(1),
-            rows=to_bytes(np.arange(batch)), row_writes=col(context - 1), new_slots=to_bytes(np.arange(batch)),
+            rows=array(np.arange(batch)), row_writes=col(context - 1), new_slots=array(np.arange(batch)),
             sample=col(1, np.uint8),
             sampling=SamplingBatch(temperature=col(0, np.float32), top_p=col(1, np.float32), top_k=col(49152),
                                    min_p=col(0, np.float32), seeds=[None] * batch, output_index=col(3),
@@ -47,7 +47,7 @@ def echo(addr_in: str, addr_out: str) -> None:
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.bind(addr_in)
     push.connect(addr_out)
-    dec, enc = msgspec.msgpack.Decoder(Any), msgspec.msgpack.Encoder()
+    dec, enc = decoder(Any), encoder()
     while True:
         msg = dec.decode(pull.recv(copy=False))
         if isinstance(msg, AbortReq) and msg.rid == "stop":
@@ -67,7 +67,7 @@ class Echo:
         self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
         self.pull.bind(a_out)
         self.push.connect(a_in)
-        self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Any)
+        self.enc, self.dec = encoder(), decoder(Any)
         return self
 
     def hop(self, msg: msgspec.Struct, iters: int = 500) -> float:
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
     args = ap.parse_args()
-    enc = msgspec.msgpack.Encoder()
+    enc = encoder()
     print(f"{'message':52} {'bytes':>9} {'one hop (us)':>13}")
     with Echo() as e:
         for name, msg in samples(args.batch, args.context).items():

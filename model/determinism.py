@@ -17,17 +17,17 @@ LENGTHS = (70, 3, 131, 9)  # prompts that cross chunk boundaries, and one shorte
 
 def probe_plan(mode: str, rows: list[tuple[list[int], int, list[int]]]) -> ForwardPlan:
     """A plan over ``rows`` of (new tokens, prefix length, whole slot row); every row samples (greedily)."""
-    def i32(values) -> bytes:
-        return np.asarray(values, dtype=np.int32).tobytes()
+    def i32(values) -> np.ndarray:
+        return np.asarray(values, dtype=np.int32)
 
     n = len(rows)
-    zeros = np.zeros(n, dtype=np.float32).tobytes()
+    zeros = np.zeros(n, dtype=np.float32)
     return ForwardPlan(
         step=0, mode=mode, input_ids=i32([t for new, _, _ in rows for t in new]),
         prefix_lens=i32([p for _, p, _ in rows]), extend_lens=i32([len(new) for new, _, _ in rows]),
         rows=i32(range(n)), row_writes=i32([0] * n), new_slots=i32([s for _, _, row in rows for s in row]),
-        sample=np.ones(n, dtype=np.uint8).tobytes(),
-        sampling=SamplingBatch(temperature=zeros, top_p=np.ones(n, dtype=np.float32).tobytes(), top_k=i32([1] * n),
+        sample=np.ones(n, dtype=np.uint8),
+        sampling=SamplingBatch(temperature=zeros, top_p=np.ones(n, dtype=np.float32), top_k=i32([1] * n),
                                min_p=zeros, seeds=[None] * n, output_index=i32([0] * n), top_logprobs=[None] * n,
                                all_greedy=True))
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.actors.messages import ForwardPlan, array
+from radixserve.actors.messages import ForwardPlan
 from radixserve.kernels.base import AttentionBackend, AttentionBatch
 from radixserve.model.slot_table import SlotTable
 
@@ -64,18 +64,18 @@ class ForwardBatch:
     def from_plan(cls, plan: ForwardPlan, kv: KVPool, rope: RopeTable, backend: AttentionBackend,
                   dtype: torch.dtype, device: torch.device, group: int, table: SlotTable) -> ForwardBatch:
         """``table``: the runner's rows of slot indices; the plan's new slots are written into it here."""
-        prefix, extend = array(plan.prefix_lens), array(plan.extend_lens)
+        prefix, extend = plan.prefix_lens, plan.extend_lens
         slots = torch.from_numpy(table.apply(plan)).to(device)
         ext_ends = np.cumsum(extend)
         # positions: prefix_len .. prefix_len + extend_len - 1 for each request, back to back
         positions = np.arange(int(ext_ends[-1])) - np.repeat(ext_ends - extend - prefix, extend)
         seq_ends = np.cumsum(prefix + extend)
         out_idx = np.arange(int(ext_ends[-1])) + np.repeat(seq_ends - ext_ends, extend)
-        sampled = array(plan.sample, np.uint8).astype(bool)
+        sampled = plan.sample.astype(bool)
         rows = [(ext_ends - 1)[sampled]]
         for i, want in sorted(plan.prompt_logprobs.items()):
             first = int(ext_ends[i] - extend[i]) + want.first
-            rows.append(np.arange(first, first + len(want.targets) // 4))
+            rows.append(np.arange(first, first + len(want.targets)))
         positions_t = torch.from_numpy(positions).to(device)
         attn = AttentionBatch(
             mode=plan.mode,
@@ -89,7 +89,7 @@ class ForwardBatch:
         attn.backend_data = backend.prepare(attn)
         cos, sin = rope.lookup(positions_t)
         return cls(
-            input_ids=torch.from_numpy(array(plan.input_ids).astype(np.int64)).to(device),
+            input_ids=torch.from_numpy(plan.input_ids.astype(np.int64)).to(device),
             positions=positions_t,
             logit_rows=torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(device),
             cos=cos,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.actors.messages import Logprob, PromptLogprobs, SamplingBatch, array
+from radixserve.actors.messages import Logprob, PromptLogprobs, SamplingBatch
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,12 @@ class SamplingInputs:
 
     @classmethod
     def from_batch(cls, b: SamplingBatch, device: torch.device) -> SamplingInputs:
-        def tensor(buf: bytes, dtype: type, torch_dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(array(buf, dtype).astype(dtype)).to(device=device, dtype=torch_dtype)
+        def tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(values).to(device=device, dtype=dtype)
 
-        return cls(tensor(b.temperature, np.float32, torch.float32), tensor(b.top_p, np.float32, torch.float32),
-                   tensor(b.top_k, np.int32, torch.int64), tensor(b.min_p, np.float32, torch.float32),
-                   list(b.seeds), array(b.output_index).tolist(), list(b.top_logprobs), b.all_greedy)
+        return cls(tensor(b.temperature, torch.float32), tensor(b.top_p, torch.float32), tensor(b.top_k, torch.int64),
+                   tensor(b.min_p, torch.float32), list(b.seeds), b.output_index.tolist(), list(b.top_logprobs),
+                   b.all_greedy)
 
     def __len__(self) -> int:
         return len(self.seeds)
@@ -111,7 +111,7 @@ def prompt_logprobs_of(logits: torch.Tensor, wants: dict[int, PromptLogprobs]) -
     out: dict[int, list[Logprob]] = {}
     row = 0
     for i, want in sorted(wants.items()):
-        targets = torch.from_numpy(array(want.targets).astype(np.int64)).to(logits.device)
+        targets = torch.from_numpy(want.targets.astype(np.int64)).to(logits.device)
         entries: list[Logprob] = []
         for b in range(0, len(targets), PROMPT_BLOCK):
             t = targets[b : b + PROMPT_BLOCK]

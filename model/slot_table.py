@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan, array
+from radixserve.actors.messages import ForwardPlan
 
 
 class SlotTable:
@@ -25,14 +25,14 @@ class SlotTable:
 
     def apply(self, plan: ForwardPlan) -> np.ndarray:
         """Write the plan's new slots; return every request's whole row for this step, back to back (int64)."""
-        rows, starts = array(plan.rows), array(plan.row_writes)
-        ends = array(plan.prefix_lens) + array(plan.extend_lens)
+        rows, starts = plan.rows, plan.row_writes
+        ends = plan.prefix_lens + plan.extend_lens
         self._fit(int(rows.max()) + 1, int(ends.max()))
         counts = ends - starts
         if counts.sum():
             r = np.repeat(rows, counts)
             c = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - starts, counts)
-            self.table[r, c] = array(plan.new_slots)
+            self.table[r, c] = plan.new_slots
         r = np.repeat(rows, ends)
         c = np.arange(int(ends.sum())) - np.repeat(np.cumsum(ends) - ends, ends)
         return self.table[r, c].astype(np.int64)

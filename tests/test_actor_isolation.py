@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from radixserve.actors.messages import (
-    AddReq, FinishReq, ForwardResult, GenerateReq, RequestError, TextBatch, TokenBatch, to_bytes,
+    AddReq, FinishReq, ForwardResult, GenerateReq, RequestError, TextBatch, TokenBatch, array,
 )
 from radixserve.sampling_params import SamplingParams
 
@@ -51,7 +51,7 @@ def test_a_request_that_breaks_detokenizing_fails_alone(tokenizer_core, monkeypa
             return real(self, token_id, finish)
 
         monkeypatch.setattr(OutputText, "add", add)
-        await actor.handle(TokenBatch(["good", "bad"], to_bytes([100, 101]), to_bytes([3, 3]), to_bytes([0, 0]), {}))
+        await actor.handle(TokenBatch(["good", "bad"], array([100, 101]), array([3, 3]), array([0, 0]), {}))
 
     asyncio.run(main())
     errors = channel.of(RequestError)
@@ -82,9 +82,9 @@ def test_a_request_the_scheduler_cannot_queue_fails_alone_and_the_actor_goes_on(
     monkeypatch.setattr(sched, "add_request", add_request)
 
     async def main():
-        ids = to_bytes(np.arange(1, 6))
+        ids = array(np.arange(1, 6))
         await actor.guarded(AddReq("bug", ids, SamplingParams(max_new_tokens=2)))
-        await actor.guarded(AddReq("bad-value", to_bytes([1, 99]), SamplingParams(max_new_tokens=2)))
+        await actor.guarded(AddReq("bad-value", array([1, 99]), SamplingParams(max_new_tokens=2)))
         await actor.guarded(AddReq("ok", ids, SamplingParams(max_new_tokens=2)))
 
     asyncio.run(main())

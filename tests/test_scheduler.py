@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from radixserve.actors.messages import ForwardPlan, ForwardResult, array
+from radixserve.actors.messages import ForwardPlan, ForwardResult
 from radixserve.actors.scheduler import FinishReason, Scheduler, SchedulerConfig
 from radixserve.cache import CacheManager
 from radixserve.model.slot_table import SlotTable
@@ -34,8 +34,8 @@ class TokenPoolRunner:
         self.table = SlotTable()  # the rows of slot indices, kept from plan to plan as the real runner keeps them
 
     def forward(self, plan: ForwardPlan) -> ForwardResult:
-        ids, pre, ext = array(plan.input_ids), array(plan.prefix_lens), array(plan.extend_lens)
-        slots, sample = self.table.apply(plan), array(plan.sample, np.uint8)
+        ids, pre, ext = plan.input_ids, plan.prefix_lens, plan.extend_lens
+        slots, sample = self.table.apply(plan), plan.sample
         out, t, s = [], 0, 0
         for i in range(len(pre)):
             row = slots[s : s + pre[i] + ext[i]]
@@ -140,7 +140,7 @@ def test_lpm_admits_longest_cached_prefix_first():
     sched.add_request("cold", [40, 41, 42], SamplingParams(max_new_tokens=1))
     sched.add_request("hot", warm[:20] + [45], SamplingParams(max_new_tokens=1))
     plan = sched.schedule()
-    assert array(plan.prefix_lens).tolist() == [20], "the request with the cached prefix goes first"
+    assert plan.prefix_lens.tolist() == [20], "the request with the cached prefix goes first"
 
 
 def test_validation_errors_are_clear():
@@ -170,7 +170,7 @@ def test_a_decode_plan_carries_one_slot_per_request_whatever_the_context():
     while sched.has_work:
         plan = sched.schedule()
         if plan.mode == "decode":
-            sizes.append((plan.batch_size, len(plan.new_slots) // 4))
+            sizes.append((plan.batch_size, len(plan.new_slots)))
         sched.process(runner.forward(plan))
     assert sizes and all(n == b for b, n in sizes), sizes
 
@@ -187,7 +187,7 @@ def test_a_row_the_cache_rewrites_is_sent_again():
     while sched.has_work:
         plan = sched.schedule()
         if plan.mode == "decode":  # more than one new slot for a request: part of its row was sent again
-            resent += len(plan.new_slots) // 4 - plan.batch_size
+            resent += len(plan.new_slots) - plan.batch_size
         sched.process(runner.forward(plan))
     sched.check()
     assert resent >= len(prompt) - 1, "the rewritten row was not sent again"

@@ -11,7 +11,7 @@ from typing import Any
 
 from radixserve.actors.messages import (
     AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardResult, RequestError, SchedulerInbox, Status,
-    TokenBatch, array, to_bytes,
+    TokenBatch, array,
 )
 from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler import build_scheduler
@@ -88,7 +88,7 @@ class SchedulerActor:
                 await self.channel.send("tokenizer", token_batch(updated))
         elif isinstance(msg, AddReq):
             try:
-                sched.add_request(msg.rid, array(msg.input_ids).tolist(), msg.params, msg.top_logprobs,
+                sched.add_request(msg.rid, msg.input_ids.tolist(), msg.params, msg.top_logprobs,
                                   msg.priority, msg.logprob_start)
             except InvalidRequest as exc:
                 await self.channel.send("tokenizer", RequestError(msg.rid, str(exc), param=exc.param))
@@ -128,9 +128,9 @@ def token_batch(reqs: list[Req]) -> TokenBatch:
     reqs = [r for r in reqs if r.output_ids]
     return TokenBatch(
         rids=[r.rid for r in reqs],
-        token_ids=to_bytes([r.output_ids[-1] for r in reqs]),
-        prompt_tokens=to_bytes([len(r.prompt_ids) for r in reqs]),
-        cached_tokens=to_bytes([r.cached_tokens or 0 for r in reqs]),
+        token_ids=array([r.output_ids[-1] for r in reqs]),
+        prompt_tokens=array([len(r.prompt_ids) for r in reqs]),
+        cached_tokens=array([r.cached_tokens or 0 for r in reqs]),
         finished={i: r.finish_reason for i, r in enumerate(reqs) if r.finish_reason is not None},
         logprobs={i: r.output_logprobs[-1] for i, r in enumerate(reqs) if r.top_logprobs is not None},
         prompt_logprobs={i: r.prompt_logprobs_out() for i, r in enumerate(reqs)

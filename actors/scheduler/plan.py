@@ -42,14 +42,14 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
     return ForwardPlan(
         step=step,
         mode=mode,
-        input_ids=np.asarray(input_ids, dtype=np.int32).tobytes(),
-        prefix_lens=np.asarray(starts, dtype=np.int32).tobytes(),
-        extend_lens=(np.asarray(kv_lens, dtype=np.int32) - np.asarray(starts, dtype=np.int32)).tobytes(),
-        rows=np.asarray([r.table_row for r in reqs], dtype=np.int32).tobytes(),
-        row_writes=np.asarray([r.kv.synced for r in reqs], dtype=np.int32).tobytes(),
+        input_ids=np.asarray(input_ids, dtype=np.int32),
+        prefix_lens=np.asarray(starts, dtype=np.int32),
+        extend_lens=np.asarray(kv_lens, dtype=np.int32) - np.asarray(starts, dtype=np.int32),
+        rows=np.asarray([r.table_row for r in reqs], dtype=np.int32),
+        row_writes=np.asarray([r.kv.synced for r in reqs], dtype=np.int32),
         new_slots=np.concatenate([r.kv.row[r.kv.synced : r.kv.kv_len] for r in reqs]).astype(
-            np.int32, copy=False).tobytes(),  # only what the runner does not hold yet: O(batch) when decoding
-        sample=np.asarray(sample, dtype=np.uint8).tobytes(),
+            np.int32, copy=False),  # only what the runner does not hold yet: O(batch) when decoding
+        sample=np.asarray(sample, dtype=np.uint8),
         sampling=sampling_batch([r for r, s in zip(reqs, sample) if s], vocab_size),
         prompt_logprobs=prompt_logprobs(mode, reqs, starts, kv_lens),
         new_grammars={r.rid: GrammarSpec(*r.params.constraint) for r, s in zip(reqs, sample)
@@ -66,7 +66,7 @@ def prompt_logprobs(mode: str, reqs: list[Req], starts: list[int], ends: list[in
     for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
         if (span := r.prompt_logprob_span(s, e)) is not None:
             first, targets = span
-            out[i] = PromptLogprobs(first, np.asarray(targets, dtype=np.int32).tobytes(), r.top_logprobs or 0)
+            out[i] = PromptLogprobs(first, np.asarray(targets, dtype=np.int32), r.top_logprobs or 0)
     return out
 
 
@@ -75,12 +75,12 @@ def sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
     request as temperature 0 (however small the temperature it asked for)."""
     params = [r.params for r in reqs]
     return SamplingBatch(
-        temperature=np.asarray([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32).tobytes(),
-        top_p=np.asarray([p.top_p for p in params], dtype=np.float32).tobytes(),
-        top_k=np.asarray([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int32).tobytes(),
-        min_p=np.asarray([p.min_p for p in params], dtype=np.float32).tobytes(),
+        temperature=np.asarray([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32),
+        top_p=np.asarray([p.top_p for p in params], dtype=np.float32),
+        top_k=np.asarray([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int32),
+        min_p=np.asarray([p.min_p for p in params], dtype=np.float32),
         seeds=[p.seed for p in params],
-        output_index=np.asarray([len(r.output_ids) for r in reqs], dtype=np.int32).tobytes(),
+        output_index=np.asarray([len(r.output_ids) for r in reqs], dtype=np.int32),
         top_logprobs=[r.top_logprobs for r in reqs],
         all_greedy=all(p.greedy for p in params),
         constraints=[r.rid if p.constraint is not None else None for r, p in zip(reqs, params)]

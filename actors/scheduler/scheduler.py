@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError, array
+from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError
 from radixserve.actors.scheduler.plan import Step, build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
@@ -191,7 +191,7 @@ class Scheduler:
         self._inflight = None
         plan, reqs = step.plan, step.reqs
         updated = []
-        sampled = np.flatnonzero(array(plan.sample, np.uint8)).tolist()  # sampling row j is batch row sampled[j]
+        sampled = np.flatnonzero(plan.sample).tolist()  # sampling row j is batch row sampled[j]
         done_rows = set(result.grammar_done)
         row_of = {i: j for j, i in enumerate(sampled)}
         now = self.clock()

@@ -15,9 +15,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
-from radixserve.actors.messages import ForwardPlan, ForwardResult, array
+from radixserve.actors.messages import ForwardPlan, ForwardResult
 from radixserve.actors.scheduler import Req, Scheduler, SchedulerConfig
 from radixserve.cache import CacheManager
 from radixserve.compare.trace import TraceRequest
@@ -37,7 +35,7 @@ class CostModel:
     def step(self, plan: ForwardPlan) -> float:
         if plan.mode == "decode":
             return self.step_overhead + self.decode_per_step + self.decode_per_seq * plan.batch_size
-        return self.step_overhead + self.prefill_per_token * int(array(plan.extend_lens).sum())
+        return self.step_overhead + self.prefill_per_token * int(plan.extend_lens.sum())
 
 
 class SimClock:
@@ -55,7 +53,7 @@ class CostModelRunner:
         self.cost, self.clock, self.outputs = cost, clock, outputs
 
     def forward(self, plan: ForwardPlan, reqs: list[Req]) -> ForwardResult:
-        sample = array(plan.sample, np.uint8)
+        sample = plan.sample
         ids = [self.outputs[r.rid][len(r.output_ids)] for r, s in zip(reqs, sample) if s]
         self.clock.now += self.cost.step(plan)
         return ForwardResult(plan.step, ids)
