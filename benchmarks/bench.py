@@ -104,7 +104,7 @@ def main() -> None:
                 if "shared" in only:
                     res["shared"].append(shared.llama(llama.url, res["llama_cpp"]).summary())
                 if "multiturn" in only:
-                    res["multiturn"].append(multi.radix(llama.url, res["llama_cpp"], model_name))
+                    res["multiturn"].append(multi.radix(llama.url, res["llama_cpp"], model_name, keep_alive=False))
         finally:
             for server in servers.values():
                 server.stop()

@@ -126,7 +126,8 @@ def llama_run(system: str, url: str, prompts: list[list[int]], max_new: int) -> 
     """``radix_run`` against llama-server's /completion (token ids in, its own prompt cache on)."""
 
     async def all_at_once() -> list[tuple]:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+        # llama-server closes a kept-alive connection after a few requests: one connection per request
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                          timeout=aiohttp.ClientTimeout(total=None)) as session:
             return await asyncio.gather(*(_llama_generate(session, url, p, max_new) for p in prompts))
 

@@ -125,13 +125,15 @@ class MultiTurn:
         self.followups = [[f"Follow-up {r}: {text(rng, 14)}?" for r in range(rounds)] for _ in range(conversations)]
         self.rounds, self.max_new = rounds, max_new
 
-    def radix(self, url: str, label: str, model: str) -> dict:
-        return asyncio.run(self._run(url, label, model))
+    def radix(self, url: str, label: str, model: str, keep_alive: bool = True) -> dict:
+        """``keep_alive=False`` for llama-server, which closes a kept-alive connection after a few requests."""
+        return asyncio.run(self._run(url, label, model, keep_alive))
 
-    async def _run(self, url: str, label: str, model: str) -> dict:
+    async def _run(self, url: str, label: str, model: str, keep_alive: bool) -> dict:
         histories = [[{"role": "system", "content": self.system}] for _ in self.openers]
         per_round = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                         connector=aiohttp.TCPConnector(force_close=not keep_alive)) as session:
             for r in range(self.rounds):
                 for c, h in enumerate(histories):
                     h.append({"role": "user", "content": self.openers[c] if r == 0 else self.followups[c][r]})
