@@ -147,9 +147,9 @@ class CacheManager:
             return
         kv = handle.kv_len
         # where another request cached the same tokens first, ours were freed and the row takes the tree's
-        _, node, slots = self.tree.insert_from(handle.node or self.tree.root, tokens[:kv], handle.row[:kv],
-                                               handle.priority)
-        handle.rewrite(handle.tree_len, slots)
+        start = handle.node or self.tree.root
+        _, node = self.tree.insert_from(start, tokens[:kv], handle.row[:kv], handle.priority)
+        handle.rewrite(handle.tree_len, self.tree.slots_between(start, node))
         self.owned_by_requests -= kv - handle.tree_len
         handle.tree_len = kv
         self._relock(handle, node)

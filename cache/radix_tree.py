@@ -161,15 +161,16 @@ class RadixTree:
     # -- mutation ----------------------------------------------------------------------------------------
     def insert(self, tokens: Tokens, slots: np.ndarray, priority: int = 0) -> int:
         """Cache ``tokens`` with their ``slots``; returns how many leading tokens were already cached."""
-        cached, _, _ = self.insert_from(self.root, tokens, slots, priority)
+        cached, _ = self.insert_from(self.root, tokens, slots, priority)
         return cached
 
     def insert_from(self, start: TreeNode, tokens: Tokens, slots: np.ndarray,
-                    priority: int = 0) -> tuple[int, TreeNode, np.ndarray]:
+                    priority: int = 0) -> tuple[int, TreeNode]:
         """``insert`` for a caller that holds ``start`` locked, a node on the path of ``tokens`` (what a match of
         them returned): the walk starts there, and positions before ``start.depth`` are taken as the tree's own.
-        Returns (tokens already cached, the node that now ends at ``len(tokens)``, the tree's slots for positions
-        ``start.depth ..`` -- the caller's where they were new, the tree's where the caller's duplicated them).
+        Returns (tokens already cached, the node that now ends at ``len(tokens)``); ``slots_between(start, node)``
+        gives the tree's slots for the positions in between (the caller's where they were new, the tree's where
+        the caller's duplicated them).
 
             tokens:  [0 ........ start.depth) [start.depth ..... cached) [cached ...... len)
                       tree's, locked by caller  walked: dups freed        new leaf: caller's slots
@@ -179,13 +180,12 @@ class RadixTree:
         now = self.clock()
         self._refresh(start, now, priority)  # the matched prefix is used now, as every node walked below
         data = pack(tokens)
-        node, pos, parts = start, start.depth, []
+        node, pos = start, start.depth
         for node in self._walk(data, start):
             mine = slots[pos : node.depth]
             dup = mine != node.slots
             if dup.any():  # computed twice: keep the tree's copy, give ours back
                 self.free_slots(mine[dup])
-            parts.append(node.slots)
             node.last_access = now
             node.priority = max(node.priority, priority)
             self._requeue(node)
@@ -207,9 +207,17 @@ class RadixTree:
             self.version += 1
             self.evictable_size += leaf.num_tokens
             self._queue.push(leaf)
-            parts.append(leaf.slots)
             node = leaf
-        return cached, node, np.concatenate(parts) if parts else EMPTY_SLOTS
+        return cached, node
+
+    @staticmethod
+    def slots_between(start: TreeNode, node: TreeNode) -> np.ndarray:
+        """The slots of the positions ``start.depth .. node.depth``; ``start`` is ``node`` or an ancestor of it."""
+        parts = []
+        while node is not start:
+            parts.append(node.slots)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else EMPTY_SLOTS
 
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (reference counted)."""

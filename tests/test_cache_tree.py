@@ -223,9 +223,9 @@ def test_insert_from_a_locked_match_equals_insert_from_the_root(seqs):
             tree.lock(node)
             full = np.concatenate([slots, alloc.alloc(len(toks) - len(slots))])
             if resume:
-                cached, last, walked = tree.insert_from(node, np.array(toks, dtype=np.int32), full)
+                cached, last = tree.insert_from(node, np.array(toks, dtype=np.int32), full)
                 assert last.depth == len(toks)
-                assert walked.tolist() == tree.match_prefix(toks, touch=False)[0][node.depth :].tolist()
+                assert tree.slots_between(node, last).tolist() == tree.match_prefix(toks, touch=False)[0][node.depth :].tolist()
             else:
                 cached = tree.insert(toks, full)
             counts.append(cached)
