@@ -164,8 +164,8 @@ HELP = {
                      "tokens never depend on the batch (CPU; see the README for the cost)",
     "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
                     "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
-    "disable_compile": "run decode steps eagerly: no torch.compile graphs (they take a few seconds at start-up, "
-                       "cached across restarts; CPU only, never with --deterministic)",
+    "disable_compile": "run decode steps eagerly: no torch.compile graphs (compiling them at start-up takes ~30 s "
+                       "the first time, a few seconds once cached; CPU only, never with --deterministic)",
     "mem_fraction_static": "CUDA: the share of the GPU's memory for the weights and the KV pool; the pool gets what "
                            "the weights leave of it (default 0.85)",
     "check_invariants": "check KV pool accounting after every step (slow; for debugging)",
