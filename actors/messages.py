@@ -34,7 +34,7 @@ _EXT_CODES = {dtype: code for code, dtype in _EXT_DTYPES.items()}
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray) and obj.dtype in _EXT_CODES:
         return msgspec.msgpack.Ext(_EXT_CODES[obj.dtype], np.ascontiguousarray(obj).tobytes())
-    raise NotImplementedError(f"cannot send {type(obj).__name__} {getattr(obj, 'dtype', '')} between actors")
+    raise TypeError(f"cannot send {type(obj).__name__} {getattr(obj, 'dtype', '')} between actors")
 
 
 def _ext_hook(code: int, data: memoryview) -> np.ndarray:
@@ -44,7 +44,7 @@ def _ext_hook(code: int, data: memoryview) -> np.ndarray:
 def _dec_hook(kind: type, obj: Any) -> Any:
     if kind is np.ndarray and isinstance(obj, np.ndarray):
         return obj
-    raise NotImplementedError(f"expected {kind}, got {type(obj).__name__}")
+    raise TypeError(f"expected {kind}, got {type(obj).__name__}")
 
 
 def encoder() -> msgspec.msgpack.Encoder:
