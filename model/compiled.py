@@ -65,13 +65,16 @@ class CompiledDecode:
         return (batch.attn.mode == "decode" and compilable is not None and compilable(batch.attn)
                 and len(batch.input_ids) not in self.eager_sizes)
 
-    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+    def _compiled(self, batch: ForwardBatch) -> torch.Tensor:
         attn = batch.attn.backend_data
         torch._dynamo.mark_dynamic(attn.index, 1)  # the context length: one graph for every length
         torch._dynamo.mark_dynamic(attn.mask, 3)
+        return self.model(batch, run_layer=self.layer)
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                logits = self.model(batch, run_layer=self.layer)
+                logits = self._compiled(batch)
             self.steps += 1
             return logits
         except Exception as exc:  # no graph for this shape (or a compiler bug): this batch size runs eager
@@ -86,17 +89,14 @@ class CompiledDecode:
         batches that write only the dummy slot; returns the seconds taken."""
         start = time.perf_counter()
         num_slots = self.kv.k.shape[1]
-        sizes = [1, 2] + ([BIG_BATCH] if max_batch >= BIG_BATCH and 2 * BIG_BATCH < num_slots else [])
-        for size in sizes:
-            if 2 * size >= num_slots:
+        for size in [1, 2] + ([BIG_BATCH] if max_batch >= BIG_BATCH else []):
+            if 2 * size >= num_slots:  # the synthetic rows need 2 * size distinct slots
                 break
             with torch.inference_mode():  # as the runner's steps: guards check a tensor's inference-mode keys
                 batch = _synthetic_decode(size, self.kv, self.rope, backend, dtype, device, group)
                 if not self.applies(batch):
                     break
-                torch._dynamo.mark_dynamic(batch.attn.backend_data.index, 1)
-                torch._dynamo.mark_dynamic(batch.attn.backend_data.mask, 3)
-                self.model(batch, run_layer=self.layer)
+                self._compiled(batch)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
