@@ -30,7 +30,7 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[RunnerActor, dict[str, Any
     runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source)
     return RunnerActor(runner, channel), {"dtype": args.dtype, "device": args.device, "attention": runner.attn.name,
                                           "deterministic": args.deterministic, "quantization": args.quantization,
-                                          "compiled_decode": runner.compiled is not None,
+                                          "decode_kernel": runner.decode_kernel,
                                           "kv_pool_bytes": runner.kv.nbytes}
 
 

@@ -62,8 +62,10 @@ class ForwardBatch:
 
     @classmethod
     def from_plan(cls, plan: ForwardPlan, kv: KVPool, rope: RopeTable, backend: AttentionBackend,
-                  dtype: torch.dtype, device: torch.device, group: int, table: SlotTable) -> ForwardBatch:
-        """``table``: the runner's rows of slot indices; the plan's new slots are written into it here."""
+                  dtype: torch.dtype, device: torch.device, group: int, table: SlotTable,
+                  prepare_attention: bool = True) -> ForwardBatch:
+        """``table``: the runner's rows of slot indices; the plan's new slots are written into it here.
+        ``prepare_attention``: build the backend's per-step metadata (not when the native step runs it)."""
         prefix, extend = plan.prefix_lens, plan.extend_lens
         slots = torch.from_numpy(table.apply(plan)).to(device)
         ext_ends = np.cumsum(extend)
@@ -86,7 +88,8 @@ class ForwardBatch:
             dtype=dtype,
             group=group,
         )
-        attn.backend_data = backend.prepare(attn)
+        if prepare_attention:
+            attn.backend_data = backend.prepare(attn)
         cos, sin = rope.lookup(positions_t)
         return cls(
             input_ids=torch.from_numpy(plan.input_ids.astype(np.int64)).to(device),

@@ -16,11 +16,13 @@ from tqdm import tqdm
 from radixserve.actors.messages import ForwardPlan, ForwardResult
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
+from radixserve.kernels.cpu_native import NativeUnavailable, default_cache_dir
 from radixserve.model.compiled import CompiledDecode
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.grammar import Constraints, Masks
 from radixserve.model.llama import CausalLM
+from radixserve.model.native_decode import NativeDecode
 from radixserve.model.loader import cache_root
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows
 from radixserve.model.slot_table import SlotTable
@@ -39,17 +41,21 @@ def iter_safetensors(path: Path):
 
 
 def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
-                deterministic: bool = False, quantization: str | None = None, source: Path | None = None) -> CausalLM:
+                quantization: str | None = None, source: Path | None = None) -> CausalLM:
+    """The model with its weights as loaded (quantized if asked); ``pack`` swaps in the CPU's packed linears."""
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)  # no random init: every weight is loaded next
     model.load_weights(iter_safetensors(path))
     if quantization is not None:
         quantize(model, cfg, quantization, dtype, device, source)
+    return model.eval()
+
+
+def pack(model: CausalLM, deterministic: bool) -> None:
     packed = pack_linears(model, deterministic)  # CPU bf16: same results, faster matrix-vector products
     if packed:
         log.info("packed %d linear layers for oneDNN", packed)
-    return model.eval()
 
 
 def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.dtype, device: torch.device,
@@ -75,7 +81,7 @@ def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
                  attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
-                 quantization: str | None = None, source: Path | None = None, compile_decode: bool = False,
+                 quantization: str | None = None, source: Path | None = None, decode_kernel: str = "eager",
                  max_batch: int = 1) -> None:
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
@@ -85,8 +91,19 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         start = time.perf_counter()
-        self.model = build_model(cfg, path, self.dtype, self.device, deterministic, quantization, source)
+        self.model = build_model(cfg, path, self.dtype, self.device, quantization, source)
         self.kv = KVPool(cfg.num_layers, num_slots + 1, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.native: NativeDecode | None = None
+        if decode_kernel == "native":  # packs its own copy of the weights, from the plain ones: before pack()
+            native_start = time.perf_counter()
+            try:
+                self.native = NativeDecode(self.model, self.kv, self.dtype, default_cache_dir())
+            except NativeUnavailable as exc:
+                raise RuntimeError(f"the native decode step cannot run here ({exc}); start with --decode-kernel "
+                                   "compiled or eager") from exc
+            log.info("native decode step ready in %.1fs (%s)", time.perf_counter() - native_start,
+                     "AMX tiles" if self.native.amx else "AVX-512")
+        pack(self.model, deterministic)
         self.rope = RopeTable(*cfg.rope_inv_freq(), cfg.max_position_embeddings, self.dtype, self.device)
         self.attn = get_backend(attention_backend, self.device, deterministic)
         self.table = SlotTable()
@@ -94,7 +111,7 @@ class ModelRunner:
         log.info("model loaded in %.1fs (%s, %s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, num_slots, self.kv.nbytes / 2**20)
         self.compiled: CompiledDecode | None = None
-        if compile_decode:
+        if decode_kernel == "compiled":
             self.compiled = CompiledDecode(self.model, self.kv, self.rope, cache_root() / "inductor")
             seconds = self.compiled.warm_up(self.attn, self.dtype, self.device, self._group, max_batch)
             log.info("decode compiled in %.1fs (a layer per graph; cached in %s)", seconds,
@@ -113,7 +130,7 @@ class ModelRunner:
         return cls(cfg, path, dtype=args.dtype, num_slots=args.max_total_tokens, device=args.device,
                    attention_backend=args.attention_backend, num_threads=args.num_threads,
                    deterministic=args.deterministic, quantization=args.quantization, source=source,
-                   compile_decode=not args.disable_compile, max_batch=args.max_running_requests)
+                   decode_kernel=args.decode_kernel, max_batch=args.max_running_requests)
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
@@ -124,11 +141,19 @@ class ModelRunner:
     def _group(self) -> int:
         return self.cfg.num_heads // self.cfg.num_kv_heads
 
+    @property
+    def decode_kernel(self) -> str:
+        return "native" if self.native is not None else "compiled" if self.compiled is not None else "eager"
+
     def _batch(self, plan: ForwardPlan) -> ForwardBatch:
+        # the native step reads the slots directly: the torch backend's per-step attention metadata is not built
+        native = self.native is not None and self.native.takes(plan.mode)
         return ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device, self._group,
-                                      self.table)
+                                      self.table, prepare_attention=not native)
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.native is not None and self.native.applies(batch):
+            return self.native(batch)
         if self.compiled is not None and self.compiled.applies(batch):
             return self.compiled(batch)
         return self.model(batch)

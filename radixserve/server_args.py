@@ -10,6 +10,7 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 QUANTIZATIONS = (None, "none", "int8", "int4")
+DECODE_KERNELS = ("auto", "native", "compiled", "eager")
 DEFAULT_MAX_TOTAL_TOKENS = 65536
 KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
 GPU_MEM_FRACTION = 0.85  # CUDA: of the GPU's memory, for weights and the KV pool (the rest: activations, CUDA)
@@ -42,7 +43,8 @@ class ServerArgs:
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
     quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
-    disable_compile: bool = False  # eager decode (default: compiled decode graphs on the CPU)
+    decode_kernel: str = "auto"  # auto | native | compiled | eager: how CPU decode steps run (see resolved())
+    disable_compile: bool = False  # eager decode: the same as --decode-kernel eager
     mem_fraction_static: float | None = None  # CUDA: share of the GPU's memory for weights + KV pool (0.85)
     check_invariants: bool = False  # check pool accounting after every step (tests, debugging)
 
@@ -70,6 +72,14 @@ class ServerArgs:
         if self.quantization and self.deterministic:
             raise ValueError("--quantization and --deterministic cannot be combined: a quantized layer switches "
                              "kernels with the number of rows, which is what batch invariance forbids")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={self.decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
+        if self.disable_compile and self.decode_kernel not in ("auto", "eager"):
+            raise ValueError(f"--disable-compile means eager decode steps; it contradicts --decode-kernel "
+                             f"{self.decode_kernel}")
+        if self.deterministic and self.decode_kernel not in ("auto", "eager"):
+            raise ValueError(f"--deterministic runs its own batch-invariant kernels; --decode-kernel "
+                             f"{self.decode_kernel} cannot be combined with it")
         if self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request={self.max_sequences_per_request} must be >= 1")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
@@ -110,12 +120,29 @@ class ServerArgs:
             # not forced up to the context: a long-context model on a small machine gets a smaller pool (requests
             # that cannot fit are refused with a message naming --max-total-tokens) instead of running out of RAM
             total = max(256, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
-        # compiled decode: the CPU's default, except where it would change what is promised (--deterministic's
-        # probed kernels) or is not built (CUDA); RADIXSERVE_DISABLE_COMPILE=1 is the flag for whole test runs
-        eager = (self.disable_compile or self.deterministic or device != "cpu"
-                 or os.environ.get("RADIXSERVE_DISABLE_COMPILE") == "1")
+        kernel = self._decode_kernel(dtype, device)
         return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total, device=device,
-                                   disable_compile=eager)
+                                   decode_kernel=kernel, disable_compile=kernel == "eager")
+
+    def _decode_kernel(self, dtype: str, device: str) -> str:
+        """native (the C++ decode step) where this CPU, compiler, dtype and weights allow it, else compiled
+        (torch.compile'd layers); eager where either would change what is promised (--deterministic's probed
+        kernels), on CUDA, with --disable-compile, and under RADIXSERVE_DISABLE_COMPILE=1 (whole test runs)."""
+        from radixserve.kernels.cpu_native import unavailable_reason  # no torch: the scheduler resolves args too
+
+        if (self.disable_compile or self.deterministic or device != "cpu"
+                or os.environ.get("RADIXSERVE_DISABLE_COMPILE") == "1"):
+            if self.decode_kernel not in ("auto", "eager"):
+                raise ValueError(f"--decode-kernel {self.decode_kernel} runs on the CPU only, not on {device}"
+                                 if device != "cpu" else f"--decode-kernel {self.decode_kernel} is off here "
+                                 "(RADIXSERVE_DISABLE_COMPILE=1)")
+            return "eager"
+        why = unavailable_reason(dtype)
+        if self.decode_kernel == "native" and why:
+            raise ValueError(f"--decode-kernel native: {why}")
+        if self.decode_kernel == "auto":
+            return "compiled" if why else "native"
+        return self.decode_kernel
 
 
 def gpu_pool_tokens(fraction: float, weight_bytes: int, kv_bytes_per_token: int) -> int:
@@ -164,8 +191,12 @@ HELP = {
                      "tokens never depend on the batch (CPU; see the README for the cost)",
     "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
                     "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
-    "disable_compile": "run decode steps eagerly: no torch.compile graphs (compiling them at start-up takes ~30 s "
-                       "the first time, a few seconds once cached; CPU only, never with --deterministic)",
+    "decode_kernel": "how CPU decode steps run: native (the whole step in one C++ call, built for this CPU on "
+                     "first use: AVX-512 BF16/AMX, bf16 or float32 weights), compiled (torch.compile'd layers), eager; "
+                     "auto: native where it can run, else compiled",
+    "disable_compile": "run decode steps eagerly: no native step, no torch.compile graphs (compiling them at "
+                       "start-up takes ~30 s the first time, a few seconds once cached; CPU only, never with "
+                       "--deterministic)",
     "mem_fraction_static": "CUDA: the share of the GPU's memory for the weights and the KV pool; the pool gets what "
                            "the weights leave of it (default 0.85)",
     "check_invariants": "check KV pool accounting after every step (slow; for debugging)",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.kernels.cpu_native import unavailable_reason
 from radixserve.server_args import ServerArgs
 
 PARAMS = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -24,7 +25,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture()
 def compiled_engine(tiny_models, monkeypatch):
     monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
-    engine = Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True)
+    engine = Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel="compiled")
     yield engine
     engine.shutdown()
 
@@ -75,26 +76,39 @@ def test_a_missing_graph_runs_eager_and_is_never_compiled_on_the_request_path(co
 def test_compile_is_resolved_off_where_it_does_not_apply(monkeypatch):
     monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
 
-    def resolved(**kw) -> ServerArgs:
-        return ServerArgs(**kw).resolved(kv_values_per_token=2 * 2 * 64, model_context=2048)
+    def kernel(**kw) -> str:
+        args = ServerArgs(**kw).resolved(kv_values_per_token=2 * 2 * 64, model_context=2048)
+        assert args.disable_compile is (args.decode_kernel == "eager")
+        return args.decode_kernel
 
-    assert resolved(device="cpu").disable_compile is False
-    assert resolved(device="cpu", disable_compile=True).disable_compile is True
-    assert resolved(device="cpu", deterministic=True).disable_compile is True  # its probed kernels are the promise
-    assert resolved(device="cuda", max_total_tokens=1024).disable_compile is True  # CPU graphs only
+    native = unavailable_reason("bfloat16") is None
+    assert kernel(device="cpu") == ("native" if native else "compiled")
+    assert kernel(device="cpu", decode_kernel="compiled") == "compiled"
+    assert kernel(device="cpu", dtype="float16") == "compiled"  # the native step runs bf16 and fp32 weights
+    assert kernel(device="cpu", quantization="int8") == ("native" if native else "compiled")
+    assert kernel(device="cpu", disable_compile=True) == "eager"
+    assert kernel(device="cpu", deterministic=True) == "eager"  # its probed kernels are the promise
+    assert kernel(device="cuda", max_total_tokens=1024) == "eager"  # CPU kernels only
+    for bad, message in (({"decode_kernel": "native", "dtype": "float16"}, "runs bfloat16 and float32"),
+                         ({"decode_kernel": "native", "disable_compile": True}, "contradicts"),
+                         ({"decode_kernel": "compiled", "deterministic": True}, "cannot be combined"),
+                         ({"decode_kernel": "fast"}, "is not one of")):
+        with pytest.raises(ValueError, match=message):
+            kernel(device="cpu", **bad)
     monkeypatch.setenv("RADIXSERVE_DISABLE_COMPILE", "1")
-    assert resolved(device="cpu").disable_compile is True
+    assert kernel(device="cpu") == "eager"
 
 
-def test_server_reports_compiled_decode(tiny_models, monkeypatch):
+def test_server_reports_its_decode_kernel(tiny_models, monkeypatch):
     from radixserve.server_process import ServerProcess
 
     monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
-    for flags, expected in (([], True), (["--disable-compile"], False)):
+    native = "native" if unavailable_reason("float32") is None else "compiled"
+    for flags, expected in (([], native), (["--disable-compile"], "eager")):
         server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", *flags)
         try:
             info = httpx.get(server.url + "/get_server_info").json()
-            assert info["actors"]["runner"]["compiled_decode"] is expected
+            assert info["actors"]["runner"]["decode_kernel"] == expected
             out = httpx.post(server.url + "/generate", json={"text": "Hello", "sampling_params": PARAMS}).json()
             assert out["meta_info"]["completion_tokens"] == PARAMS["max_new_tokens"]
         finally:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.kernels.cpu_native import unavailable_reason
 
 MAX_NEW = 16
 SHARED = "You are a helpful assistant. Answer briefly and politely, and never make things up. "
@@ -48,16 +49,19 @@ def hf_reference(hf_models, prompts):
     return out
 
 
-@pytest.mark.parametrize("decode", ["eager", "compiled"])
+@pytest.mark.parametrize("decode", ["eager", "compiled", "native"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_greedy_matches_hf(kind, mode, decode, tiny_models, prompts, hf_reference, monkeypatch):
-    if decode == "compiled":
+    if decode == "native" and unavailable_reason("float32"):
+        pytest.skip(f"no native decode step here: {unavailable_reason('float32')}")
+    if decode != "eager":
         monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
-    engine = Engine(str(tiny_models[kind]), dtype="float32", check_invariants=True, **MODES[mode])
-    assert (engine.runner.compiled is not None) == (decode == "compiled")
+    engine = Engine(str(tiny_models[kind]), dtype="float32", check_invariants=True, decode_kernel=decode,
+                    **MODES[mode])
+    assert engine.runner.decode_kernel == decode
     params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
-    if decode == "compiled":  # one at a time, then as a batch: batch 1 and larger batches run their own graphs
+    if decode != "eager":  # one at a time, then as a batch: batch 1 and larger batches take their own paths
         alone = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts[-2:]]
         assert alone == hf_reference[kind][-2:]
         engine.flush_cache()
@@ -65,6 +69,8 @@ def test_greedy_matches_hf(kind, mode, decode, tiny_models, prompts, hf_referenc
     assert [r["output_ids"] for r in first] == hf_reference[kind]
     if decode == "compiled":
         assert engine.runner.compiled.steps >= MAX_NEW and not engine.runner.compiled.eager_sizes
+    if decode == "native":
+        assert engine.runner.native.steps >= MAX_NEW
     second = engine.generate(input_ids=prompts, sampling_params=params)
     assert [r["output_ids"] for r in second] == hf_reference[kind]
     stats = engine.scheduler.stats

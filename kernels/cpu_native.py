@@ -1,0 +1,139 @@
+"""The native CPU decode step (``cpu_decode.cpp``): built once per machine with the system's C++ compiler,
+loaded with ctypes, and described to by plain structures of pointers into the model's own tensors.
+
+Built on first use into the radixserve cache (``kernels/``), named by a hash of the source, the compiler and its
+flags, so an edit or another compiler rebuilds and a restart only loads (~3 s to compile here). ``-march=native``:
+the library is built on the machine it runs on, for that machine's vector units. Loaded after torch, it shares
+torch's OpenMP runtime (the same ``libgomp.so.1``), so its threads are torch's threads, never a second pool.
+
+Where it cannot be built (no compiler, a CPU without AVX-512 BF16) ``load`` raises ``NativeUnavailable`` saying
+why; the runner then decodes through the compiled or eager torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
+CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # what the kernel uses
+NATIVE_DTYPES = ("bfloat16", "float32")
+ABI_VERSION = 1
+
+DENSE, Q8, Q4 = 0, 1, 2  # Linear.format
+
+
+class NativeUnavailable(RuntimeError):
+    """The native decode step cannot run on this machine; the message says why."""
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qkv", Linear), ("o", Linear),
+                ("gate_up", Linear), ("down", Linear), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("bf16", ctypes.c_int32), ("layers", ctypes.c_int32), ("hidden", ctypes.c_int32),
+                ("heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+                ("inter", ctypes.c_int32), ("vocab", ctypes.c_int32), ("amx", ctypes.c_int32),
+                ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("layer", ctypes.POINTER(Layer)), ("norm", ctypes.c_void_p),
+                ("lm_head", Linear)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("rows", ctypes.c_int32), ("logit_rows", ctypes.c_int32), ("h", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("out_slot", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("logit_row", ctypes.c_void_p),
+                ("logits", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+
+
+def default_cache_dir() -> Path:
+    from radixserve.model.loader import cache_root
+
+    return cache_root() / "kernels"
+
+
+def cpu_features() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def unavailable_reason(dtype: str) -> str | None:
+    """Why the native decode step cannot run this model here, or None. Cheap: nothing is built (no torch)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"it is written for x86-64 Linux, not {platform.system()} {platform.machine()}"
+    if dtype not in NATIVE_DTYPES:
+        return f"it runs {' and '.join(NATIVE_DTYPES)} weights, not {dtype}"
+    missing = [f for f in CPU_FEATURES if f not in cpu_features()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    try:
+        _compiler()
+    except NativeUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise NativeUnavailable("no C++ compiler (g++/c++/clang++) on PATH to build the native decode step")
+
+
+def build(cache_dir: Path) -> Path:
+    """The shared library for this machine, compiled if this source/compiler/flags combination is new."""
+    missing = [f for f in CPU_FEATURES if f not in cpu_features()]
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") or missing:
+        raise NativeUnavailable(unavailable_reason("float32") or "")
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *FLAGS]).encode()).hexdigest()[:16]
+    out = cache_dir / f"cpu_decode-{key}.so"
+    if out.exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise NativeUnavailable(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-800:]}")
+    tmp.replace(out)  # atomic: a concurrent build of the same key writes the same bytes
+    return out
+
+
+def load(cache_dir: Path) -> ctypes.CDLL:
+    """Build (if needed) and load the library. torch must be imported first (its OpenMP runtime is shared)."""
+    import torch  # noqa: F401  (loads torch's libgomp.so.1, which the library then binds to)
+
+    lib = ctypes.CDLL(str(build(cache_dir)))
+    lib.rs_abi_version.restype = ctypes.c_int32
+    if lib.rs_abi_version() != ABI_VERSION:
+        raise NativeUnavailable(f"{SOURCE.name}: ABI {lib.rs_abi_version()}, expected {ABI_VERSION}")
+    lib.rs_request_amx.restype = ctypes.c_int32
+    lib.rs_scratch_bytes.restype = ctypes.c_int64
+    lib.rs_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int32]
+    lib.rs_linear.restype = None
+    lib.rs_linear.argtypes = [ctypes.POINTER(Linear), ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
+                              ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+    lib.rs_check.restype = ctypes.c_int32
+    lib.rs_check.argtypes = [ctypes.POINTER(Model)]
+    lib.rs_decode_step.restype = ctypes.c_int32
+    lib.rs_decode_step.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step)]
+    return lib

@@ -1,0 +1,222 @@
+"""The native CPU decode step (kernels/cpu_decode.cpp via model/native_decode.py) against the eager model on the
+same decode batches: logits and the K/V it stores, float32 (to rounding) and bfloat16 (to bf16 noise, greedy
+choices the same), ragged and shared contexts, batches across the kernel's tile sizes, shapes that fill no tile
+evenly, and both product paths (AMX tiles and AVX-512). HF parity of whole generations: test_engine_parity.py
+(``decode=native``). Building: a failing compiler is reported, never half-loaded."""
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.kernels import cpu_native
+from radixserve.kernels.cpu_native import NativeUnavailable, unavailable_reason
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(unavailable_reason("bfloat16") is not None,
+                                reason=f"no native decode step here: {unavailable_reason('bfloat16')}")
+
+
+@pytest.fixture(scope="module")
+def odd_model(tmp_path_factory, smollm2_path):
+    """Dimensions that fill no 16-row block or 32-wide k step evenly: hidden 48 (3 heads of 16), q/k/v 80 rows,
+    intermediate 88, qkv bias."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=88, num_hidden_layers=2,
+                      num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=2048,
+                      initializer_range=0.25, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    out = tmp_path_factory.mktemp("odd") / "qwen2-odd"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _rows(n: int, seed: int, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    common = [rng.randrange(1000, 40000) for _ in range(shared)]
+    return [common + [rng.randrange(1000, 40000) for _ in range(rng.randrange(2, 60))] for _ in range(n)]
+
+
+def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int):
+    """``steps`` decode steps of ``prompts``; on each the eager model, then the native step, run the same batch.
+    Yields (eager logits, native logits, eager K/V at the new slots, native K/V there); the step itself then runs
+    as the runner runs it (native)."""
+    runner, sched = engine.runner, engine.scheduler
+    for i, ids in enumerate(prompts):
+        sched.add_request(f"c{i}", ids, SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True))
+    while len(sched.running) < len(prompts):
+        sched.process(runner.forward(sched.schedule()))
+    for _ in range(steps):
+        plan = sched.schedule()
+        assert plan.mode == "decode" and len(plan.input_ids) == len(prompts)
+        with torch.inference_mode():
+            batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
+                                           runner._group, runner.table)  # with the torch backend's metadata
+            slots = batch.attn.out_slots
+            eager = runner.model(batch)
+            kv_eager = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+            runner.kv.k[:, slots] = 0
+            runner.kv.v[:, slots] = 0
+            native = runner.native(batch)
+            kv_native = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+        yield eager, native, kv_eager, kv_native
+        sched.process(runner.forward(plan))  # writes the same slots of the table again: the same values
+    while sched.has_work:
+        sched.process(runner.forward(sched.schedule()))
+    sched.check()  # pool accounting (check_invariants also checks after every step)
+
+
+def _engine(path, dtype: str, **kw) -> Engine:
+    return Engine(str(path), dtype=dtype, decode_kernel="native", max_total_tokens=8192, check_invariants=True,
+                  **kw)
+
+
+@pytest.fixture(autouse=True)
+def _native_allowed(monkeypatch):
+    monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_float32_step_equals_eager_to_rounding(kind, tiny_models):
+    engine = _engine(tiny_models[kind], "float32")
+    for batch, shared in ((1, 0), (5, 0), (19, 40)):  # 19 rows: a full 16-row tile and a partial one
+        for eager, native, kv_e, kv_n in _compare_steps(engine, _rows(batch, seed=batch, shared=shared), steps=3):
+            torch.testing.assert_close(native, eager, rtol=1e-4, atol=1e-4)
+            for a, b in zip(kv_n, kv_e):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert engine.runner.native.steps > 0
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_bfloat16_step_agrees_with_eager(amx, tiny_models):
+    engine = _engine(tiny_models["llama"], "bfloat16")
+    if amx and not engine.runner.native.amx:
+        pytest.skip("this CPU or kernel grants no AMX tiles")
+    engine.runner.native.desc.amx = int(amx)  # the same weights through the other product path
+    agree = total = 0
+    for eager, native, kv_e, kv_n in _compare_steps(engine, _rows(18, seed=3, shared=20), steps=4):
+        scale = eager.abs().max()
+        assert (native - eager).abs().max() <= 0.05 * scale, "beyond bf16 rounding noise"
+        agree += int((native.argmax(-1) == eager.argmax(-1)).sum())
+        total += len(eager)
+        for a, b in zip(kv_n, kv_e):  # K after RoPE and V: one bf16 rounding step apart at most
+            assert (a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max() + 1e-3
+    assert agree >= 0.9 * total
+    engine.shutdown()
+
+
+def test_shapes_that_fill_no_tile_evenly(odd_model):
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", None)):
+        engine = _engine(odd_model, dtype)
+        for eager, native, _, _ in _compare_steps(engine, _rows(7, seed=11, shared=5), steps=3):
+            if tol:
+                torch.testing.assert_close(native, eager, rtol=tol, atol=tol)
+            else:
+                assert (native - eager).abs().max() <= 0.05 * eager.abs().max()
+        engine.shutdown()
+
+
+def test_a_failing_compiler_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails: a new build key, and the build fails
+    with pytest.raises(NativeUnavailable, match="compiling cpu_decode.cpp failed"):
+        cpu_native.build(tmp_path)
+    assert not list(tmp_path.glob("*.so")), "no half-written library is left for the next start to load"
+
+
+def test_the_library_is_built_once_and_reused(tmp_path):
+    first = cpu_native.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_decode_from_their_blocks(quantization, tiny_models):
+    """int8 (per-channel scales as 32-weight blocks) and int4 (groups of 32 with offsets) through the kernel's
+    integer products, the activations quantized per 32 values as llama.cpp does: the logits stay within a few
+    percent of the eager quantized model's (float activations) and greedy choices mostly agree."""
+    for path in (tiny_models["qwen2"], tiny_models["llama"]):
+        engine = _engine(path, "float32", quantization=quantization)
+        layer = engine.runner.native.desc.layer[0]
+        assert layer.qkv.format == (cpu_native.Q8 if quantization == "int8" else cpu_native.Q4)
+        agree = total = 0
+        for eager, native, kv_e, kv_n in _compare_steps(engine, _rows(6, seed=5, shared=10), steps=4):
+            assert (native - eager).abs().max() <= 0.08 * eager.abs().max()
+            agree += int((native.argmax(-1) == eager.argmax(-1)).sum())
+            total += len(eager)
+            for a, b in zip(kv_n, kv_e):
+                assert (a - b).abs().max() <= 0.08 * b.abs().max() + 1e-3
+        assert agree >= 0.75 * total
+        engine.shutdown()
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization, in torch: per 32 values, xq = rint(x * 127 / max|x|), dx = max|x| / 127."""
+    rows, k = x.shape
+    xb = x.float().view(rows, k // 32, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    return torch.round(xb * inv[..., None]), amax / 127.0  # torch.round: nearest, ties to even
+
+
+def _run_linear(lib, lin, x: torch.Tensor, amx: bool) -> torch.Tensor:
+    rows = x.shape[0]
+    y = torch.empty(rows, lin.n, dtype=x.dtype)
+    scratch = torch.empty(rows * (lin.k + lin.k // 32 * 8) + 64, dtype=torch.uint8)
+    lib.rs_linear(ctypes.byref(lin), int(x.dtype == torch.bfloat16), x.data_ptr(), rows, y.data_ptr(), int(amx),
+                  scratch.data_ptr())
+    return y
+
+
+@pytest.mark.parametrize("n,k", [(40, 64), (80, 96), (1000, 576)])
+def test_each_product_format_computes_what_it_promises(n, k):
+    """One linear product through every format, against the formula the kernel documents, on shapes whose rows
+    fill no 16-row block or tile evenly and 1..19 rows of input."""
+    from radixserve.model.native_decode import pack_dense, pack_q4, pack_q8
+
+    lib = cpu_native.load(cpu_native.default_cache_dir())
+    amx_ok = lib.rs_request_amx() == 1
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.1
+    bias = torch.randn(n, generator=g)
+    for rows in (1, 3, 16, 19):
+        x = torch.randn(rows, k, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            wt, bt, xt = w.to(dtype), bias.to(dtype), x.to(dtype)
+            packed = pack_dense(wt)
+            lin = cpu_native.Linear(cpu_native.DENSE, n, k, 0, packed.data_ptr(), None, None, bt.data_ptr())
+            want = (xt.double() @ wt.double().T + bt.double()).to(dtype)
+            for amx in ([False, True] if dtype == torch.bfloat16 and amx_ok and k % 32 == 0 else [False]):
+                got = _run_linear(lib, lin, xt, amx)
+                torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 8e-3,
+                                           atol=1e-4 if dtype == torch.float32 else 8e-3)
+        # quantized: int8 blocks of 32 (scale per block), int4 blocks with scale and offset (fp16, as stored)
+        xq, dx = _quantize_rows(x)
+        q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        d8 = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3
+        data, scale = pack_q8(q8, d8)
+        lin = cpu_native.Linear(cpu_native.Q8, n, k, 0, data.data_ptr(), scale.data_ptr(), None, None)
+        dots = torch.einsum("rbk,nbk->rnb", xq.double(), q8.double().view(n, k // 32, 32))
+        want = (dots * d8.double()[None] * dx.double()[:, None]).sum(-1)
+        torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+        q4 = torch.randint(0, 16, (n, k), generator=g)
+        d4, m4 = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.05
+        data, d16, m16 = pack_q4(q4, d4, m4)
+        lin = cpu_native.Linear(cpu_native.Q4, n, k, 0, data.data_ptr(), d16.data_ptr(), m16.data_ptr(), None)
+        d4, m4 = d4.half().double(), m4.half().double()  # what the kernel stores
+        dots = torch.einsum("rbk,nbk->rnb", xq.double(), q4.double().view(n, k // 32, 32))
+        sums = xq.double().sum(-1)[:, None, :]
+        want = ((dots * d4[None] + m4[None] * sums) * dx.double()[:, None]).sum(-1)
+        torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
