@@ -5,10 +5,11 @@ precision, side by side in one run (servers of a pair up together and taking tur
   (prefill out of it), three runs each, alternating;
 - 8 concurrent streams: 8 different prompts at once, 200 tokens each, output tokens / wall time (prefill in it);
 - perplexity of benchmarks/data/perplexity.txt as llama.cpp's ``llama-perplexity`` computes it (chunks of 256 tokens,
-  each scoring its last 128), and radixserve's over the same chunks of its own tokenization.
+  each scoring its last 128), and radixserve's over the same chunks of its own tokenization: through prefill, and
+  through teacher-forced decode steps of its default decode kernel (what generating computes).
 
-Pairs: radixserve bf16 (compiled decode, and eager with --disable-compile) / llama.cpp BF16 (a GGUF made by its own
-converter from our dequantized checkpoint); ``--quantization int8`` / Q8_0 (llama-quantize from the BF16 file);
+Pairs: radixserve bf16 (its default native decode step, and the torch paths: --decode-kernel compiled, and eager with
+--disable-compile) / llama.cpp BF16 (a GGUF made by its own converter from our dequantized checkpoint); ``--quantization int8`` / Q8_0 (llama-quantize from the BF16 file);
 ``--quantization int4`` / the bundled GGUF's Q4_1 (both read the same blocks). Both servers on 2 threads. llama.cpp
 comes from ``benchmarks/llama_cpp.py``; where it cannot be built the stage says why and is skipped.
 
@@ -29,6 +30,7 @@ import httpx
 from tqdm import tqdm
 
 import llama_cpp
+from decode_score import chunked_perplexity
 from harness import stage_cli, write_json
 
 from radixserve import Engine
@@ -145,9 +147,11 @@ def llama_perplexity(gguf) -> float:
     return float(re.search(r"Final estimate: PPL = ([0-9.]+)", proc.stdout + proc.stderr).group(1))
 
 
-def our_perplexity(quantization: str | None, model_path: str | None) -> float:
-    """llama-perplexity's method on our tokenization: chunks of CHUNK tokens, each scoring its last CHUNK / 2."""
-    engine = Engine(model_path, quantization=quantization, max_total_tokens=4096, disable_compile=True)
+def our_perplexity(quantization: str | None, model_path: str | None) -> dict[str, float]:
+    """llama-perplexity's method on our tokenization (chunks of CHUNK tokens, each scoring its last CHUNK / 2),
+    twice: through prefill (the engine's prompt logprobs) and through teacher-forced decode steps of the default
+    decode kernel -- what generating computes (the native step quantizes activations under --quantization)."""
+    engine = Engine(model_path, quantization=quantization, max_total_tokens=4096)
     ids = engine.tokenizer.encode(TEXT.read_text())
     total, count = 0.0, 0
     for start in range(0, len(ids) - CHUNK + 1, CHUNK):
@@ -155,12 +159,14 @@ def our_perplexity(quantization: str | None, model_path: str | None) -> float:
                               return_logprob=True, logprob_start_len=CHUNK // 2)
         lps = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
         total, count = total + sum(lps), count + len(lps)
+    decode = chunked_perplexity(engine, ids, CHUNK)
     engine.shutdown()
-    return math.exp(-total / count)
+    return {"prefill": math.exp(-total / count), "decode": decode}
 
 
-PAIRS = {  # precision: (radixserve systems, llama.cpp GGUF key)
-    "bf16": ({"radixserve bf16, compiled": [], "radixserve bf16, eager": ["--disable-compile"]}, "bf16"),
+PAIRS = {  # precision: (radixserve systems, llama.cpp GGUF key); the first system of each is the default one
+    "bf16": ({"radixserve bf16": [], "radixserve bf16, compiled": ["--decode-kernel", "compiled"],
+              "radixserve bf16, eager": ["--disable-compile"]}, "bf16"),
     "int8 / Q8_0": ({"radixserve int8": ["--quantization", "int8"]}, "q8_0"),
     "int4 / Q4_1": ({"radixserve int4": ["--quantization", "int4"]}, "q4_1"),
 }
@@ -193,8 +199,10 @@ def measure(quick: bool = False, model_path: str | None = None, runs: int = 3, t
             for system in systems.values():
                 system.stop()
         theirs = "llama.cpp " + key.upper()
+        default = next(iter(ours_flags))
         for label, rate in rates.items():
-            rows.append({"precision": precision, "system": label, "one_stream_tok_s": statistics.median(rate["one"]),
+            rows.append({"precision": precision, "system": label, "judged": label == default,
+                         "one_stream_tok_s": statistics.median(rate["one"]),
                          "one_stream_runs": rate["one"], "eight_streams_tok_s": statistics.median(rate["eight"]),
                          "eight_streams_runs": rate["eight"]})
         peer = next(r for r in rows if r["system"] == theirs)
@@ -202,7 +210,9 @@ def measure(quick: bool = False, model_path: str | None = None, runs: int = 3, t
         for r in rows[-len(systems):]:
             r["one_stream_vs_llama_cpp"] = r["one_stream_tok_s"] / peer["one_stream_tok_s"]
             r["eight_streams_vs_llama_cpp"] = r["eight_streams_tok_s"] / peer["eight_streams_tok_s"]
-            r["perplexity"] = theirs_ppl if r is peer else ours_ppl
+            # llama-perplexity evaluates chunks batched, through the same quantized kernels it decodes with
+            r["perplexity"] = theirs_ppl if r is peer else ours_ppl["prefill"]
+            r["perplexity_decode"] = None if r is peer else ours_ppl["decode"] if r["judged"] else None
     return {"tokens": tokens, "streams": STREAMS, "chunk": CHUNK, "rows": rows}
 
 

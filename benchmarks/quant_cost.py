@@ -1,7 +1,8 @@
 """What --quantization buys and costs: the model runner with bf16, int8 and int4 weights on the same model, side by
 side in one run -- decode tokens/s at batch 1 and 8 and prefill tokens/s (alternating, median of repeats), and
 accuracy as the mean log-probability (and perplexity) of a fixed English text (benchmarks/data/perplexity.txt),
-scored by the engine itself from prompt logprobs (teacher forcing, in windows of 256 tokens scoring the last 128).
+in windows of 256 tokens scoring the last 128: through prefill (the engine's prompt logprobs) and through
+teacher-forced decode steps of the default decode kernel (benchmarks/decode_score.py).
 
     python benchmarks/quant_cost.py [--repeats 3] [--quick]
 """
@@ -16,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from forward_speed import Ours
+from decode_score import decode_logprobs
 from harness import stage_cli, write_json
 
 from radixserve import Engine
@@ -40,6 +42,14 @@ def mean_logprob(engine: Engine, ids: list[int]) -> tuple[float, int]:
     return total / count, count
 
 
+def decode_mean_logprob(engine: Engine, ids: list[int]) -> float:
+    """The same windows scored through teacher-forced decode steps (what generating computes)."""
+    lps: list[float] = []
+    for start in range(0, len(ids) - WINDOW + 1, SCORED):
+        lps += decode_logprobs(engine, ids[start : start + WINDOW], WINDOW - SCORED)
+    return sum(lps) / len(lps)
+
+
 def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, model_path: str | None = None) -> dict:
     engines = {}
     for name, q in MODES.items():
@@ -50,7 +60,9 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
     rows = {name: {"mode": name, "start_s": t} for name, (_, t) in engines.items()}
     for name, (engine, _) in tqdm(engines.items(), desc="accuracy", leave=False):
         lp, n = mean_logprob(engine, ids)
-        rows[name].update(mean_logprob=lp, perplexity=math.exp(-lp), scored_tokens=n)
+        dlp = decode_mean_logprob(engine, ids)
+        rows[name].update(mean_logprob=lp, perplexity=math.exp(-lp), scored_tokens=n, decode_mean_logprob=dlp,
+                          decode_perplexity=math.exp(-dlp), decode_kernel=engine.runner.decode_kernel)
     ours = {name: Ours(engine) for name, (engine, _) in engines.items()}
     for o in ours.values():  # warm-up: kernels set up on first use
         o.prefill(64, 0)
@@ -75,10 +87,11 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
 def main() -> None:
     args = stage_cli(__doc__, "benchmarks/results/quant_cost.json")
     res = measure(args.dtype, args.repeats, args.quick, args.model_path)
-    print(f"\n{'mode':6} {'decode b1':>10} {'decode b8':>10} {'prefill 512':>12} {'mean logprob':>13} {'ppl':>7}")
+    print(f"\n{'mode':6} {'decode b1':>10} {'decode b8':>10} {'prefill 512':>12} {'mean logprob':>13} {'ppl':>7} "
+          f"{'ppl, decode':>12}")
     for r in res["rows"]:
         print(f"{r['mode']:6} {r['decode_1_tok_s']:>10.1f} {r['decode_8_tok_s']:>10.1f} {r['prefill_512_tok_s']:>12.0f} "
-              f"{r['mean_logprob']:>13.4f} {r['perplexity']:>7.3f}")
+              f"{r['mean_logprob']:>13.4f} {r['perplexity']:>7.3f} {r['decode_perplexity']:>12.3f}")
     write_json(res, args.out)
 
 

@@ -94,6 +94,7 @@ class ModelRunner:
         self.model = build_model(cfg, path, self.dtype, self.device, quantization, source)
         self.kv = KVPool(cfg.num_layers, num_slots + 1, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.native: NativeDecode | None = None
+        self.native_build_seconds = 0.0  # building (first start) or loading the native step
         if decode_kernel == "native":  # packs its own copy of the weights, from the plain ones: before pack()
             native_start = time.perf_counter()
             try:
@@ -101,7 +102,8 @@ class ModelRunner:
             except NativeUnavailable as exc:
                 raise RuntimeError(f"the native decode step cannot run here ({exc}); start with --decode-kernel "
                                    "compiled or eager") from exc
-            log.info("native decode step ready in %.1fs (%s)", time.perf_counter() - native_start,
+            self.native_build_seconds = time.perf_counter() - native_start
+            log.info("native decode step ready in %.1fs (%s)", self.native_build_seconds,
                      "AMX tiles" if self.native.amx else "AVX-512")
         pack(self.model, deterministic)
         self.rope = RopeTable(*cfg.rope_inv_freq(), cfg.max_position_embeddings, self.dtype, self.device)
