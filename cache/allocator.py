@@ -45,7 +45,8 @@ class SlotAllocator:
         n = len(slots)
         if n == 0:
             return
-        require(self._top + n <= self.capacity, "freed more slots than the pool holds (double free?)")
+        if self._top + n > self.capacity:
+            require(False, "freed more slots than the pool holds (double free?)")
         self._stack[self._top : self._top + n] = slots
         self._top += n
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class EvictionQueue:
     def __init__(self, policy: EvictionPolicy, leaves: Callable[[], Iterable[TreeNode]],
                  clock: Callable[[], float], num_nodes: Callable[[], int]) -> None:
-        self.policy = policy
+        self.policy = policy  # the setter looks up its on_evict hook
         self.fallback: EvictionPolicy = LRU()
         self.errors: deque[str] = deque(maxlen=100)  # the newest failures of replaced policies
         self._leaves = leaves  # every evictable leaf of the tree, for rebuilds
@@ -43,6 +43,15 @@ class EvictionQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: EvictionPolicy) -> None:
+        self._policy = policy
+        self._on_evict = getattr(policy, "on_evict", None)  # looked up once, not per victim
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         """Swap the policy and re-key; ValueError (old policy kept) if the new one fails on this cache."""
@@ -78,7 +87,7 @@ class EvictionQueue:
         return None
 
     def evicted(self, node: TreeNode, key: Any) -> None:
-        hook = getattr(self.policy, "on_evict", None)
+        hook = self._on_evict
         if hook is None:
             return
         try:

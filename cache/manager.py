@@ -32,7 +32,8 @@ class KVHandle:
     synced: int = 0  # leading row entries the runner holds as they are here (everything after is sent again)
 
     def __post_init__(self) -> None:
-        require(0 <= self.tree_len <= self.kv_len <= len(self.row), "a KV handle's lengths are out of order")
+        if not 0 <= self.tree_len <= self.kv_len <= len(self.row):
+            require(False, "a KV handle's lengths are out of order")
 
     def rewrite(self, start: int, slots: np.ndarray) -> None:
         """Row positions start.. now hold ``slots``; where that changes an entry the runner holds, it is resent."""
@@ -172,8 +173,9 @@ class CacheManager:
         evictable (the next turn of a chat, or the retried request, may reuse it), or is freed without a tree."""
         own = handle.kv_len - handle.tree_len
         if self.tree:
-            self.tree.insert_from(handle.node or self.tree.root, tokens[: handle.kv_len], handle.row[: handle.kv_len],
-                                  handle.priority)
+            kv = handle.kv_len
+            run = tokens if len(tokens) == kv else tokens[:kv]  # the usual case (finished) needs no copy
+            self.tree.insert_from(handle.node or self.tree.root, run, handle.row[:kv], handle.priority)
         else:
             self.allocator.free(handle.row[handle.tree_len : handle.kv_len])
         self.owned_by_requests -= own

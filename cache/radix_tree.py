@@ -143,7 +143,7 @@ class RadixTree:
             parts.append(node.slots)
         if touch:
             self.touch(node, hit, priority)
-        slots = np.concatenate(parts) if parts else EMPTY_SLOTS
+        slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else EMPTY_SLOTS
         return slots, node
 
     def touch(self, node: TreeNode, hit: bool = True, priority: int = 0) -> None:
@@ -175,12 +175,14 @@ class RadixTree:
             tokens:  [0 ........ start.depth) [start.depth ..... cached) [cached ...... len)
                       tree's, locked by caller  walked: dups freed        new leaf: caller's slots
         """
-        require(len(tokens) == len(slots), lambda: f"{len(tokens)} tokens but {len(slots)} slots")
-        require(start is self.root or start.lock_ref > 0, "insert_from needs a locked start node")
+        if len(tokens) != len(slots) or not (start is self.root or start.lock_ref > 0):  # the hot path: no closures
+            require(len(tokens) == len(slots), lambda: f"{len(tokens)} tokens but {len(slots)} slots")
+            require(False, "insert_from needs a locked start node")
         now = self.clock()
         self._refresh(start, now, priority)  # the matched prefix is used now, as every node walked below
-        data = pack(tokens)
-        node, pos = start, start.depth
+        base = start.depth
+        data = pack(tokens)[base * TOKEN :]  # the walk runs below start
+        node, pos = start, base
         for node in self._walk(data, start):
             mine = slots[pos : node.depth]
             dup = mine != node.slots
@@ -192,16 +194,9 @@ class RadixTree:
             pos = node.depth
         cached = pos
         if pos < len(tokens):
-            leaf = TreeNode(
-                key=data[pos * TOKEN :],
-                num_tokens=len(tokens) - pos,
-                slots=np.asarray(slots[pos:], dtype=SLOT_DTYPE).copy(),
-                parent=node,
-                depth=node.depth + len(tokens) - pos,
-                created=now,
-                last_access=now,
-                priority=priority,
-            )
+            new = len(tokens) - pos
+            leaf = TreeNode(data[(pos - base) * TOKEN :], new, np.array(slots[pos:], dtype=SLOT_DTYPE), node,
+                            node.depth + new, now, now, 0, priority)
             node.children[leaf.key[:TOKEN]] = leaf
             self.num_nodes += 1
             self.version += 1
@@ -262,29 +257,33 @@ class RadixTree:
         return freed
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _path(self, data: bytes, start: TreeNode | None = None) -> Iterator[tuple[TreeNode, int]]:
+    def _path(self, data: bytes, start: TreeNode | None = None) -> list[tuple[TreeNode, int]]:
         """(node, tokens matched in it) along the longest cached prefix of the packed tokens ``data``, below
-        ``start`` (default: the root; ``data`` then runs from the root too); only the last node may be matched
-        partially. Changes nothing."""
+        ``start`` (default: the root); ``data`` holds the tokens from ``start``'s depth on. Only the last node may
+        be matched partially. Changes nothing. (A list, not a generator: a walk is a few nodes, and yields cost
+        more.)"""
         node = start or self.root
-        pos = node.depth * TOKEN
-        while pos < len(data):
-            child = node.children.get(data[pos : pos + TOKEN])
+        pos, end, out = 0, len(data), []
+        children = node.children
+        while pos < end:
+            child = children.get(data[pos : pos + TOKEN])
             if child is None:
-                return
+                break
             n = _common_len(child.key, data, pos)
-            partial = n < child.num_tokens  # decided before yielding: the consumer may split `child`
-            yield child, n
-            if partial:
-                return
+            out.append((child, n))
+            if n < child.num_tokens:
+                break
             pos += n * TOKEN
-            node = child
+            children = child.children
+        return out
 
-    def _walk(self, data: bytes, start: TreeNode | None = None) -> Iterator[TreeNode]:
-        """The nodes of ``_path``, the last split where the prefix ends inside it: each yielded node is covered
-        by the tokens exactly (it ends at its depth)."""
-        for node, n in self._path(data, start):
-            yield node if n == node.num_tokens else self._split(node, n)
+    def _walk(self, data: bytes, start: TreeNode | None = None) -> list[TreeNode]:
+        """The nodes of ``_path``, the last split where the prefix ends inside it: each node is covered by the
+        tokens exactly (it ends at its depth)."""
+        path = self._path(data, start)
+        if path and path[-1][1] < path[-1][0].num_tokens:
+            path[-1] = (self._split(*path[-1]), 0)
+        return [node for node, _ in path]
 
     def _refresh(self, node: TreeNode, now: float, priority: int) -> None:
         """``node`` and its ancestors were used now (an insert through them): access time and priority."""
