@@ -132,6 +132,9 @@ def load(cache_dir: Path) -> ctypes.CDLL:
     lib.rs_linear.restype = None
     lib.rs_linear.argtypes = [ctypes.POINTER(Linear), ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
                               ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+    lib.rs_attention.restype = None
+    lib.rs_attention.argtypes = [ctypes.POINTER(Model), ctypes.c_int32, ctypes.POINTER(Step), ctypes.c_void_p,
+                                 ctypes.c_void_p]
     lib.rs_check.restype = ctypes.c_int32
     lib.rs_check.argtypes = [ctypes.POINTER(Model)]
     lib.rs_decode_step.restype = ctypes.c_int32

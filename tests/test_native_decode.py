@@ -220,3 +220,48 @@ def test_each_product_format_computes_what_it_promises(n, k):
         sums = xq.double().sum(-1)[:, None, :]
         want = ((dots * d4[None] + m4[None] * sums) * dx.double()[:, None]).sum(-1)
         torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (64, 4, 4), (16, 4, 2), (96, 6, 2)])
+def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_heads):
+    """The attention phase alone against float64 softmax(q k^T / sqrt(d)) v over each row's slots: head dims
+    with their own bf16 paths (64, 128) and the generic one, one row of 700 keys and three rows (a row's keys
+    split among threads), twenty rows sharing a 100-key prefix (no split), slots scattered over the pool."""
+    lib = cpu_native.load(cpu_native.default_cache_dir())
+    g = torch.Generator().manual_seed(head_dim + heads)
+    shapes = [[700], [5, 300, 129], [100 + int(x) for x in torch.randint(1, 120, (20,), generator=g)]]
+    for lens in shapes:
+        total = sum(lens) + 1
+        k_pool = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(dtype)
+        v_pool = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(dtype)
+        order = torch.randperm(total, generator=g) + 1  # slot 0: the dummy
+        shared = order[:100] if len(lens) > 3 else order[:0]
+        rows, at = [], len(shared)
+        for n in lens:
+            own = n - len(shared)
+            rows.append(torch.cat([shared, order[at : at + own]]))
+            at += own
+        slots = torch.cat(rows).to(torch.int64)
+        starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+        width = (heads + 2 * kv_heads) * head_dim
+        qkv = torch.randn(len(lens), width, generator=g).to(dtype)
+        layer = cpu_native.Layer(k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr())
+        layers = (cpu_native.Layer * 1)(layer)
+        model = cpu_native.Model(bf16=int(dtype == torch.bfloat16), layers=1, hidden=heads * head_dim, heads=heads,
+                                 kv_heads=kv_heads, head_dim=head_dim, inter=32, vocab=16, eps=1e-6,
+                                 scale=head_dim**-0.5, layer=layers)
+        scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), len(lens)), dtype=torch.uint8)
+        step = cpu_native.Step(rows=len(lens), slots=slots.data_ptr(), starts=starts.data_ptr(),
+                               scratch=scratch.data_ptr())
+        out = torch.empty(len(lens), heads * head_dim, dtype=dtype)
+        lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr())
+        group = heads // kv_heads
+        for m, row in enumerate(rows):
+            q = qkv[m, : heads * head_dim].double().view(heads, head_dim)
+            k = k_pool[row].double()[:, torch.arange(heads) // group]  # [L, heads, d]
+            v = v_pool[row].double()[:, torch.arange(heads) // group]
+            p = torch.softmax(torch.einsum("hd,lhd->hl", q, k) * head_dim**-0.5, -1)
+            want = torch.einsum("hl,lhd->hd", p, v).reshape(-1)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out[m].double(), want, rtol=tol, atol=tol)
