@@ -9,9 +9,11 @@ precision, side by side in one run (servers of a pair up together and taking tur
   through teacher-forced decode steps of its default decode kernel (what generating computes).
 
 Pairs: radixserve bf16 (its default native decode step, and the torch paths: --decode-kernel compiled, and eager with
---disable-compile) / llama.cpp BF16 (a GGUF made by its own converter from our dequantized checkpoint); ``--quantization int8`` / Q8_0 (llama-quantize from the BF16 file);
-``--quantization int4`` / the bundled GGUF's Q4_1 (both read the same blocks). Both servers on 2 threads. llama.cpp
-comes from ``benchmarks/llama_cpp.py``; where it cannot be built the stage says why and is skipped.
+--disable-compile) / llama.cpp BF16 (a GGUF made by its own converter from our dequantized checkpoint);
+``--quantization int8`` on the very Q8_0 file llama.cpp runs (llama-quantize from the BF16 one), its blocks served
+as they ship / Q8_0; ``--quantization int4`` / the bundled GGUF's Q4_1 (both read the same blocks). Both servers on
+2 threads. llama.cpp comes from ``benchmarks/llama_cpp.py``; where it cannot be built the stage says why and is
+skipped.
 
     python benchmarks/cpu_peer.py [--quick]
 """
@@ -167,7 +169,8 @@ def our_perplexity(quantization: str | None, model_path: str | None) -> dict[str
 PAIRS = {  # precision: (radixserve systems, llama.cpp GGUF key); the first system of each is the default one
     "bf16": ({"radixserve bf16": [], "radixserve bf16, compiled": ["--decode-kernel", "compiled"],
               "radixserve bf16, eager": ["--disable-compile"]}, "bf16"),
-    "int8 / Q8_0": ({"radixserve int8": ["--quantization", "int8"]}, "q8_0"),
+    # the Q8_0 file llama.cpp runs, served as it ships ({gguf}: the pair's file); the bundled model is the Q4_1 one
+    "int8 / Q8_0": ({"radixserve int8": ["--model-path", "{gguf}", "--quantization", "int8"]}, "q8_0"),
     "int4 / Q4_1": ({"radixserve int4": ["--quantization", "int4"]}, "q4_1"),
 }
 QUANT = {"bf16": None, "int8 / Q8_0": "int8", "int4 / Q4_1": "int4"}
@@ -183,7 +186,8 @@ def measure(quick: bool = False, model_path: str | None = None, runs: int = 3, t
     tokens = 100 if quick else tokens
     rows = []
     for precision, (ours_flags, key) in tqdm(PAIRS.items(), desc="vs llama.cpp", leave=False):
-        systems = {label: Ours(flags) for label, flags in ours_flags.items()}
+        flags_of = {label: [f.replace("{gguf}", str(files[key])) for f in flags] for label, flags in ours_flags.items()}
+        systems = {label: Ours(flags) for label, flags in flags_of.items()}
         systems["llama.cpp " + key.upper()] = LlamaServer(files[key])
         try:
             for system in systems.values():  # warm-up: first requests set up kernels
@@ -206,7 +210,9 @@ def measure(quick: bool = False, model_path: str | None = None, runs: int = 3, t
                          "one_stream_runs": rate["one"], "eight_streams_tok_s": statistics.median(rate["eight"]),
                          "eight_streams_runs": rate["eight"]})
         peer = next(r for r in rows if r["system"] == theirs)
-        ours_ppl, theirs_ppl = our_perplexity(QUANT[precision], model_path), llama_perplexity(files[key])
+        default_flags = flags_of[default]
+        path = default_flags[default_flags.index("--model-path") + 1] if "--model-path" in default_flags else model_path
+        ours_ppl, theirs_ppl = our_perplexity(QUANT[precision], path), llama_perplexity(files[key])
         for r in rows[-len(systems):]:
             r["one_stream_vs_llama_cpp"] = r["one_stream_tok_s"] / peer["one_stream_tok_s"]
             r["eight_streams_vs_llama_cpp"] = r["eight_streams_tok_s"] / peer["eight_streams_tok_s"]

@@ -280,7 +280,8 @@ def peer_section(p: dict, targets: list[str], out: Path) -> list[str]:
          f"(output tokens / wall time, prefill included). Perplexity of benchmarks/data/perplexity.txt the way "
          f"`llama-perplexity` computes it (chunks of {p['chunk']} tokens scoring their second half), ours over the "
          "same chunks of our tokenization. Pairs: bf16 / llama.cpp's BF16 GGUF (its own converter, from our "
-         "checkpoint); int8 / Q8_0; int4 / the bundled Q4_1 file, which both read as it ships.", "",
+         "checkpoint); int8 / Q8_0: radixserve serves the very Q8_0 file llama.cpp runs, its blocks as they ship; int4 / "
+         "the bundled Q4_1 file, which both read as it ships.", "",
          "| precision | system | one stream tok/s | vs llama.cpp | 8 streams tok/s | vs llama.cpp | perplexity | "
          "perplexity, decode steps |", "|---|---|---|---|---|---|---|---|"]
     for r in p["rows"]:

@@ -1,6 +1,8 @@
 """Weight-only quantized linear layers for the CPU (``--quantization int8|int4``).
 
-- int8: one scale per output channel (symmetric): ``w = q * scale``, q in [-127, 127].
+- int8: one scale per output channel (symmetric): ``w = q * scale``, q in [-127, 127]; or, as a GGUF file's Q8_0
+  ships, one scale per 32 weights of a row (``scale`` [N, K/32]): torch's int8 kernel takes only the former, so
+  such a layer's torch products always use the dequantized copy (the native decode step reads the blocks).
 - int4: groups of ``group`` weights along the input dimension, each with a scale and a zero point: ``w = (q - 8) *
   scale + zero``, q in [0, 15] (torch's int4pack convention; GGUF's Q4_0 and Q4_1 blocks map onto it exactly).
 
@@ -95,10 +97,18 @@ class QuantLinear(nn.Module):
             self.register_buffer("scale_zero", int4.scale_zero)
             self.register_buffer("kernel_scale_zero", int4.scale_zero.to(dtype))
             self.group = int4.group
-        self.kernel_rows = 4
+        self.kernel_rows = 0 if self.block_scales else 4  # quantize_model measures it per shape
+
+    @property
+    def block_scales(self) -> bool:
+        """int8 with a scale per 32 weights (a GGUF Q8_0 layer), which torch's int8 kernel cannot take."""
+        return self.bits == 8 and self.scale.dim() == 2
 
     def dequantized(self) -> torch.Tensor:
         """W in the activations' dtype, [N, K]."""
+        if self.block_scales:
+            blocks = self.q.float().view(self.out_features, -1, self.in_features // self.scale.shape[1])
+            return (blocks * self.scale[..., None]).view(self.out_features, self.in_features).to(self.dtype)
         if self.bits == 8:
             return (self.q.float() * self.scale[:, None]).to(self.dtype)
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)
@@ -135,7 +145,8 @@ def quantize_linear(layer: nn.Linear, bits: int, dtype: torch.dtype, group: int 
 
 
 def kernel_rows(layer: QuantLinear, repeats: int = 5) -> int:
-    """The most rows for which the quantized kernel beats dequantize + GEMM on this machine (at least 1)."""
+    """The most rows for which the quantized kernel beats dequantize + GEMM on this machine (at least 1; 0 for a
+    layer no torch kernel takes)."""
     def best(fn) -> float:
         fn()
         times = []
@@ -145,6 +156,8 @@ def kernel_rows(layer: QuantLinear, repeats: int = 5) -> int:
             times.append(time.perf_counter() - start)
         return min(times)
 
+    if layer.block_scales:
+        return 0  # no torch kernel takes them: every torch product dequantizes
     rows = 1
     for m in PROBE_ROWS:
         x = torch.randn(m, layer.in_features, dtype=layer.dtype)

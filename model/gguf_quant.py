@@ -1,13 +1,15 @@
-"""A GGUF file's quantized linear weights, taken as they ship (``--quantization int4``): Q4_0 and Q4_1 blocks
-become radixserve's int4 layers directly -- the same 4-bit values, scales and offsets llama.cpp computes with --
+"""A GGUF file's quantized linear weights, taken as they ship: under ``--quantization int4`` Q4_0 and Q4_1 blocks
+become radixserve's int4 layers, under ``int8`` Q8_0 blocks its int8 layers (one scale per 32 weights), and a
+Q8_0 output projection is taken under both -- the same values, scales and offsets llama.cpp computes with --
 instead of being dequantized and quantized again.
 
 GGUF block layouts (ggml), 32 weights of one row per block:
 
     Q4_0  | d: f16 | 16 bytes: weight j in the low nibble of byte j, weight 16 + j in the high one |   w = (q - 8) * d
     Q4_1  | d: f16 | m: f16 | 16 bytes, as Q4_0                                                    |   w = q * d + m
+    Q8_0  | d: f16 | 32 int8                                                                       |   w = q * d
 
-Both fit int4's ``w = (q - 8) * scale + zero`` exactly: Q4_0 with zero 0, Q4_1 with zero = m + 8 d. llama.cpp's
+Q4 blocks fit int4's ``w = (q - 8) * scale + zero`` exactly: Q4_0 with zero 0, Q4_1 with zero = m + 8 d. llama.cpp's
 converter reorders the rows of Llama's q/k projections for its rotary layout; that is undone here (rows only, so
 the blocks inside a row are untouched), as transformers undoes it when it dequantizes.
 """
@@ -50,14 +52,28 @@ def unpermute_rows(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def gguf_int4_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, QuantLinear]:
-    """Our int4 layers for every linear whose GGUF tensors are all Q4_0 / Q4_1 (the others are quantized from
-    the dequantized weights as usual). Keys are module names (``model.layers.3.mlp.down_proj``)."""
+def q8_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw Q8_0 rows (uint8 [N, blocks * 34]) -> (q int8 [N, K], scale float32 [N, K/32])."""
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return blocks[..., 2:].copy().view(np.int8).reshape(n, -1), d
+
+
+# what each --quantization takes as it ships: the decoder layers' formats, and the output projection's
+AS_SHIPPED = {8: (("Q8_0",), ("Q8_0",)), 4: (("Q4_0", "Q4_1"), ("Q8_0",))}
+
+
+def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, bits: int) -> dict[str, QuantLinear]:
+    """Our int8 / int4 layers for every linear whose GGUF tensors are all in a format ``bits`` takes as it ships
+    (``AS_SHIPPED``; the others are quantized from the dequantized weights as usual). Keys are module names
+    (``model.layers.3.mlp.down_proj``, ``lm_head``)."""
     from gguf import GGUFReader
 
     if cfg.model_type not in ("llama", "mistral"):
         return {}  # the q/k row order is Llama's; other architectures take the general path
-    parts: dict[str, dict[str | None, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    layer_kinds, head_kinds = AS_SHIPPED[bits]
+    parts: dict[str, dict[str | None, tuple[np.ndarray, ...] | None]] = {}
     for t in GGUFReader(path).tensors:
         kind = t.tensor_type.name
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
@@ -68,20 +84,23 @@ def gguf_int4_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[
             name, shard = "lm_head", None
         else:
             continue
-        if kind not in ("Q4_0", "Q4_1"):
+        if kind not in (head_kinds if name == "lm_head" else layer_kinds):
             parts.setdefault(name, {})[shard] = None  # one shard in another format: the whole layer is
             continue
-        q, scale, zero = q4_blocks(np.asarray(t.data), kind)
+        arrays = q8_blocks(np.asarray(t.data)) if kind == "Q8_0" else q4_blocks(np.asarray(t.data), kind)
         if shard in ("q", "k"):
             heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
-            q, scale, zero = (unpermute_rows(x, heads) for x in (q, scale, zero))
-        parts.setdefault(name, {})[shard] = (q, scale, zero)
+            arrays = tuple(unpermute_rows(x, heads) for x in arrays)
+        parts.setdefault(name, {})[shard] = arrays
     layers = {}
     for name, shards in parts.items():
         order = SHARD_ORDER.get(name.split(".", 3)[-1], (None,))
         if any(shards.get(s) is None for s in order):
             continue
-        q, scale, zero = (torch.from_numpy(np.concatenate([shards[s][i] for s in order])) for i in range(3))
-        n, k = q.shape
-        layers[name] = QuantLinear(n, k, None, dtype, int4=int4_weight(q, scale, zero, dtype))
+        arrays = [torch.from_numpy(np.concatenate([shards[s][i] for s in order])) for i in range(len(shards[order[0]]))]
+        n, k = arrays[0].shape
+        if len(arrays) == 2:  # Q8_0: q, a scale per block
+            layers[name] = QuantLinear(n, k, None, dtype, int8=(arrays[0], arrays[1]))
+        else:
+            layers[name] = QuantLinear(n, k, None, dtype, int4=int4_weight(*arrays, dtype))
     return layers

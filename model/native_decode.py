@@ -136,7 +136,11 @@ class NativeDecode:
             raise native.NativeUnavailable(f"a quantized layer's input dimension ({k}) is not a multiple of {BLOCK}")
         bias = None if layer.bias is None else self._dense(layer.bias)
         if layer.bits == 8:
-            data, scale = pack_q8(layer.q, layer.scale.float()[:, None].expand(n, k // BLOCK))
+            scale = layer.scale.float() if layer.block_scales else layer.scale.float()[:, None].expand(n, k // BLOCK)
+            if scale.shape[1] != k // BLOCK:
+                raise native.NativeUnavailable(f"int8 scales per {k // scale.shape[1]} weights; the native step "
+                                               f"reads one per {BLOCK} or one per row")
+            data, scale = pack_q8(layer.q, scale)
             self._keep += [data, scale]
             return native.Linear(native.Q8, n, k, 0, data.data_ptr(), scale.data_ptr(), None, bias)
         if layer.group != BLOCK:

