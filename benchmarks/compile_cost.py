@@ -1,7 +1,8 @@
-"""The decode kernels side by side on one engine: the native step (kernels/cpu_decode.cpp), the torch.compile'd
+"""The decode kernels side by side on one engine: the native step (kernels/native/), the torch.compile'd
 layers (model/compiled.py) and eager, alternating step by step on the same running batch (median per kernel); what
-each costs at start-up, cold (empty cache) and warm (a restart); and how often a greedy token differs from eager's
-(same prompts, same engine; bf16 and float32) because the native and fused code round in other places.
+each costs at start-up, cold (empty cache) and warm (a restart); how often a greedy token differs from eager's
+(same prompts, same engine; bf16 and float32) because the native and fused code round in other places; and which
+kernel's bf16 tokens stay closer to the float32 model's.
 
     python benchmarks/compile_cost.py [--repeats 3] [--quick]
 """
@@ -107,6 +108,20 @@ def flips(engine: Engine, kernels: Kernels, prompts: list[str], max_new: int) ->
     return rows
 
 
+def agreement(engine: Engine, kernels: Kernels, prompts: list[str], max_new: int,
+              reference: list[list[int]]) -> list[dict]:
+    """Each kernel's greedy tokens (one prompt at a time) against ``reference`` (the float32 model's): which of two
+    kernels that round differently is the more faithful one."""
+    rows = []
+    for kernel in KERNELS:
+        got = greedy(engine, kernels, prompts, max_new, kernel, False)
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, reference)]
+        rows.append({"kernel": kernel, "prompts": len(prompts), "tokens": max_new,
+                     "identical_prompts": sum(f is None for f in first),
+                     "tokens_before_difference": sum(max_new if f is None else f for f in first)})
+    return rows
+
+
 def startup(model_path: str | None, cache: str, kernel: str) -> dict:
     env = {**os.environ, "RADIXSERVE_CACHE": cache}
     env.pop("RADIXSERVE_DISABLE_COMPILE", None)
@@ -122,6 +137,12 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
             # the model conversion cache is per RADIXSERVE_CACHE too: compile_s is the build alone, start_s all of it
             res["startup"][kernel] = {"cold": startup(model_path, cache, kernel),
                                       "warm": startup(model_path, cache, kernel)}
+    n, max_new = (8, 24) if quick else (16, 48)
+    exact = Engine(model_path, dtype="float32", max_total_tokens=4096, decode_kernel="native")
+    exact_kernels = Kernels(exact)
+    reference = greedy(exact, exact_kernels, PROMPTS[:n], max_new, "eager", False)
+    res["flips"] = {"float32": flips(exact, exact_kernels, PROMPTS[: n // 2], max_new // 2)}
+    exact.shutdown()
     engine = Engine(model_path, dtype=dtype, max_total_tokens=20000, decode_kernel="native")
     ours, kernels = Ours(engine), Kernels(engine)
     step_times(ours, kernels, 2, 6, 0)  # warm-up: oneDNN sets up its kernels on first use
@@ -132,13 +153,10 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
         rows.append({"batch": batch, **{f"{k}_tok_s": batch / med[k] for k in KERNELS},
                      "native_vs_eager": med["eager"] / med["native"], "compiled_vs_eager": med["eager"] / med["compiled"]})
     res["decode"] = rows
-    n, max_new = (8, 24) if quick else (16, 48)
-    res["flips"] = {dtype: flips(engine, kernels, PROMPTS[:n], max_new)}
+    res["flips"] = {dtype: flips(engine, kernels, PROMPTS[:n], max_new), **res["flips"]}
+    res["vs_float32"] = {"dtype": dtype, "rows": agreement(engine, kernels, PROMPTS[:n], max_new, reference)}
     res["eager_batch_sizes"] = sorted(kernels.compiled.eager_sizes)
     engine.shutdown()
-    exact = Engine(model_path, dtype="float32", max_total_tokens=4096, decode_kernel="native")
-    res["flips"]["float32"] = flips(exact, Kernels(exact), PROMPTS[: n // 2], max_new // 2)
-    exact.shutdown()
     return res
 
 
@@ -155,6 +173,9 @@ def main() -> None:
         for r in rows:
             print(f"{dtype} {r['kernel']} batch {r['batch']}: {r['differing_prompts']}/{r['prompts']} prompts differ "
                   f"from eager within {r['tokens']} tokens; first at {r['first_flip_positions']}")
+    for r in res["vs_float32"]["rows"]:
+        print(f"{res['vs_float32']['dtype']} {r['kernel']}: {r['identical_prompts']}/{r['prompts']} prompts as the "
+              f"float32 model's, {r['tokens_before_difference']}/{r['prompts'] * r['tokens']} tokens before a difference")
     write_json(res, args.out)
 
 

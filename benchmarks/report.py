@@ -245,7 +245,7 @@ def write(res: dict, out: Path) -> None:
 def compile_section(c: dict, out: Path) -> list[str]:
     s = c["startup"]
     L = ["## Decode kernels: native, compiled, eager", "",
-         "The same engine's decode step through the native step (kernels/cpu_decode.cpp: the whole step in one C++ "
+         "The same engine's decode step through the native step (kernels/native/: the whole step in one C++ "
          "call), the compiled decoder layers (`torch.compile`, model/compiled.py) and eager torch, alternating step "
          f"by step on one running batch of 128-token prompts (median per kernel, then the median of repeats; "
          f"{c['dtype']}). Start-up: the native step builds in {s['native']['cold']['compile_s']:.1f} s with an "
@@ -264,6 +264,14 @@ def compile_section(c: dict, out: Path) -> list[str]:
         for r in rows:
             L.append(f"| {dtype} | {r['kernel']} | {r['batch']} | {r['prompts']} | {r['tokens']} | "
                      f"{r['differing_prompts']} | {r['first_flip_positions'] or '-'} |")
+    if "vs_float32" in c:
+        v = c["vs_float32"]
+        L += ["", f"Against the float32 model (same prompts, one at a time, {v['rows'][0]['tokens']} greedy tokens "
+              f"each): the {v['dtype']} kernels round in different places, and this says which stays closer.", "",
+              "| kernel | prompts identical to float32's | tokens before the first difference |", "|---|---|---|"]
+        for r in v["rows"]:
+            L.append(f"| {r['kernel']} | {r['identical_prompts']} of {r['prompts']} | "
+                     f"{r['tokens_before_difference']} of {r['prompts'] * r['tokens']} |")
     plot_bars([f"batch {r['batch']}" for r in c["decode"]],
               {k: [r[f"{k}_tok_s"] for r in c["decode"]] for k in ("eager", "compiled", "native")},
               "decode tokens / s", "decode kernels (same engine, alternating steps)", out / "compile.png")

@@ -1,13 +1,14 @@
-"""The native CPU decode step (``cpu_decode.cpp``): built once per machine with the system's C++ compiler,
-loaded with ctypes, and described to by plain structures of pointers into the model's own tensors.
+"""The native CPU decode step (``kernels/native/``, one translation unit: ``decode.cpp`` and its headers): built
+once per machine with the system's C++ compiler, loaded with ctypes, and described to by plain structures of
+pointers into the model's own tensors.
 
-Built on first use into the radixserve cache (``kernels/``), named by a hash of the source, the compiler and its
+Built on first use into the radixserve cache (``kernels/``), named by a hash of the sources, the compiler and its
 flags, so an edit or another compiler rebuilds and a restart only loads (~3 s to compile here). ``-march=native``:
 the library is built on the machine it runs on, for that machine's vector units. Loaded after torch, it shares
 torch's OpenMP runtime (the same ``libgomp.so.1``), so its threads are torch's threads, never a second pool.
 
-Where it cannot be built (no compiler, a CPU without AVX-512 BF16) ``load`` raises ``NativeUnavailable`` saying
-why; the runner then decodes through the compiled or eager torch path.
+Where it cannot run (no compiler, a CPU without AVX-512 BF16/VNNI, float16 weights) ``unavailable_reason`` says why
+and ``--decode-kernel auto`` resolves to the compiled torch path instead.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCES = Path(__file__).with_name("native")  # decode.cpp and the headers it includes
+SOURCE = SOURCES / "decode.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # what the kernel uses
 NATIVE_DTYPES = ("bfloat16", "float32")
@@ -104,7 +106,8 @@ def build(cache_dir: Path) -> Path:
         raise NativeUnavailable(unavailable_reason("float32") or "")
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *FLAGS]).encode()).hexdigest()[:16]
+    texts = [f.read_text() for f in sorted(SOURCES.iterdir()) if f.suffix in (".cpp", ".h")]
+    key = hashlib.sha256("\0".join([*texts, cxx, version, *FLAGS]).encode()).hexdigest()[:16]
     out = cache_dir / f"cpu_decode-{key}.so"
     if out.exists():
         return out

@@ -1,4 +1,4 @@
-"""Decode steps through the native CPU kernel (``kernels/cpu_decode.cpp``): the whole step, every layer and the
+"""Decode steps through the native CPU kernel (``kernels/native/``): the whole step, every layer and the
 output projection, in one call.
 
 Per step Python does three things: the embedding lookup, filling one ``Step`` structure (pointers to this step's
@@ -86,6 +86,7 @@ class NativeDecode:
                                            f"head dims up to {MAX_HEAD_DIM}")
         self.lib = native.load(cache_dir)
         self.model, self.dtype = model, dtype
+        self.pool_slots = kv.k.shape[1]
         self._keep: list[torch.Tensor] = []  # every tensor a structure points into
         layers = (native.Layer * cfg.num_layers)()
         for i, layer in enumerate(model.model.layers):
@@ -168,6 +169,9 @@ class NativeDecode:
         starts = torch.zeros(rows + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(batch.attn.seq_lens, dtype=torch.int64), 0, out=starts[1:])
         slots, out_slot = batch.attn.slots.contiguous(), batch.attn.out_slots.contiguous()
+        # the kernel indexes the pool with these unchecked: a bad index fails this step, never corrupts memory
+        if len(slots) and not 0 <= int(slots.min()) <= int(slots.max()) < self.pool_slots:
+            raise ValueError(f"a slot index is outside the KV pool (0..{self.pool_slots - 1})")
         logit_row = batch.logit_rows.contiguous()
         logits = torch.empty(logit_rows, self.model.config.vocab_size, dtype=torch.float32)
         step = native.Step(rows, logit_rows, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), out_slot.data_ptr(),

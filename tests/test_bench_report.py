@@ -102,7 +102,10 @@ def cpu_stages() -> dict:
         "compile": {"dtype": "bfloat16", "startup": {"native": startup, "compiled": startup},
                     "decode": [{"batch": 1, "eager_tok_s": 15.0, "compiled_tok_s": 18.0, "native_tok_s": 40.0,
                                 "compiled_vs_eager": 1.2, "native_vs_eager": 2.67}],
-                    "flips": {"bfloat16": flips}},
+                    "flips": {"bfloat16": flips},
+                    "vs_float32": {"dtype": "bfloat16", "rows": [
+                        {"kernel": k, "prompts": 16, "tokens": 48, "identical_prompts": n, "tokens_before_difference": t}
+                        for k, n, t in (("native", 9, 585), ("compiled", 8, 570), ("eager", 8, 570))]}},
         "peer": {"tokens": 200, "streams": 8, "chunk": 256, "rows": rows},
         "radix": {"requests": 20000, "prompt_tokens": 10**7,
                   "rows": [{"capacity": 200000, "radixserve_req_s": 9000, "sglang_req_s": 2000, "speedup": 4.5,
@@ -128,6 +131,7 @@ def test_bench_report_judges_the_cpu_targets(tmp_path):
     assert rows["radix tree / SGLang RadixCache at 200000 tokens"] == "met"
     assert rows["radix tree / SGLang RadixCache at 50000 tokens"] == "**not met**"
     assert "| bfloat16 | native | 1 | 8 | 24 | 1 | [7] |" in text
+    assert "| native | 9 of 16 | 585 of 768 |" in text
     for png in ("compile.png", "llama_cpp.png"):
         assert (tmp_path / png).stat().st_size > 10_000
 

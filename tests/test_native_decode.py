@@ -1,4 +1,4 @@
-"""The native CPU decode step (kernels/cpu_decode.cpp via model/native_decode.py) against the eager model on the
+"""The native CPU decode step (kernels/native/ via model/native_decode.py) against the eager model on the
 same decode batches: logits and the K/V it stores, float32 (to rounding) and bfloat16 (to bf16 noise, greedy
 choices the same), ragged and shared contexts, batches across the kernel's tile sizes, shapes that fill no tile
 evenly, and both product paths (AMX tiles and AVX-512). HF parity of whole generations: test_engine_parity.py
@@ -131,7 +131,7 @@ def test_shapes_that_fill_no_tile_evenly(odd_model):
 
 def test_a_failing_compiler_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails: a new build key, and the build fails
-    with pytest.raises(NativeUnavailable, match="compiling cpu_decode.cpp failed"):
+    with pytest.raises(NativeUnavailable, match="compiling decode.cpp failed"):
         cpu_native.build(tmp_path)
     assert not list(tmp_path.glob("*.so")), "no half-written library is left for the next start to load"
 
@@ -265,3 +265,24 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
             want = torch.einsum("hl,lhd->hd", p, v).reshape(-1)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(out[m].double(), want, rtol=tol, atol=tol)
+
+
+def test_a_slot_outside_the_pool_fails_the_step_not_the_process(tiny_models):
+    """The kernel indexes the pool unchecked, so the Python side refuses a plan whose slots leave it: that step
+    fails (the scheduler fails its requests), the runner goes on."""
+    engine = _engine(tiny_models["llama"], "float32")
+    runner, sched = engine.runner, engine.scheduler
+    sched.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    sched.process(runner.forward(sched.schedule()))
+    plan = sched.schedule()
+    assert plan.mode == "decode"
+    with torch.inference_mode():
+        batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
+                                       runner._group, runner.table, prepare_attention=False)
+        batch.attn.slots[0] = runner.kv.k.shape[1]  # one past the pool
+        with pytest.raises(ValueError, match="outside the KV pool"):
+            runner.native(batch)
+    sched.process(runner.forward(plan))  # the real step still runs
+    while sched.has_work:
+        sched.process(runner.forward(sched.schedule()))
+    engine.shutdown()

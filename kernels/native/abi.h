@@ -1,0 +1,52 @@
+// The native decode step's C ABI: plain structures of pointers into tensors that Python owns, mirrored field for
+// field by the ctypes structures in kernels/cpu_native.py (its ABI_VERSION and rs_abi_version change together),
+// and the bounds both sides check.
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+struct Linear {
+  int32_t format, n, k, pad;
+  const void* w;       // dense: T, packed in blocks of 16 rows (see product)
+  const void* scale;   // quantized formats: per-block scales; else null
+  const void* zero;    // quantized formats: per-block offsets; else null
+  const void* bias;    // T [n] or null
+};
+struct Layer {
+  const void* ln1;
+  const void* ln2;
+  Linear qkv, o, gate_up, down;
+  void* k_pool;  // T [slots, kv_heads, head_dim]
+  void* v_pool;
+};
+struct Model {
+  int32_t bf16, layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+  int32_t amx;  // 1: bf16 products use AMX tiles (rs_request_amx granted them); 0: AVX-512
+  float eps, scale;
+  const Layer* layer;
+  const void* norm;
+  Linear lm_head;
+};
+struct Step {
+  int32_t rows, logit_rows;
+  void* h;                  // T [rows, hidden]: the embeddings in, the last layer's output out
+  const void* cos;          // T [rows, head_dim]
+  const void* sin;          // T [rows, head_dim] (the rotate-half sign folded in, as RopeTable keeps it)
+  const int64_t* out_slot;  // [rows]
+  const int64_t* slots;     // every row's context slots (its new one included), back to back
+  const int64_t* starts;    // [rows + 1] offsets into slots
+  const int64_t* logit_row; // [logit_rows]
+  float* logits;            // [logit_rows, vocab]
+  void* scratch;            // scratch_bytes(model, rows)
+};
+}
+
+namespace rs {
+
+constexpr int kDense = 0, kQ8 = 1, kQ4 = 2;  // Linear.format
+constexpr int kBlock = 32;                   // weights per quantization block (along k)
+constexpr int kMaxGroup = 16;                // query heads per kv head
+constexpr int kMaxHeadDim = 256;
+
+}  // namespace rs

@@ -1,0 +1,261 @@
+// Decode attention over the paged KV pool: each row's query heads of one kv head attend to the row's context,
+// read through its slot indices.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "abi.h"
+#include "simd.h"
+
+namespace rs {
+
+constexpr int kKeys = 64;  // keys per chunk of the generic online softmax
+
+template <class T>
+inline float dot_head(const T* q, const T* k, int hd) {
+  __m512 a = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, bf16>) {
+    for (int i = 0; i < hd; i += 32) {
+      const __mmask32 mk = mask32(hd - i);
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mk, q + i),
+                           (__m512bh)_mm512_maskz_loadu_epi16(mk, k + i));
+    }
+  } else {
+    for (int i = 0; i < hd; i += 16) {
+      const __mmask16 mk = mask16(hd - i);
+      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + i), _mm512_maskz_loadu_ps(mk, k + i), a);
+    }
+  }
+  return _mm512_reduce_add_ps(a);
+}
+
+// A task is (row, kv head, share of the row's keys): an online softmax whose state -- per query head the running
+// max, the sum of exp and the weighted sum of values -- is written out normalized when the task has the whole
+// row, or as a partial that a merge phase combines (log-sum-exp) when the row's keys were split among tasks
+// because there are too few rows x kv heads to keep every thread busy.
+
+struct SoftmaxState {  // one task's state for up to kMaxGroup query heads
+  float best[kMaxGroup], total[kMaxGroup];
+  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
+};
+
+// The generic path: any head dim, either storage type.
+template <class T>
+inline void attend_keys(const T* q, const T* kp, const T* vp, int nkv, int g, const int64_t* row, int len, int hd,
+                        int group, float scale, SoftmaxState& st) {
+  alignas(64) float score[kMaxGroup][kKeys];
+  for (int j0 = 0; j0 < len; j0 += kKeys) {
+    const int nj = std::min(kKeys, len - j0);
+    for (int j = 0; j < nj; ++j) {
+      const T* key = kp + (row[j0 + j] * nkv + g) * hd;
+      for (int h = 0; h < group; ++h) score[h][j] = dot_head(q + h * hd, key, hd) * scale;
+    }
+    for (int h = 0; h < group; ++h) {
+      float top = st.best[h];
+      for (int j = 0; j < nj; ++j) top = std::max(top, score[h][j]);
+      const float fix = std::exp(st.best[h] - top);  // rescales what earlier chunks summed (0 on the first)
+      st.best[h] = top;
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < nj; j += 16) {
+        const __mmask16 mk = mask16(nj - j);
+        const __m512 p = _mm512_maskz_mov_ps(
+            mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, &score[h][j]), _mm512_set1_ps(top))));
+        _mm512_mask_storeu_ps(&score[h][j], mk, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      st.total[h] = st.total[h] * fix + _mm512_reduce_add_ps(sum);
+      for (int i = 0; i < hd; ++i) st.acc[h][i] *= fix;
+    }
+    for (int j = 0; j < nj; ++j) {
+      const T* val = vp + (row[j0 + j] * nkv + g) * hd;
+      for (int i = 0; i < hd; i += 16) {
+        const __mmask16 mk = mask16(hd - i);
+        const __m512 v = load16(val + i, mk);
+        for (int h = 0; h < group; ++h)
+          _mm512_mask_storeu_ps(&st.acc[h][i], mk, _mm512_fmadd_ps(_mm512_set1_ps(score[h][j]), v,
+                                                                   _mm512_maskz_loadu_ps(mk, &st.acc[h][i])));
+      }
+    }
+  }
+}
+
+// Sixteen vectors in, one out: lane j = the sum of v[j]'s lanes (a transposing tree: 15 adds, not 16 reductions)
+struct SumTree {
+  __m512 a[8];
+  int n = 0;
+  inline void push2(__m512 x, __m512 y) {  // v[2i], v[2i + 1]: halves added, x's 8 partials then y's
+    a[n++] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  inline __m512 sums() const {
+    __m512 b[4], c[2];
+    for (int i = 0; i < 4; ++i)  // block k of b[i]: 4 partials of v[4i + k]
+      b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // block k of c[i]: 2 partials of v[8i + k], then 2 of v[8i + 4 + k]
+      c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    // lane 4k + t of d holds v[4t + k]
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, d);
+  }
+};
+
+// bf16, head dim HD (64 or 128), HS query heads of a group: queries and value sums kept in registers, the scores
+// of 16 keys at a time summed by one tree.
+template <int HD, int HS>
+inline void attend_heads_bf16(const bf16* q, const bf16* kp, const bf16* vp, int nkv, int g, const int64_t* row,
+                              int len, float scale, float* best, float* total, float (*acc)[kMaxHeadDim]) {
+  constexpr int QV = HD / 32, AV = HD / 16;
+  __m512bh qv[HS][QV];
+  __m512 av[HS][AV];
+  for (int h = 0; h < HS; ++h) {
+    for (int i = 0; i < QV; ++i) qv[h][i] = (__m512bh)_mm512_loadu_si512(q + h * HD + 32 * i);
+    for (int i = 0; i < AV; ++i) av[h][i] = _mm512_loadu_ps(&acc[h][16 * i]);
+  }
+  alignas(64) float pbuf[HS][16];
+  const __m512 zero = _mm512_setzero_ps();
+  for (int j0 = 0; j0 < len; j0 += 16) {
+    const int nj = std::min(16, len - j0);
+    const __mmask16 real = mask16(nj);
+    const bf16* key[16];
+    for (int j = 0; j < 16; ++j) key[j] = kp + (row[j0 + std::min(j, nj - 1)] * nkv + g) * HD;
+    for (int h = 0; h < HS; ++h) {
+      SumTree tree;
+      for (int j = 0; j < 16; j += 2) {
+        __m512 x = zero, y = zero;
+        for (int i = 0; i < QV; ++i) {
+          x = _mm512_dpbf16_ps(x, qv[h][i], (__m512bh)_mm512_loadu_si512(key[j] + 32 * i));
+          y = _mm512_dpbf16_ps(y, qv[h][i], (__m512bh)_mm512_loadu_si512(key[j + 1] + 32 * i));
+        }
+        tree.push2(x, y);
+      }
+      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), real,
+                                          _mm512_mul_ps(tree.sums(), _mm512_set1_ps(scale)));
+      const float top = std::max(best[h], _mm512_reduce_max_ps(s));
+      const float fix = std::exp(best[h] - top);  // 0 on the first keys
+      best[h] = top;
+      const __m512 p = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+      total[h] = total[h] * fix + _mm512_reduce_add_ps(p);
+      _mm512_store_ps(pbuf[h], p);
+      for (int i = 0; i < AV; ++i) av[h][i] = _mm512_mul_ps(av[h][i], _mm512_set1_ps(fix));
+    }
+    for (int j = 0; j < nj; ++j) {
+      const bf16* val = vp + (row[j0 + j] * nkv + g) * HD;
+      __m512 v[AV];
+      for (int i = 0; i < AV; ++i) v[i] = load16(val + 16 * i, 0xffff);
+      for (int h = 0; h < HS; ++h) {
+        const __m512 pj = _mm512_set1_ps(pbuf[h][j]);
+        for (int i = 0; i < AV; ++i) av[h][i] = _mm512_fmadd_ps(pj, v[i], av[h][i]);
+      }
+    }
+  }
+  for (int h = 0; h < HS; ++h)
+    for (int i = 0; i < AV; ++i) _mm512_storeu_ps(&acc[h][16 * i], av[h][i]);
+}
+
+template <int HD>
+inline void attend_keys_bf16(const bf16* q, const bf16* kp, const bf16* vp, int nkv, int g, const int64_t* row,
+                             int len, int group, float scale, SoftmaxState& st) {
+  constexpr int kHeads = HD == 64 ? 4 : 2;  // query heads whose queries and sums fit the registers at once
+  for (int h0 = 0; h0 < group; h0 += kHeads) {
+    const bf16* qh = q + h0 * HD;
+    float* b = st.best + h0;
+    float* t = st.total + h0;
+    float(*a)[kMaxHeadDim] = st.acc + h0;
+    switch (std::min(kHeads, group - h0)) {
+      case 1: attend_heads_bf16<HD, 1>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
+      case 2: attend_heads_bf16<HD, 2>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
+      case 3: attend_heads_bf16<HD, 3>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
+      default: attend_heads_bf16<HD, (HD == 64 ? 4 : 2)>(qh, kp, vp, nkv, g, row, len, scale, b, t, a);
+    }
+  }
+}
+
+// How many tasks share each row's keys: enough tasks for every thread when rows x kv heads are few, never
+// shares of fewer than 64 keys, at most kMaxSplit.
+constexpr int kMaxSplit = 8;
+inline int attention_split(int rows, int nkv, int max_len, int threads) {
+  const int tasks = rows * nkv;
+  if (tasks >= 2 * threads) return 1;
+  const int want = (4 * threads + tasks - 1) / tasks;
+  return std::max(1, std::min({want, kMaxSplit, (max_len + 63) / 64}));
+}
+
+template <class T>
+inline void attention(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out, int split,
+                      float* partials) {
+  const int hd = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv;
+  const int width = (nq + 2 * nkv) * hd;
+  const int64_t part = int64_t(group) * (hd + 2);  // floats of one task's partial: best, total, acc per head
+  const T* kp = static_cast<const T*>(ly.k_pool);
+  const T* vp = static_cast<const T*>(ly.v_pool);
+#pragma omp for schedule(dynamic, 1)
+  for (int t = 0; t < st.rows * nkv * split; ++t) {
+    const int m = t / (nkv * split), g = t / split % nkv, c = t % split;
+    const int len = int(st.starts[m + 1] - st.starts[m]);
+    const int share = (len + split - 1) / split, j0 = std::min(len, c * share), j1 = std::min(len, j0 + share);
+    const int64_t* row = st.slots + st.starts[m] + j0;
+    const T* q = qkv + int64_t(m) * width + g * group * hd;
+    SoftmaxState s;
+    for (int h = 0; h < group; ++h) {
+      s.best[h] = -INFINITY;
+      s.total[h] = 0.0f;
+      for (int i = 0; i < hd; ++i) s.acc[h][i] = 0.0f;
+    }
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (hd == 64) attend_keys_bf16<64>(q, kp, vp, nkv, g, row, j1 - j0, group, md.scale, s);
+      else if (hd == 128) attend_keys_bf16<128>(q, kp, vp, nkv, g, row, j1 - j0, group, md.scale, s);
+      else attend_keys(q, kp, vp, nkv, g, row, j1 - j0, hd, group, md.scale, s);
+    } else {
+      attend_keys(q, kp, vp, nkv, g, row, j1 - j0, hd, group, md.scale, s);
+    }
+    if (split == 1) {
+      for (int h = 0; h < group; ++h) {
+        T* o = out + int64_t(m) * nq * hd + (g * group + h) * hd;
+        const __m512 inv = _mm512_set1_ps(1.0f / s.total[h]);
+        for (int i = 0; i < hd; i += 16) {
+          const __mmask16 mk = mask16(hd - i);
+          store16(o + i, rnd16<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, &s.acc[h][i]), inv)), mk);
+        }
+      }
+    } else {
+      float* p = partials + int64_t(t) * part;
+      for (int h = 0; h < group; ++h) {
+        p[h * (hd + 2)] = s.best[h];
+        p[h * (hd + 2) + 1] = s.total[h];
+        std::memcpy(p + h * (hd + 2) + 2, s.acc[h], sizeof(float) * hd);
+      }
+    }
+  }
+  if (split == 1) return;
+#pragma omp for schedule(static)
+  for (int t = 0; t < st.rows * nkv; ++t) {  // merge a row's shares: rescale each to the largest max, add
+    const int m = t / nkv, g = t % nkv;
+    for (int h = 0; h < group; ++h) {
+      const float* p0 = partials + int64_t(t) * split * part + h * (hd + 2);
+      float top = -INFINITY;
+      for (int c = 0; c < split; ++c) top = std::max(top, p0[c * part]);
+      float total = 0.0f;
+      alignas(64) float acc[kMaxHeadDim] = {};
+      for (int c = 0; c < split; ++c) {
+        const float* p = p0 + c * part;
+        if (p[1] == 0.0f) continue;  // an empty share
+        const float w = std::exp(p[0] - top);
+        total += w * p[1];
+        for (int i = 0; i < hd; ++i) acc[i] += w * p[2 + i];
+      }
+      T* o = out + int64_t(m) * nq * hd + (g * group + h) * hd;
+      const __m512 inv = _mm512_set1_ps(1.0f / total);
+      for (int i = 0; i < hd; i += 16) {
+        const __mmask16 mk = mask16(hd - i);
+        store16(o + i, rnd16<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, &acc[i]), inv)), mk);
+      }
+    }
+  }
+}
+
+}  // namespace rs

@@ -1,0 +1,277 @@
+// A whole decode step of a Llama-family model on the CPU in one call (rs_decode_step): every layer's norm,
+// projections, RoPE, KV store, paged attention, SiLU-mul and residuals, then the final norm and the output
+// projection of the rows that want logits.
+//
+// Why C++: at small batch a decode step is bound by streaming every weight once; torch spends as much again on
+// hundreds of small ops and the fork/join of every library call. Here the step is one OpenMP region on torch's
+// own threads (the same libgomp.so.1), its phases separated by barriers:
+//
+//   abi.h        the structures Python fills (pointers into its tensors) and the bounds both sides check
+//   simd.h       bf16/fp32 storage, AVX-512 loads and stores with torch's rounding, exp
+//   products.h   linear layers: AMX tiles or AVX-512 BF16/FP32 over weights packed in 16-row blocks; int8/int4
+//                blocks times activations quantized to int8 (VNNI), as llama.cpp computes them
+//   attention.h  decode attention over the slot pool (online softmax; a row's keys split among threads when
+//                rows are few)
+//   decode.cpp   the element-wise pieces between the products, and the step
+//
+// Numerics follow the eager model: values are rounded to the storage type (bf16 or fp32) wherever an eager op
+// would round (each product, each element-wise op, each residual); products and softmax accumulate in fp32. Only
+// the order of summation differs, as between any two GEMM libraries (and quantized weights see quantized
+// activations).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "abi.h"
+#include "attention.h"
+#include "products.h"
+#include "simd.h"
+
+namespace rs {
+
+// ---- the pieces between the products ----
+
+// out = w * round(x * rsqrt(mean(x^2) + eps)) per row: the eager RMSNorm's rounding (out may be x)
+template <class T>
+inline void rms_norm(const T* x, const T* w, int rows, int dim, float eps, T* out) {
+#pragma omp for schedule(static)
+  for (int m = 0; m < rows; ++m) {
+    const T* xm = x + int64_t(m) * dim;
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i += 16) {
+      const __m512 v = load16(xm + i, mask16(dim - i));
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / float(dim) + eps);
+    for (int i = 0; i < dim; i += 16) {
+      const __mmask16 mk = mask16(dim - i);
+      const __m512 v = rnd16<T>(_mm512_mul_ps(load16(xm + i, mk), _mm512_set1_ps(inv)));
+      store16(out + int64_t(m) * dim + i, rnd16<T>(_mm512_mul_ps(load16(w + i, mk), v)), mk);
+    }
+  }
+}
+
+// RoPE on a row's q and k heads in place (x * cos + roll(x, half) * sin), then its k and v into the pool
+template <class T>
+inline void rope_and_store(const Model& md, const Layer& ly, const Step& st, T* qkv) {
+  const int hd = md.head_dim, half = hd / 2, nq = md.heads, nkv = md.kv_heads, width = (nq + 2 * nkv) * hd;
+#pragma omp for schedule(static)
+  for (int t = 0; t < st.rows * (nq + nkv); ++t) {
+    const int m = t / (nq + nkv), head = t % (nq + nkv);
+    T* x = qkv + int64_t(m) * width + head * hd;
+    const T* c = static_cast<const T*>(st.cos) + int64_t(m) * hd;
+    const T* s = static_cast<const T*>(st.sin) + int64_t(m) * hd;
+    float tmp[kMaxHeadDim];
+    for (int i = 0; i < hd; ++i) {
+      const float rolled = to_f(x[i < half ? i + half : i - half]);
+      tmp[i] = rnd<T>(rnd<T>(to_f(x[i]) * to_f(c[i])) + rnd<T>(rolled * to_f(s[i])));
+    }
+    for (int i = 0; i < hd; ++i) x[i] = from_f<T>(tmp[i]);
+    if (head >= nq) {  // a k head: it and its v go to the row's new slot
+      const int g = head - nq;
+      const int64_t at = (st.out_slot[m] * nkv + g) * hd;
+      std::memcpy(static_cast<T*>(ly.k_pool) + at, x, sizeof(T) * hd);
+      std::memcpy(static_cast<T*>(ly.v_pool) + at, x + nkv * hd, sizeof(T) * hd);
+    }
+  }
+}
+
+// act = round(round(silu(gate)) * up), gate and up the two halves of each row of gu
+template <class T>
+inline void silu_mul(const T* gu, int rows, int inter, T* act) {
+#pragma omp for schedule(static)
+  for (int m = 0; m < rows; ++m) {
+    const T* g = gu + int64_t(m) * 2 * inter;
+    for (int i = 0; i < inter; i += 16) {
+      const __mmask16 mk = mask16(inter - i);
+      const __m512 x = load16(g + i, mk);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 silu = rnd16<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+      store16(act + int64_t(m) * inter + i, rnd16<T>(_mm512_mul_ps(silu, load16(g + inter + i, mk))), mk);
+    }
+  }
+}
+
+// A step's intermediates, carved from one buffer the caller owns (rs_scratch_bytes says how big)
+struct Scratch {
+  void* xn;    // T [rows, hidden]: a norm's output
+  void* qkv;   // T [rows, (heads + 2 kv_heads) head_dim]
+  void* attn;  // T [rows, heads head_dim]
+  void* gu;    // T [rows, 2 inter]
+  void* act;   // T [rows, inter]
+  QuantRows qx;  // a quantized product's input: [rows, widest k]
+  float* partials;  // attention's split shares: [tasks, group, head_dim + 2]
+};
+
+Scratch carve(const Model& md, int64_t rows, void* base, int64_t* total) {
+  const int64_t es = md.bf16 ? 2 : 4, qkv = int64_t(md.heads + 2 * md.kv_heads) * md.head_dim;
+  const int64_t wide = std::max<int64_t>({md.hidden, md.inter, int64_t(md.heads) * md.head_dim});
+  // a split happens only with fewer than 2 tasks per thread, so fewer than 2 x threads x kMaxSplit shares
+  const int64_t shares = 2 * int64_t(omp_get_max_threads()) * kMaxSplit;
+  const int64_t sizes[9] = {rows * md.hidden * es, rows * qkv * es, rows * md.heads * md.head_dim * es,
+                            rows * 2 * md.inter * es, rows * md.inter * es, rows * wide,
+                            rows * (wide / kBlock) * 4, rows * (wide / kBlock) * 4,
+                            shares * (md.heads / md.kv_heads) * (md.head_dim + 2) * 4};
+  char* p = static_cast<char*>(base);
+  void* parts[9];
+  int64_t off = 0;
+  for (int i = 0; i < 9; ++i) {
+    parts[i] = p ? p + off : nullptr;
+    off += (sizes[i] + 63) / 64 * 64;
+  }
+  if (total) *total = off;
+  return {parts[0], parts[1], parts[2], parts[3], parts[4],
+          {static_cast<int8_t*>(parts[5]), static_cast<float*>(parts[6]), static_cast<int32_t*>(parts[7])},
+          static_cast<float*>(parts[8])};
+}
+
+template <class T>
+void step(const Model& md, const Step& st) {
+  const int rows = st.rows, H = md.hidden, I = md.inter;
+  const int64_t qkv_w = int64_t(md.heads + 2 * md.kv_heads) * md.head_dim;
+  const Scratch s = carve(md, rows, st.scratch, nullptr);
+  T* h = static_cast<T*>(st.h);
+  T* xn = static_cast<T*>(s.xn);
+  T* qkv = static_cast<T*>(s.qkv);
+  T* at = static_cast<T*>(s.attn);
+  T* gu = static_cast<T*>(s.gu);
+  T* act = static_cast<T*>(s.act);
+  const bool amx = md.amx != 0;
+  int max_len = 0;
+  for (int m = 0; m < rows; ++m) max_len = std::max(max_len, int(st.starts[m + 1] - st.starts[m]));
+  const int split = attention_split(rows, md.kv_heads, max_len, omp_get_max_threads());
+  auto into = [](T* y, int64_t width) {  // a product's outputs stored as they are
+    return [=](int m, int n, __m512 v, __mmask16 mk) { store16(y + m * width + n, v, mk); };
+  };
+  auto onto_h = [=](int m, int n, __m512 v, __mmask16 mk) {  // h = round(h + y): the residual
+    T* r = h + int64_t(m) * H + n;
+    store16(r, rnd16<T>(_mm512_add_ps(load16(r, mk), v)), mk);
+  };
+  // y = x W^T through emit: x quantized first where W is (every thread takes part in both phases)
+  auto linear = [&](const T* x, int n_rows, const Linear& lin, auto&& emit) {
+    if (lin.format != kDense) quantize_rows(x, n_rows, lin.k, s.qx);
+    product(x, s.qx, n_rows, lin, amx, emit);
+  };
+#pragma omp parallel
+  {
+    for (int l = 0; l < md.layers; ++l) {
+      const Layer& ly = md.layer[l];
+      rms_norm(h, static_cast<const T*>(ly.ln1), rows, H, md.eps, xn);
+      linear(xn, rows, ly.qkv, into(qkv, qkv_w));
+#pragma omp barrier
+      rope_and_store(md, ly, st, qkv);
+      attention(md, ly, st, qkv, at, split, s.partials);
+      linear(at, rows, ly.o, onto_h);
+#pragma omp barrier
+      rms_norm(h, static_cast<const T*>(ly.ln2), rows, H, md.eps, xn);
+      linear(xn, rows, ly.gate_up, into(gu, 2 * int64_t(I)));
+#pragma omp barrier
+      silu_mul(gu, rows, I, act);
+      linear(act, rows, ly.down, onto_h);
+#pragma omp barrier
+    }
+    // the rows that want logits: the final norm, then the output projection (rounded to T as eager, then fp32)
+#pragma omp for schedule(static)
+    for (int r = 0; r < st.logit_rows; ++r) std::memcpy(xn + int64_t(r) * H, h + st.logit_row[r] * H, sizeof(T) * H);
+    rms_norm(xn, static_cast<const T*>(md.norm), st.logit_rows, H, md.eps, xn);
+    linear(xn, st.logit_rows, md.lm_head, [&](int m, int n, __m512 v, __mmask16 mk) {
+      _mm512_mask_storeu_ps(st.logits + int64_t(m) * md.vocab + n, mk, v);
+    });
+    release_tiles();
+  }
+}
+
+// y = x W^T (+ b) alone, for tests: x T [rows, k], y T [rows, n] (as the step computes it inside a layer)
+template <class T>
+void linear_alone(const Linear& lin, const T* x, int rows, T* y, bool amx, void* scratch) {
+  const int64_t blocks = lin.k / kBlock;
+  char* p = static_cast<char*>(scratch);
+  const QuantRows qx{reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + rows * int64_t(lin.k)),
+                     reinterpret_cast<int32_t*>(p + rows * int64_t(lin.k) + rows * blocks * 4)};
+#pragma omp parallel
+  {
+    if (lin.format != kDense) quantize_rows(x, rows, lin.k, qx);
+    product(x, qx, rows, lin, amx, [&](int m, int n, __m512 v, __mmask16 mk) {
+      store16(y + int64_t(m) * lin.n + n, v, mk);
+    });
+    release_tiles();
+  }
+}
+
+// One layer's attention alone, for tests: qkv T [rows, (heads + 2 kv_heads) head_dim] after RoPE (its k and v
+// already in the pool), out T [rows, heads head_dim]; scratch as for a step of ``rows``
+template <class T>
+void attention_alone(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out) {
+  const Scratch s = carve(md, st.rows, st.scratch, nullptr);
+  int max_len = 0;
+  for (int m = 0; m < st.rows; ++m) max_len = std::max(max_len, int(st.starts[m + 1] - st.starts[m]));
+  const int split = attention_split(st.rows, md.kv_heads, max_len, omp_get_max_threads());
+#pragma omp parallel
+  attention(md, ly, st, qkv, out, split, s.partials);
+}
+
+// 0, or why a model cannot run here: 1 its heads, 2 a linear layer's format or shape
+int32_t check(const Model& md) {
+  if (md.heads % md.kv_heads || md.heads / md.kv_heads > kMaxGroup || md.head_dim > kMaxHeadDim) return 1;
+  auto bad = [](const Linear& lin) {
+    return lin.format == kDense ? lin.k % 2 != 0 : (lin.format != kQ8 && lin.format != kQ4) || lin.k % kBlock != 0;
+  };
+  for (int l = 0; l < md.layers; ++l) {
+    const Layer& ly = md.layer[l];
+    if (bad(ly.qkv) || bad(ly.o) || bad(ly.gate_up) || bad(ly.down)) return 2;
+  }
+  return bad(md.lm_head) ? 2 : 0;
+}
+
+}  // namespace rs
+
+using namespace rs;
+
+extern "C" {
+
+int64_t rs_scratch_bytes(const Model* md, int32_t rows) {
+  int64_t total = 0;
+  carve(*md, rows, nullptr, &total);
+  return total;
+}
+
+int32_t rs_abi_version() { return 1; }
+
+// Whether AMX tile products can be used in this process (asks the kernel for the tile state once).
+int32_t rs_request_amx() { return request_amx() ? 1 : 0; }
+
+int32_t rs_check(const Model* md) { return check(*md); }
+
+// One layer's attention (tests)
+void rs_attention(const Model* md, int32_t layer, const Step* st, const void* qkv, void* out) {
+  if (md->bf16) {
+    attention_alone(*md, md->layer[layer], *st, static_cast<const uint16_t*>(qkv), static_cast<uint16_t*>(out));
+  } else {
+    attention_alone(*md, md->layer[layer], *st, static_cast<const float*>(qkv), static_cast<float*>(out));
+  }
+}
+
+// One product (tests): scratch of rows * (k + k / 32 * 8) bytes for a quantized W
+void rs_linear(const Linear* lin, int32_t bf16, const void* x, int32_t rows, void* y, int32_t amx, void* scratch) {
+  if (bf16) {
+    linear_alone(*lin, static_cast<const uint16_t*>(x), rows, static_cast<uint16_t*>(y), amx != 0, scratch);
+  } else {
+    linear_alone(*lin, static_cast<const float*>(x), rows, static_cast<float*>(y), amx != 0, scratch);
+  }
+}
+
+// One decode step; returns 0, or check()'s code for a model this kernel does not take.
+int32_t rs_decode_step(const Model* md, const Step* st) {
+  if (const int32_t code = check(*md)) return code;
+  if (md->bf16) {
+    step<bf16>(*md, *st);
+  } else {
+    step<float>(*md, *st);
+  }
+  return 0;
+}
+
+}

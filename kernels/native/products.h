@@ -1,0 +1,335 @@
+// Linear layers: y = x W^T (+ b) for a few rows of x, each thread computing its share of W's output rows.
+#pragma once
+
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "abi.h"
+#include "simd.h"
+
+namespace rs {
+
+// ---- products: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) ----
+// Dense weights are packed once (kernels/cpu_native.py) into blocks of 16 output rows,
+//   bf16: [n/16][k/2][16][2] (per k-pair, what one dpbf16 takes per output lane)    fp32: [n/16][k][16],
+// so each lane of an accumulator is one output (no horizontal sums) and each weight vector, loaded once, serves a
+// tile of up to kRowTile rows of x. A thread owns a contiguous share of the blocks.
+
+constexpr int kRowTile = 4, kColTile = 4;  // a register tile: rows of x x blocks of 16 outputs
+using Acc = __m512[kRowTile][kColTile];
+
+template <int MR, int NB>
+inline void zero(Acc& acc) {
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+}
+
+template <int MR, int NB>
+void tile_bf16(const bf16* x, int64_t ldx, int k, const bf16* w, int64_t bstride, Acc& acc) {
+  zero<MR, NB>(acc);
+  const int pairs = k / 2;
+  for (int p = 0; p < pairs; ++p) {
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * bstride + p * 32);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
+    }
+  }
+}
+
+template <int MR, int NB>
+void tile_f32(const float* x, int64_t ldx, int k, const float* w, int64_t bstride, Acc& acc) {
+  zero<MR, NB>(acc);
+  for (int i = 0; i < k; ++i) {
+    __m512 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * bstride + i * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xb, acc[r][j]);
+    }
+  }
+}
+
+template <class T>
+using TileFn = void (*)(const T*, int64_t, int, const T*, int64_t, Acc&);
+
+template <class T, int MR, int NB>
+constexpr TileFn<T> tile_fn() {
+  if constexpr (std::is_same_v<T, bf16>) return &tile_bf16<MR, NB>;
+  else return &tile_f32<MR, NB>;
+}
+
+template <class T>
+TileFn<T> tile_for(int mr, int nb) {  // every (rows, blocks) shape a tile can have
+  static const TileFn<T> table[kRowTile][kColTile] = {
+      {tile_fn<T, 1, 1>(), tile_fn<T, 1, 2>(), tile_fn<T, 1, 3>(), tile_fn<T, 1, 4>()},
+      {tile_fn<T, 2, 1>(), tile_fn<T, 2, 2>(), tile_fn<T, 2, 3>(), tile_fn<T, 2, 4>()},
+      {tile_fn<T, 3, 1>(), tile_fn<T, 3, 2>(), tile_fn<T, 3, 3>(), tile_fn<T, 3, 4>()},
+      {tile_fn<T, 4, 1>(), tile_fn<T, 4, 2>(), tile_fn<T, 4, 3>(), tile_fn<T, 4, 4>()}};
+  return table[mr - 1][nb - 1];
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (built where the compiler targets it, used where the kernel was granted it): a bf16 tile product
+// C[rows x 16] += A[rows x 32] B[16 pairs x 16] is exactly one block of the packed layout per 32 k, so a tile
+// computes 16 rows x 16 outputs x 32 k in one instruction -- where several rows of x make the AVX-512 tiles
+// compute-bound. Tiles 0-3: C (four blocks of outputs), 4: A (rows of x), 5-6: B.
+constexpr bool kHaveAmx = true;
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+thread_local int configured_rows = 0;  // the tile configuration is per thread; 0: none loaded
+
+inline void configure_tiles(int rows) {
+  if (configured_rows == rows) return;
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 7; ++t) {
+    c.rows[t] = uint8_t(t < 5 ? rows : 16);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+  configured_rows = rows;
+}
+
+inline void release_tiles() {
+  if (configured_rows) _tile_release();
+  configured_rows = 0;
+}
+
+template <class F>
+inline void product_amx(const bf16* x, int rows, const Linear& lin, const bf16* w, int b0, int b1, F&& out) {
+  const int64_t bstride = int64_t(lin.k) * 16, lda = int64_t(lin.k) * 2;
+  alignas(64) float c[kColTile][16][16];
+  for (int b = b0; b < b1; b += kColTile) {
+    const int nb = std::min(kColTile, b1 - b);
+    const bf16* wb = w + b * bstride;
+    for (int m = 0; m < rows; m += 16) {
+      const int mr = std::min(16, rows - m);
+      configure_tiles(mr);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int k0 = 0; k0 < lin.k; k0 += 32) {
+        _tile_loadd(4, x + int64_t(m) * lin.k + k0, lda);
+        const bf16* wk = wb + int64_t(k0) * 16;  // pairs k0/2 .. k0/2 + 15 of the first block: 1 KB
+        _tile_loadd(5, wk, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nb > 1) {
+          _tile_loadd(6, wk + bstride, 64);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nb > 2) {
+          _tile_loadd(5, wk + 2 * bstride, 64);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (nb > 3) {
+          _tile_loadd(6, wk + 3 * bstride, 64);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      if (nb > 1) _tile_stored(1, c[1], 64);
+      if (nb > 2) _tile_stored(2, c[2], 64);
+      if (nb > 3) _tile_stored(3, c[3], 64);
+      for (int j = 0; j < nb; ++j)
+        for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, _mm512_load_ps(c[j][r]));
+    }
+  }
+}
+
+bool request_amx() {  // Linux: a process must ask before its threads may use the tile registers
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+#else
+constexpr bool kHaveAmx = false;
+bool request_amx() { return false; }
+inline void release_tiles() {}
+#endif
+
+// ---- quantized products ----
+// Weights in blocks of 16 output rows x 32 k (packed by kernels/cpu_native.py), each 32 k of a row with a scale d
+// (and for q4 an offset m): w = d q + m.
+//   q8: 8 groups of 4 k, each 16 lanes x 4 bytes of q + 128 (u8)                                  512 bytes
+//   q4: 4 groups of 8 k, each 16 lanes x 4 bytes: low nibble q[k0 + b], high nibble q[k0 + 4 + b]  256 bytes
+//   scale: q8 fp32, q4 fp16 [n/16][k/32][16] (d); zero: q4 fp16, the same layout (m)
+// The activations are quantized per row and 32 k to int8 (xq = round(x / dx), dx = max|x| / 127, and sum(xq)),
+// as llama.cpp does for its quantized CPU products, so a block's dot product is integer (VNNI's u8 x s8 dpbusd):
+//   sum_k x w = dx (d sum_k q xq + m sum_k xq);  q8 stores q + 128: sum_k (q + 128) xq - 128 sum_k xq.
+
+struct QuantRows {  // a product's input rows, quantized (scratch)
+  int8_t* q;        // [rows, k]
+  float* d;         // [rows, k / 32]
+  int32_t* sum;     // [rows, k / 32]
+};
+
+template <class T>
+inline void quantize_rows(const T* x, int rows, int k, const QuantRows& out) {
+  const int blocks = k / kBlock;
+#pragma omp for schedule(static)
+  for (int m = 0; m < rows; ++m)
+    for (int b = 0; b < blocks; ++b) {
+      const int64_t at = int64_t(m) * k + b * kBlock;
+      const __m512 lo = load16(x + at, 0xffff), hi = load16(x + at + 16, 0xffff);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));  // nearest, ties to even
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + at), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + at + 16), _mm512_cvtsepi32_epi8(qhi));
+      out.d[int64_t(m) * blocks + b] = d;
+      out.sum[int64_t(m) * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+}
+
+constexpr int kQRowTile = 4, kQColTile = 2;  // integer and float accumulators: 2 x 8 registers
+
+template <int Format, int MR, int NB>
+void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc) {
+  const int blocks = k / kBlock;
+  const int64_t wbytes = Format == kQ8 ? 512 : 256;  // per 16 rows x 32 k
+  const uint8_t* w = static_cast<const uint8_t*>(lin.w) + int64_t(b) * blocks * wbytes;
+  zero<MR, NB>(acc);
+  for (int blk = 0; blk < blocks; ++blk) {
+    __m512i dot[MR][NB];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) dot[r][j] = _mm512_setzero_si512();
+    const uint8_t* wb = w + blk * wbytes;
+    if constexpr (Format == kQ8) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        __m512i wv[NB];
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wb + j * blocks * wbytes + g * 64);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, x.q + int64_t(m0 + r) * k + blk * kBlock + g * 4, 4);
+          const __m512i xb = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
+          for (int j = 0; j < NB; ++j) dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], wv[j], xb);
+        }
+      }
+    } else {
+      const __m512i low = _mm512_set1_epi8(0x0f);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        __m512i lo[NB], hi[NB];
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) {
+          const __m512i v = _mm512_loadu_si512(wb + j * blocks * wbytes + g * 64);
+          lo[j] = _mm512_and_si512(v, low);
+          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          int32_t q0, q1;
+          const int8_t* xq = x.q + int64_t(m0 + r) * k + blk * kBlock + g * 8;
+          std::memcpy(&q0, xq, 4);
+          std::memcpy(&q1, xq + 4, 4);
+          const __m512i x0 = _mm512_set1_epi32(q0), x1 = _mm512_set1_epi32(q1);
+#pragma GCC unroll 4
+          for (int j = 0; j < NB; ++j) {
+            dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], lo[j], x0);
+            dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], hi[j], x1);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const int64_t at = (int64_t(b + j) * blocks + blk) * 16;
+      __m512 d, c;
+      if constexpr (Format == kQ8) {
+        d = _mm512_loadu_ps(static_cast<const float*>(lin.scale) + at);
+        c = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+      } else {
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(lin.scale) + at)));
+        c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(lin.zero) + at)));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const int64_t xi = int64_t(m0 + r) * blocks + blk;
+        const __m512 t = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot[r][j]), _mm512_mul_ps(c, _mm512_set1_ps(float(x.sum[xi]))));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x.d[xi]), t, acc[r][j]);
+      }
+    }
+  }
+}
+
+using QuantTileFn = void (*)(const QuantRows&, int, int, const Linear&, int, Acc&);
+
+template <int Format>
+QuantTileFn quant_tile_for(int mr, int nb) {
+  static const QuantTileFn table[kQRowTile][kQColTile] = {
+      {&tile_quant<Format, 1, 1>, &tile_quant<Format, 1, 2>}, {&tile_quant<Format, 2, 1>, &tile_quant<Format, 2, 2>},
+      {&tile_quant<Format, 3, 1>, &tile_quant<Format, 3, 2>}, {&tile_quant<Format, 4, 1>, &tile_quant<Format, 4, 2>}};
+  return table[mr - 1][nb - 1];
+}
+
+// y = x W^T (+ b) for this thread's share of W's blocks. ``emit(m, n, v, mask)`` gets outputs n .. n + 15 of row
+// m (lanes past W's last row masked off), the bias added and rounded to T, as an eager linear layer returns them.
+// ``amx``: use the tile product (bf16, k a multiple of 32).
+template <class T, class F>
+inline void product(const T* x, const QuantRows& qx, int rows, const Linear& lin, bool amx, F&& emit) {
+  const int blocks = (lin.n + 15) / 16, t = omp_get_thread_num(), nt = omp_get_num_threads();
+  const int b0 = int(int64_t(blocks) * t / nt), b1 = int(int64_t(blocks) * (t + 1) / nt);
+  const int64_t bstride = int64_t(lin.k) * 16;  // elements per block of 16 rows
+  const T* w = static_cast<const T*>(lin.w);
+  const T* bias = static_cast<const T*>(lin.bias);
+  auto out = [&](int m, int n, __m512 acc) {
+    const __mmask16 mk = mask16(lin.n - n);
+    emit(m, n, rnd16<T>(bias ? _mm512_add_ps(acc, load16(bias + n, mk)) : acc), mk);
+  };
+  Acc acc;
+  if (lin.format != kDense) {  // qx: x quantized (quantize_rows) just before
+    for (int b = b0; b < b1; b += kQColTile) {
+      const int nb = std::min(kQColTile, b1 - b);
+      for (int m = 0; m < rows; m += kQRowTile) {
+        const int mr = std::min(kQRowTile, rows - m);
+        (lin.format == kQ8 ? quant_tile_for<kQ8>(mr, nb) : quant_tile_for<kQ4>(mr, nb))(qx, m, lin.k, lin, b, acc);
+        for (int j = 0; j < nb; ++j)
+          for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, acc[r][j]);
+      }
+    }
+    return;
+  }
+  if constexpr (std::is_same_v<T, bf16> && kHaveAmx) {
+    if (amx && lin.k % 32 == 0) {
+      product_amx(x, rows, lin, w, b0, b1, out);
+      return;
+    }
+  }
+  for (int b = b0; b < b1; b += kColTile) {
+    const int nb = std::min(kColTile, b1 - b);
+    for (int m = 0; m < rows; m += kRowTile) {
+      const int mr = std::min(kRowTile, rows - m);
+      tile_for<T>(mr, nb)(x + int64_t(m) * lin.k, lin.k, lin.k, w + b * bstride, bstride, acc);
+      for (int j = 0; j < nb; ++j)
+        for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, acc[r][j]);
+    }
+  }
+}
+
+}  // namespace rs
