@@ -192,8 +192,9 @@ HELP = {
     "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
                     "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
     "decode_kernel": "how CPU decode steps run: native (the whole step in one C++ call, built for this CPU on "
-                     "first use: AVX-512 BF16/AMX, bf16 or float32 weights), compiled (torch.compile'd layers), eager; "
-                     "auto: native where it can run, else compiled",
+                     "first use; needs AVX-512 BF16 + VNNI and a C++ compiler; bf16, float32 or --quantization "
+                     "weights), compiled (torch.compile'd layers), eager; auto: native where it can run, else "
+                     "compiled",
     "disable_compile": "run decode steps eagerly: no native step, no torch.compile graphs (compiling them at "
                        "start-up takes ~30 s the first time, a few seconds once cached; CPU only, never with "
                        "--deterministic)",
