@@ -115,14 +115,19 @@ inline void release_tiles() {
   configured_rows = 0;
 }
 
+constexpr int kAmxRowChunk = 128;
+
 template <class F>
 inline void product_amx(const bf16* x, int rows, const Linear& lin, const bf16* w, int b0, int b1, F&& out) {
   const int64_t bstride = int64_t(lin.k) * 16, lda = int64_t(lin.k) * 2;
   alignas(64) float c[kColTile][16][16];
+  // rows in chunks that stay in L2 while every block of this thread's share passes over them (a prefill's x would
+  // otherwise stream from memory once per block group)
+  for (int m0 = 0; m0 < rows; m0 += kAmxRowChunk)
   for (int b = b0; b < b1; b += kColTile) {
     const int nb = std::min(kColTile, b1 - b);
     const bf16* wb = w + b * bstride;
-    for (int m = 0; m < rows; m += 16) {
+    for (int m = m0; m < std::min(rows, m0 + kAmxRowChunk); m += 16) {
       const int mr = std::min(16, rows - m);
       configure_tiles(mr);
       _tile_zero(0);
