@@ -115,8 +115,9 @@ class CacheManager:
         cap = len(tokens) - 1 if limit is None else min(limit, len(tokens) - 1)
         if self.tree and cap > 0:
             slots, node = self.tree.match_prefix(tokens[:cap], touch=False)
-            handle.row[: len(slots)] = slots
-            handle.kv_len = handle.tree_len = len(slots)
+            n = len(slots)
+            handle.row[:n] = slots
+            handle.kv_len = handle.tree_len = n
             self._relock(handle, node)
         return handle
 

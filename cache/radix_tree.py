@@ -69,10 +69,11 @@ class TreeNode:
         return self.parent is not None and self.lock_ref == 0 and not self.children
 
 
-def _common_len(key: bytes, data: bytes, start: int) -> int:
-    """Tokens in the common prefix of ``key`` and ``data[start:]`` (byte offsets; both packed)."""
-    n = min(len(key), len(data) - start)
-    if data[start : start + n] == (key if n == len(key) else key[:n]):  # the usual case: one memcmp
+def _common_len(key: bytes, data: bytes, start: int, end: int) -> int:
+    """Tokens in the common prefix of ``key`` and ``data[start:end]`` (byte offsets; both packed)."""
+    size = len(key)
+    n = size if size <= end - start else end - start
+    if data[start : start + n] == (key if n == size else key[:n]):  # the usual case: one memcmp
         return n // TOKEN
     a = np.frombuffer(key, dtype=np.int32, count=n // TOKEN)
     b = np.frombuffer(data, dtype=np.int32, count=n // TOKEN, offset=start)
@@ -154,8 +155,10 @@ class RadixTree:
         while node is not self.root:
             node.last_access = now
             node.hit_count += hit
-            node.priority = max(node.priority, priority)
-            self._requeue(node)
+            if priority > node.priority:
+                node.priority = priority
+            if node.lock_ref == 0 and not node.children:  # an evictable leaf: its key may have changed
+                self._queue.push(node)
             node = node.parent
 
     # -- mutation ----------------------------------------------------------------------------------------
@@ -175,8 +178,9 @@ class RadixTree:
             tokens:  [0 ........ start.depth) [start.depth ..... cached) [cached ...... len)
                       tree's, locked by caller  walked: dups freed        new leaf: caller's slots
         """
-        if len(tokens) != len(slots) or not (start is self.root or start.lock_ref > 0):  # the hot path: no closures
-            require(len(tokens) == len(slots), lambda: f"{len(tokens)} tokens but {len(slots)} slots")
+        n = len(tokens)
+        if n != len(slots) or not (start is self.root or start.lock_ref > 0):  # the hot path: no closures
+            require(n == len(slots), lambda: f"{n} tokens but {len(slots)} slots")
             require(False, "insert_from needs a locked start node")
         now = self.clock()
         self._refresh(start, now, priority)  # the matched prefix is used now, as every node walked below
@@ -189,12 +193,14 @@ class RadixTree:
             if dup.any():  # computed twice: keep the tree's copy, give ours back
                 self.free_slots(mine[dup])
             node.last_access = now
-            node.priority = max(node.priority, priority)
-            self._requeue(node)
+            if priority > node.priority:
+                node.priority = priority
+            if node.lock_ref == 0 and not node.children:  # an evictable leaf: its key may have changed
+                self._queue.push(node)
             pos = node.depth
         cached = pos
-        if pos < len(tokens):
-            new = len(tokens) - pos
+        if pos < n:
+            new = n - pos
             leaf = TreeNode(data[(pos - base) * TOKEN :], new, np.array(slots[pos:], dtype=SLOT_DTYPE), node,
                             node.depth + new, now, now, 0, priority)
             node.children[leaf.key[:TOKEN]] = leaf
@@ -269,7 +275,7 @@ class RadixTree:
             child = children.get(data[pos : pos + TOKEN])
             if child is None:
                 break
-            n = _common_len(child.key, data, pos)
+            n = _common_len(child.key, data, pos, end)
             out.append((child, n))
             if n < child.num_tokens:
                 break
@@ -289,13 +295,11 @@ class RadixTree:
         """``node`` and its ancestors were used now (an insert through them): access time and priority."""
         while node is not self.root:
             node.last_access = now
-            node.priority = max(node.priority, priority)
-            self._requeue(node)
+            if priority > node.priority:
+                node.priority = priority
+            if node.lock_ref == 0 and not node.children:  # an evictable leaf: its key may have changed
+                self._queue.push(node)
             node = node.parent
-
-    def _requeue(self, node: TreeNode) -> None:
-        if node.is_evictable_leaf:  # its key may depend on the metadata that just changed
-            self._queue.push(node)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child`` after ``n`` tokens; returns the new upper node (the lower keeps identity and depth, so a
