@@ -25,7 +25,7 @@ SOURCE = SOURCES / "decode.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # what the kernel uses
 NATIVE_DTYPES = ("bfloat16", "float32")
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 DENSE, Q8, Q4 = 0, 1, 2  # Linear.format
 
@@ -57,7 +57,8 @@ class Model(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int32), ("logit_rows", ctypes.c_int32), ("h", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("out_slot", ctypes.c_void_p),
-                ("slots", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("logit_row", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("lens", ctypes.c_void_p),
+                ("logit_row", ctypes.c_void_p),
                 ("logits", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 

@@ -151,7 +151,7 @@ class ModelRunner:
 
     def _batch(self, plan: ForwardPlan) -> ForwardBatch:
         # the native step reads the slots directly: the torch backend's per-step attention metadata is not built
-        native = self.native is not None and self.native.takes(plan.mode)
+        native = self.native is not None and self.native.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
         return ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device, self._group,
                                       self.table, prepare_attention=not native)
 

@@ -243,7 +243,8 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
             rows.append(torch.cat([shared, order[at : at + own]]))
             at += own
         slots = torch.cat(rows).to(torch.int64)
-        starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+        lengths = torch.tensor(lens, dtype=torch.int64)
+        starts = lengths.cumsum(0) - lengths
         width = (heads + 2 * kv_heads) * head_dim
         qkv = torch.randn(len(lens), width, generator=g).to(dtype)
         layer = cpu_native.Layer(k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr())
@@ -253,7 +254,7 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
                                  scale=head_dim**-0.5, layer=layers)
         scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), len(lens)), dtype=torch.uint8)
         step = cpu_native.Step(rows=len(lens), slots=slots.data_ptr(), starts=starts.data_ptr(),
-                               scratch=scratch.data_ptr())
+                               lens=lengths.data_ptr(), scratch=scratch.data_ptr())
         out = torch.empty(len(lens), heads * head_dim, dtype=dtype)
         lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr())
         group = heads // kv_heads
@@ -285,4 +286,49 @@ def test_a_slot_outside_the_pool_fails_the_step_not_the_process(tiny_models):
     sched.process(runner.forward(plan))  # the real step still runs
     while sched.has_work:
         sched.process(runner.forward(sched.schedule()))
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_step_equals_eager(dtype, tiny_models):
+    """A prefill step through the kernel (a row per new token, its context its request's row up to itself): one
+    request continuing a cached prompt, one fresh, one with its prompt's logprobs asked for -- the logits of every
+    logit row and the K/V stored equal the eager model's (float32 to rounding, bf16 to its noise)."""
+    from radixserve.model.native_decode import NativeDecode
+
+    engine = _engine(tiny_models["qwen2"], dtype)
+    runner, sched = engine.runner, engine.scheduler
+    rng = random.Random(21)
+    rows = [[rng.randrange(1000, 40000) for _ in range(n)] for n in (30, 25, 17)]
+    first = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    sched.add_request("warm", rows[0], first)
+    while sched.has_work:
+        sched.process(runner.forward(sched.schedule()))
+    sched.add_request("cont", rows[0] + rows[1][:9], first)
+    sched.add_request("fresh", rows[2], first)
+    sched.add_request("scored", rows[1], first, top_logprobs=0, logprob_start=2)
+    plan = sched.schedule()
+    assert plan.mode == "extend" and len(plan.extend_lens) == 3 and max(plan.prefix_lens) > 0
+    assert NativeDecode.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
+    with torch.inference_mode():
+        batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
+                                       runner._group, runner.table)
+        slots = batch.attn.out_slots
+        eager = runner.model(batch)
+        kv_eager = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+        runner.kv.k[:, slots] = 0
+        runner.kv.v[:, slots] = 0
+        native = runner.native(batch)
+        kv_native = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+    assert len(native) == len(eager) > 3, "the prompt's logprob rows come out too"
+    if dtype == "float32":
+        torch.testing.assert_close(native, eager, rtol=1e-4, atol=1e-4)
+        for a, b in zip(kv_native, kv_eager):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert (native - eager).abs().max() <= 0.05 * eager.abs().max()
+    sched.process(runner.forward(plan))
+    while sched.has_work:
+        sched.process(runner.forward(sched.schedule()))
+    sched.check()
     engine.shutdown()

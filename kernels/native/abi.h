@@ -33,16 +33,20 @@ struct Step {
   void* h;                  // T [rows, hidden]: the embeddings in, the last layer's output out
   const void* cos;          // T [rows, head_dim]
   const void* sin;          // T [rows, head_dim] (the rotate-half sign folded in, as RopeTable keeps it)
-  const int64_t* out_slot;  // [rows]
-  const int64_t* slots;     // every row's context slots (its new one included), back to back
-  const int64_t* starts;    // [rows + 1] offsets into slots
+  const int64_t* out_slot;  // [rows]: where each row's new K/V goes
+  const int64_t* slots;     // the rows' context slots (each row's new one included)
+  const int64_t* starts;    // [rows]: row m's context is slots[starts[m] .. starts[m] + lens[m]) -- a request's
+  const int64_t* lens;      // [rows]   row in decode; in a prefill each token's prefix of its request's row
   const int64_t* logit_row; // [logit_rows]
   float* logits;            // [logit_rows, vocab]
-  void* scratch;            // scratch_bytes(model, rows)
+  void* scratch;            // rs_scratch_bytes(model, rows)
 };
 }
 
 namespace rs {
+
+inline int64_t row_start(const Step& st, int m) { return st.starts[m]; }
+inline int row_len(const Step& st, int m) { return int(st.lens[m]); }
 
 constexpr int kDense = 0, kQ8 = 1, kQ4 = 2;  // Linear.format
 constexpr int kBlock = 32;                   // weights per quantization block (along k)

@@ -196,9 +196,9 @@ inline void attention(const Model& md, const Layer& ly, const Step& st, const T*
 #pragma omp for schedule(dynamic, 1)
   for (int t = 0; t < st.rows * nkv * split; ++t) {
     const int m = t / (nkv * split), g = t / split % nkv, c = t % split;
-    const int len = int(st.starts[m + 1] - st.starts[m]);
+    const int len = row_len(st, m);
     const int share = (len + split - 1) / split, j0 = std::min(len, c * share), j1 = std::min(len, j0 + share);
-    const int64_t* row = st.slots + st.starts[m] + j0;
+    const int64_t* row = st.slots + row_start(st, m) + j0;
     const T* q = qkv + int64_t(m) * width + g * group * hd;
     SoftmaxState s;
     for (int h = 0; h < group; ++h) {

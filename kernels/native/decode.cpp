@@ -141,7 +141,7 @@ void step(const Model& md, const Step& st) {
   T* act = static_cast<T*>(s.act);
   const bool amx = md.amx != 0;
   int max_len = 0;
-  for (int m = 0; m < rows; ++m) max_len = std::max(max_len, int(st.starts[m + 1] - st.starts[m]));
+  for (int m = 0; m < rows; ++m) max_len = std::max(max_len, row_len(st, m));
   const int split = attention_split(rows, md.kv_heads, max_len, omp_get_max_threads());
   auto into = [](T* y, int64_t width) {  // a product's outputs stored as they are
     return [=](int m, int n, __m512 v, __mmask16 mk) { store16(y + m * width + n, v, mk); };
@@ -207,7 +207,7 @@ template <class T>
 void attention_alone(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out) {
   const Scratch s = carve(md, st.rows, st.scratch, nullptr);
   int max_len = 0;
-  for (int m = 0; m < st.rows; ++m) max_len = std::max(max_len, int(st.starts[m + 1] - st.starts[m]));
+  for (int m = 0; m < st.rows; ++m) max_len = std::max(max_len, row_len(st, m));
   const int split = attention_split(st.rows, md.kv_heads, max_len, omp_get_max_threads());
 #pragma omp parallel
   attention(md, ly, st, qkv, out, split, s.partials);
@@ -238,7 +238,7 @@ int64_t rs_scratch_bytes(const Model* md, int32_t rows) {
   return total;
 }
 
-int32_t rs_abi_version() { return 1; }
+int32_t rs_abi_version() { return 2; }
 
 // Whether AMX tile products can be used in this process (asks the kernel for the tile state once).
 int32_t rs_request_amx() { return request_amx() ? 1 : 0; }
