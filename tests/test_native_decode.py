@@ -49,6 +49,21 @@ def _rows(n: int, seed: int, shared: int = 0) -> list[list[int]]:
     return [common + [rng.randrange(1000, 40000) for _ in range(rng.randrange(2, 60))] for _ in range(n)]
 
 
+@torch.inference_mode()
+def _eager_and_native(runner, plan):
+    """The eager model, then the native step, on the same batch of ``plan``: (eager logits, native logits, eager
+    K/V at the new slots, native K/V there; each side stores into slots the other's were wiped from)."""
+    batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
+                                   runner._group, runner.table)  # with the torch backend's metadata
+    slots = batch.attn.out_slots
+    eager = runner.model(batch)
+    kv_eager = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+    runner.kv.k[:, slots] = 0
+    runner.kv.v[:, slots] = 0
+    native = runner.native(batch)
+    return eager, native, kv_eager, (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+
+
 def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int):
     """``steps`` decode steps of ``prompts``; on each the eager model, then the native step, run the same batch.
     Yields (eager logits, native logits, eager K/V at the new slots, native K/V there); the step itself then runs
@@ -61,17 +76,7 @@ def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int):
     for _ in range(steps):
         plan = sched.schedule()
         assert plan.mode == "decode" and len(plan.input_ids) == len(prompts)
-        with torch.inference_mode():
-            batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
-                                           runner._group, runner.table)  # with the torch backend's metadata
-            slots = batch.attn.out_slots
-            eager = runner.model(batch)
-            kv_eager = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
-            runner.kv.k[:, slots] = 0
-            runner.kv.v[:, slots] = 0
-            native = runner.native(batch)
-            kv_native = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
-        yield eager, native, kv_eager, kv_native
+        yield _eager_and_native(runner, plan)
         sched.process(runner.forward(plan))  # writes the same slots of the table again: the same values
     while sched.has_work:
         sched.process(runner.forward(sched.schedule()))
@@ -310,16 +315,7 @@ def test_a_prefill_step_equals_eager(dtype, tiny_models):
     plan = sched.schedule()
     assert plan.mode == "extend" and len(plan.extend_lens) == 3 and max(plan.prefix_lens) > 0
     assert NativeDecode.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
-    with torch.inference_mode():
-        batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
-                                       runner._group, runner.table)
-        slots = batch.attn.out_slots
-        eager = runner.model(batch)
-        kv_eager = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
-        runner.kv.k[:, slots] = 0
-        runner.kv.v[:, slots] = 0
-        native = runner.native(batch)
-        kv_native = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+    eager, native, kv_eager, kv_native = _eager_and_native(runner, plan)
     assert len(native) == len(eager) > 3, "the prompt's logprob rows come out too"
     if dtype == "float32":
         torch.testing.assert_close(native, eager, rtol=1e-4, atol=1e-4)
