@@ -21,7 +21,7 @@ def _batch(runner, tokens: list[int], row: torch.Tensor, mode: str) -> ForwardBa
     new, prefix = len(tokens), len(row) - len(tokens)
     attn = AttentionBatch(mode=mode, prefix_lens=[prefix], extend_lens=[new], slots=row, out_slots=row[prefix:],
                           dtype=runner.dtype, group=runner._group)
-    if not (runner.native is not None and runner.native.takes(mode)):
+    if not (runner.native is not None and runner.native.takes(mode, [prefix], [new])):
         attn.backend_data = runner.attn.prepare(attn)
     positions = torch.arange(prefix, prefix + new)
     cos, sin = runner.rope.lookup(positions)

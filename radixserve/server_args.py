@@ -43,7 +43,7 @@ class ServerArgs:
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
     quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
-    decode_kernel: str = "auto"  # auto | native | compiled | eager: how CPU decode steps run (see resolved())
+    decode_kernel: str = "auto"  # auto | native | compiled | eager: how CPU decode steps run (see _decode_kernel)
     disable_compile: bool = False  # eager decode: the same as --decode-kernel eager
     mem_fraction_static: float | None = None  # CUDA: share of the GPU's memory for weights + KV pool (0.85)
     check_invariants: bool = False  # check pool accounting after every step (tests, debugging)
@@ -191,10 +191,10 @@ HELP = {
                      "tokens never depend on the batch (CPU; see the README for the cost)",
     "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
                     "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
-    "decode_kernel": "how CPU decode steps run: native (the whole step in one C++ call, built for this CPU on "
-                     "first use; needs AVX-512 BF16 + VNNI and a C++ compiler; bf16, float32 or --quantization "
-                     "weights), compiled (torch.compile'd layers), eager; auto: native where it can run, else "
-                     "compiled",
+    "decode_kernel": "how CPU decode steps (and short prefills) run: native (the whole step in one C++ call, built "
+                     "for this CPU on first use; needs AVX-512 BF16 + VNNI and a C++ compiler; bf16, float32 or "
+                     "--quantization weights), compiled (torch.compile'd layers), eager; auto: native where it "
+                     "can run, else compiled",
     "disable_compile": "run decode steps eagerly: no native step, no torch.compile graphs (compiling them at "
                        "start-up takes ~30 s the first time, a few seconds once cached; CPU only, never with "
                        "--deterministic)",
