@@ -25,7 +25,7 @@ SOURCE = SOURCES / "decode.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # what the kernel uses
 NATIVE_DTYPES = ("bfloat16", "float32")
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 DENSE, Q8, Q4 = 0, 1, 2  # Linear.format
 
@@ -55,7 +55,8 @@ class Model(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("rows", ctypes.c_int32), ("logit_rows", ctypes.c_int32), ("h", ctypes.c_void_p),
+    _fields_ = [("rows", ctypes.c_int32), ("logit_rows", ctypes.c_int32), ("shared", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("h", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("out_slot", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("lens", ctypes.c_void_p),
                 ("logit_row", ctypes.c_void_p),
@@ -132,7 +133,7 @@ def load(cache_dir: Path) -> ctypes.CDLL:
         raise NativeUnavailable(f"{SOURCE.name}: ABI {lib.rs_abi_version()}, expected {ABI_VERSION}")
     lib.rs_request_amx.restype = ctypes.c_int32
     lib.rs_scratch_bytes.restype = ctypes.c_int64
-    lib.rs_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int32]
+    lib.rs_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int32, ctypes.c_int32]
     lib.rs_linear.restype = None
     lib.rs_linear.argtypes = [ctypes.POINTER(Linear), ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
                               ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]

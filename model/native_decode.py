@@ -36,6 +36,7 @@ MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds (kMaxGroup, kMaxHeadDim
 # short continuations of cached ones, and loses for long prompts. Measured (SmolLM2, bf16, 2 cores): 128 new tokens
 # 34 vs 56 ms, 30 after 1500 cached 50 vs 55 ms (45k keys), a fresh 384-token prompt 122 vs 114 ms (74k keys).
 EXTEND_KEYS = 40_000
+SHARED_MIN = 128  # shared context slots from which a decode batch scores them once for all rows (kSharedMin)
 BLOCK = 32  # weights per quantization block (kBlock)
 
 
@@ -98,6 +99,18 @@ def contexts(attn: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(first, ext), np.repeat(seq - ext, ext) + within + 1
 
 
+def shared_prefix(attn: AttentionBatch, first: np.ndarray, length: np.ndarray) -> int:
+    """Decode: how many leading context slots every row has in common -- a shared system prompt's, which the
+    kernel then scores for all rows at once (0 when there is one row or the rows share less than SHARED_MIN)."""
+    if attn.mode != "decode" or len(length) < 2 or int(length.min()) < SHARED_MIN:
+        return 0
+    slots = attn.slots.numpy()
+    runs = slots[first[:, None] + np.arange(int(length.min()))]  # [rows, shortest row]
+    same = (runs == runs[0]).all(axis=0)
+    n = len(same) if same.all() else int(np.argmin(same))
+    return n if n >= SHARED_MIN else 0
+
+
 class NativeDecode:
     """``applies(batch)``: a step this kernel takes; ``__call__(batch)``: its logits, its new tokens' K/V stored."""
 
@@ -137,6 +150,8 @@ class NativeDecode:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.steps = 0  # steps that ran native
         self.prefill_steps = 0  # of which prefill steps
+        self.shared_steps = 0  # of which decode steps that scored a shared prefix once for all rows
+        self._head_dim = cfg.head_dim
 
     def _dense(self, t: torch.Tensor) -> int:
         t = t.detach()
@@ -191,24 +206,30 @@ class NativeDecode:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
-        need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows)
+        first, length = contexts(batch.attn)
+        # the kernel's shared-prefix path takes AMX tiles, bf16 and head dim 64 (attention_shared.h's shared_path)
+        shares = self.desc.amx and self._head_dim == 64
+        shared = shared_prefix(batch.attn, first, length) if shares else 0
+        need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, shared)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
         h = self.model.model.embed_tokens(batch.input_ids).contiguous()
         cos, sin = batch.cos.reshape(rows, -1).contiguous(), batch.sin.reshape(rows, -1).contiguous()
-        starts, lens = (torch.from_numpy(x) for x in contexts(batch.attn))
+        starts, lens = torch.from_numpy(first), torch.from_numpy(length)
         slots, out_slot = batch.attn.slots.contiguous(), batch.attn.out_slots.contiguous()
         # the kernel indexes the pool with these unchecked: a bad index fails this step, never corrupts memory
         if len(slots) and not 0 <= int(slots.min()) <= int(slots.max()) < self.pool_slots:
             raise ValueError(f"a slot index is outside the KV pool (0..{self.pool_slots - 1})")
         logit_row = batch.logit_rows.contiguous()
         logits = torch.empty(logit_rows, self.model.config.vocab_size, dtype=torch.float32)
-        step = native.Step(rows, logit_rows, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), out_slot.data_ptr(),
-                           slots.data_ptr(), starts.data_ptr(), lens.data_ptr(), logit_row.data_ptr(),
-                           logits.data_ptr(), self._scratch.data_ptr())
+        step = native.Step(rows=rows, logit_rows=logit_rows, shared=shared, h=h.data_ptr(), cos=cos.data_ptr(),
+                           sin=sin.data_ptr(), out_slot=out_slot.data_ptr(), slots=slots.data_ptr(),
+                           starts=starts.data_ptr(), lens=lens.data_ptr(), logit_row=logit_row.data_ptr(),
+                           logits=logits.data_ptr(), scratch=self._scratch.data_ptr())
         code = self.lib.rs_decode_step(ctypes.byref(self.desc), ctypes.byref(step))
         if code != 0:
             raise RuntimeError(f"native decode step refused its input (code {code})")
         self.steps += 1
         self.prefill_steps += batch.attn.mode != "decode"
+        self.shared_steps += shared > 0
         return logits

@@ -123,6 +123,25 @@ def test_bfloat16_step_agrees_with_eager(amx, tiny_models):
     engine.shutdown()
 
 
+def test_a_shared_prefix_is_scored_once_for_all_rows(smollm2_path):
+    """SmolLM2 (head dim 64), bf16: rows that share a 200-slot prefix (not a whole number of 16- or 32-key blocks)
+    take the shared-prefix path -- the prefix's keys scored for all rows' queries as tile products -- and agree
+    with eager as the per-row path does; rows with too short a common prefix take the per-row path."""
+    engine = _engine(smollm2_path, "bfloat16")
+    native = engine.runner.native
+    if not native.amx:
+        pytest.skip("this CPU or kernel grants no AMX tiles")
+    for shared, takes in ((200, True), (100, False)):
+        before, agree, total = native.shared_steps, 0, 0
+        for eager, out, kv_e, kv_n in _compare_steps(engine, _rows(5, seed=shared, shared=shared), steps=3):
+            assert (out - eager).abs().max() <= 0.05 * eager.abs().max(), "beyond bf16 rounding noise"
+            agree += int((out.argmax(-1) == eager.argmax(-1)).sum())
+            total += len(eager)
+        assert agree >= 0.8 * total
+        assert (native.shared_steps > before) == takes
+    engine.shutdown()
+
+
 def test_shapes_that_fill_no_tile_evenly(odd_model):
     for dtype, tol in (("float32", 1e-4), ("bfloat16", None)):
         engine = _engine(odd_model, dtype)
@@ -232,16 +251,17 @@ def test_each_product_format_computes_what_it_promises(n, k):
 def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_heads):
     """The attention phase alone against float64 softmax(q k^T / sqrt(d)) v over each row's slots: head dims
     with their own bf16 paths (64, 128) and the generic one, one row of 700 keys and three rows (a row's keys
-    split among threads), twenty rows sharing a 100-key prefix (no split), slots scattered over the pool."""
+    split among threads), twenty rows sharing a 160-key prefix (scored for all rows at once on AMX tiles where
+    bf16 head dim 64 has them, else row by row), slots scattered over the pool."""
     lib = cpu_native.load(cpu_native.default_cache_dir())
     g = torch.Generator().manual_seed(head_dim + heads)
-    shapes = [[700], [5, 300, 129], [100 + int(x) for x in torch.randint(1, 120, (20,), generator=g)]]
+    shapes = [[700], [5, 300, 129], [160 + int(x) for x in torch.randint(1, 120, (20,), generator=g)]]
     for lens in shapes:
         total = sum(lens) + 1
         k_pool = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(dtype)
         v_pool = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(dtype)
         order = torch.randperm(total, generator=g) + 1  # slot 0: the dummy
-        shared = order[:100] if len(lens) > 3 else order[:0]
+        shared = order[:160] if len(lens) > 3 else order[:0]
         rows, at = [], len(shared)
         for n in lens:
             own = n - len(shared)
@@ -257,8 +277,9 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
         model = cpu_native.Model(bf16=int(dtype == torch.bfloat16), layers=1, hidden=heads * head_dim, heads=heads,
                                  kv_heads=kv_heads, head_dim=head_dim, inter=32, vocab=16, eps=1e-6,
                                  scale=head_dim**-0.5, layer=layers)
-        scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), len(lens)), dtype=torch.uint8)
-        step = cpu_native.Step(rows=len(lens), slots=slots.data_ptr(), starts=starts.data_ptr(),
+        model.amx = lib.rs_request_amx()
+        scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), len(lens), len(shared)), dtype=torch.uint8)
+        step = cpu_native.Step(rows=len(lens), shared=len(shared), slots=slots.data_ptr(), starts=starts.data_ptr(),
                                lens=lengths.data_ptr(), scratch=scratch.data_ptr())
         out = torch.empty(len(lens), heads * head_dim, dtype=dtype)
         lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr())

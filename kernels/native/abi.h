@@ -30,6 +30,7 @@ struct Model {
 };
 struct Step {
   int32_t rows, logit_rows;
+  int32_t shared, pad;      // decode: every row's first `shared` context slots are the same (a shared prefix)
   void* h;                  // T [rows, hidden]: the embeddings in, the last layer's output out
   const void* cos;          // T [rows, head_dim]
   const void* sin;          // T [rows, head_dim] (the rotate-half sign folded in, as RopeTable keeps it)

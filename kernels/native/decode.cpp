@@ -27,6 +27,7 @@
 
 #include "abi.h"
 #include "attention.h"
+#include "attention_shared.h"
 #include "products.h"
 #include "simd.h"
 
@@ -104,9 +105,10 @@ struct Scratch {
   void* act;   // T [rows, inter]
   QuantRows qx;  // a quantized product's input: [rows, widest k]
   float* partials;  // attention's split shares: [tasks, group, head_dim + 2]
+  SharedScratch shared;  // attention over a prefix all rows share (attention_shared.h)
 };
 
-Scratch carve(const Model& md, int64_t rows, void* base, int64_t* total) {
+Scratch carve(const Model& md, int64_t rows, int64_t shared, void* base, int64_t* total) {
   const int64_t es = md.bf16 ? 2 : 4, qkv = int64_t(md.heads + 2 * md.kv_heads) * md.head_dim;
   const int64_t wide = std::max<int64_t>({md.hidden, md.inter, int64_t(md.heads) * md.head_dim});
   // a split happens only with fewer than 2 tasks per thread, so fewer than 2 x threads x kMaxSplit shares
@@ -115,24 +117,21 @@ Scratch carve(const Model& md, int64_t rows, void* base, int64_t* total) {
                             rows * 2 * md.inter * es, rows * md.inter * es, rows * wide,
                             rows * (wide / kBlock) * 4, rows * (wide / kBlock) * 4,
                             shares * (md.heads / md.kv_heads) * (md.head_dim + 2) * 4};
-  char* p = static_cast<char*>(base);
   void* parts[9];
-  int64_t off = 0;
-  for (int i = 0; i < 9; ++i) {
-    parts[i] = p ? p + off : nullptr;
-    off += (sizes[i] + 63) / 64 * 64;
-  }
-  if (total) *total = off;
+  const int64_t off = lay_out(sizes, 9, base, parts);
+  int64_t tail = 0;
+  const SharedScratch sh = carve_shared(md, rows, shared, base ? static_cast<char*>(base) + off : nullptr, &tail);
+  if (total) *total = off + tail;
   return {parts[0], parts[1], parts[2], parts[3], parts[4],
           {static_cast<int8_t*>(parts[5]), static_cast<float*>(parts[6]), static_cast<int32_t*>(parts[7])},
-          static_cast<float*>(parts[8])};
+          static_cast<float*>(parts[8]), sh};
 }
 
 template <class T>
 void step(const Model& md, const Step& st) {
   const int rows = st.rows, H = md.hidden, I = md.inter;
   const int64_t qkv_w = int64_t(md.heads + 2 * md.kv_heads) * md.head_dim;
-  const Scratch s = carve(md, rows, st.scratch, nullptr);
+  const Scratch s = carve(md, rows, st.shared, st.scratch, nullptr);
   T* h = static_cast<T*>(st.h);
   T* xn = static_cast<T*>(s.xn);
   T* qkv = static_cast<T*>(s.qkv);
@@ -143,6 +142,7 @@ void step(const Model& md, const Step& st) {
   int max_len = 0;
   for (int m = 0; m < rows; ++m) max_len = std::max(max_len, row_len(st, m));
   const int split = attention_split(rows, md.kv_heads, max_len, omp_get_max_threads());
+  const bool common = shared_path(md, st);  // the rows share a prefix: its keys scored for all rows at once
   auto into = [](T* y, int64_t width) {  // a product's outputs stored as they are
     return [=](int m, int n, __m512 v, __mmask16 mk) { store16(y + m * width + n, v, mk); };
   };
@@ -163,7 +163,10 @@ void step(const Model& md, const Step& st) {
       linear(xn, rows, ly.qkv, into(qkv, qkv_w));
 #pragma omp barrier
       rope_and_store(md, ly, st, qkv);
-      attention(md, ly, st, qkv, at, split, s.partials);
+      if (common)
+        attention_shared(md, ly, st, qkv, at, s.shared);
+      else
+        attention(md, ly, st, qkv, at, split, s.partials);
       linear(at, rows, ly.o, onto_h);
 #pragma omp barrier
       rms_norm(h, static_cast<const T*>(ly.ln2), rows, H, md.eps, xn);
@@ -205,12 +208,19 @@ void linear_alone(const Linear& lin, const T* x, int rows, T* y, bool amx, void*
 // already in the pool), out T [rows, heads head_dim]; scratch as for a step of ``rows``
 template <class T>
 void attention_alone(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out) {
-  const Scratch s = carve(md, st.rows, st.scratch, nullptr);
+  const Scratch s = carve(md, st.rows, st.shared, st.scratch, nullptr);
   int max_len = 0;
   for (int m = 0; m < st.rows; ++m) max_len = std::max(max_len, row_len(st, m));
   const int split = attention_split(st.rows, md.kv_heads, max_len, omp_get_max_threads());
+  const bool common = shared_path(md, st);
 #pragma omp parallel
-  attention(md, ly, st, qkv, out, split, s.partials);
+  {
+    if (common)
+      attention_shared(md, ly, st, qkv, out, s.shared);
+    else
+      attention(md, ly, st, qkv, out, split, s.partials);
+    release_tiles();
+  }
 }
 
 // 0, or why a model cannot run here: 1 its heads, 2 a linear layer's format or shape
@@ -232,13 +242,13 @@ using namespace rs;
 
 extern "C" {
 
-int64_t rs_scratch_bytes(const Model* md, int32_t rows) {
+int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t shared) {
   int64_t total = 0;
-  carve(*md, rows, nullptr, &total);
+  carve(*md, rows, shared, nullptr, &total);
   return total;
 }
 
-int32_t rs_abi_version() { return 2; }
+int32_t rs_abi_version() { return 3; }
 
 // Whether AMX tile products can be used in this process (asks the kernel for the tile state once).
 int32_t rs_request_amx() { return request_amx() ? 1 : 0; }

@@ -12,6 +12,18 @@ namespace rs {
 
 using bf16 = uint16_t;
 
+// Lays n parts of the given byte sizes out one after another from base, each on a 64-byte line (nullptr parts
+// when base is nullptr, to measure); returns the bytes they take.
+inline int64_t lay_out(const int64_t* sizes, int n, void* base, void** parts) {
+  char* p = static_cast<char*>(base);
+  int64_t off = 0;
+  for (int i = 0; i < n; ++i) {
+    parts[i] = p ? p + off : nullptr;
+    off += (sizes[i] + 63) / 64 * 64;
+  }
+  return off;
+}
+
 inline float bf2f(bf16 v) {
   uint32_t u = uint32_t(v) << 16;
   float f;
@@ -31,8 +43,9 @@ template <> inline float from_f<float>(float v) { return v; }
 template <> inline bf16 from_f<bf16>(float v) { return f2bf(v); }
 template <class T> inline float rnd(float v) { return to_f(from_f<T>(v)); }
 
-inline __mmask16 mask16(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-inline __mmask32 mask32(int n) { return n >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << n) - 1); }
+// the first n lanes (none for n <= 0, all for n >= the width)
+inline __mmask16 mask16(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
+inline __mmask32 mask32(int n) { return n >= 32 ? __mmask32(0xffffffffu) : n <= 0 ? 0 : __mmask32((1u << n) - 1); }
 
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {

@@ -1,0 +1,220 @@
+// Decode attention when every row of the batch starts with the same run of slots (a shared system prompt, few-shot
+// examples): the shared keys are scored for all rows' queries at once, as matrix products on AMX tiles, and only
+// each row's own keys the usual way; the two softmax states are then merged (log-sum-exp). Scoring the shared
+// keys row by row costs every row the whole prefix; here a block of shared keys, transposed once, serves 16
+// queries per tile product.
+//
+//   per kv head:  Q  [rows x group queries, 64]  (padded to tiles of 16)
+//                 Kt [shared keys / 16][2 halves of the head dim][16 dim pairs][16 keys]   (B tiles of S = Q K^T)
+//                 Vp [shared keys / 32][4 groups of 16 dims][16 key pairs][16 dims]       (B tiles of O = P V)
+//
+// Two passes over the shared keys per query tile -- the rows' maxima first, then exp and the value sums -- so the
+// value sums can stay in tiles (an online softmax would rescale them after every block). bf16, head dim 64.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "abi.h"
+#include "attention.h"
+#include "products.h"
+#include "simd.h"
+
+namespace rs {
+
+constexpr int kSharedMin = 128;  // fewer shared keys: the per-row path is as fast
+constexpr int kSharedDim = 64;   // the head dim this path takes
+
+inline bool shared_path(const Model& md, const Step& st) {
+  return kHaveAmx && md.amx && md.bf16 && md.head_dim == kSharedDim && st.shared >= kSharedMin && st.rows >= 2;
+}
+
+struct SharedScratch {
+  uint32_t* kt;  // [nkv][blocks16][2][16][16]
+  uint32_t* vp;  // [nkv][blocks32][4][16][16]
+  bf16* q;       // [nkv][qtiles][16][64]
+  float* part;   // [2][nkv][rows * group][2 + 64]: max, sum, value sums -- of the shared keys, of each row's own
+};
+
+inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t shared, void* base, int64_t* total) {
+  const int64_t nkv = md.kv_heads, group = md.heads / std::max(1, md.kv_heads);
+  const int64_t b32 = (shared + 31) / 32, qtiles = (rows * group + 15) / 16;
+  const int64_t sizes[4] = {nkv * b32 * 2 * 2 * 1024, nkv * b32 * 4 * 1024, nkv * qtiles * 16 * kSharedDim * 2,
+                            2 * nkv * rows * group * (2 + kSharedDim) * 4};  // the shared part's, then each row's own
+  void* parts[4];
+  const int64_t off = lay_out(sizes, 4, base, parts);
+  if (total) *total = off;
+  return {static_cast<uint32_t*>(parts[0]), static_cast<uint32_t*>(parts[1]), static_cast<bf16*>(parts[2]),
+          static_cast<float*>(parts[3])};
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+// S[16 queries][16 keys] of one 16-key block: two tile products over the halves of the head dim
+inline void shared_scores(const bf16* qt, const uint32_t* kt_block, float (*s)[16]) {
+  _tile_zero(0);
+  _tile_loadd(1, qt, kSharedDim * 2);
+  _tile_loadd(2, kt_block, 64);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_loadd(1, qt + 32, kSharedDim * 2);
+  _tile_loadd(2, kt_block + 256, 64);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_stored(0, s, 64);
+}
+
+template <class T>
+inline void attention_shared(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out,
+                             const SharedScratch& sc) {
+  constexpr int D = kSharedDim;
+  const int nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D, rows = st.rows;
+  const int shared = st.shared, b16 = (shared + 15) / 16, b32 = (shared + 31) / 32;
+  const int queries = rows * group, qtiles = (queries + 15) / 16;
+  const int64_t* head = st.slots + row_start(st, 0);  // the shared slots: every row's first `shared`
+  const bf16* kp = static_cast<const bf16*>(ly.k_pool);
+  const bf16* vp = static_cast<const bf16*>(ly.v_pool);
+  // 1. the shared keys transposed for S = Q K^T, the values paired for O = P V; the queries gathered into tiles
+#pragma omp for schedule(static) nowait
+  for (int t = 0; t < nkv * b32; ++t) {
+    const int g = t / b32, blk = t % b32;
+    for (int sub = 0; sub < 2; ++sub) {
+      uint32_t* kt = sc.kt + ((int64_t(g) * b32 + blk) * 2 + sub) * 2 * 256;
+      for (int n = 0; n < 16; ++n) {
+        const int j = blk * 32 + sub * 16 + n;
+        const uint32_t* key = j < shared ? reinterpret_cast<const uint32_t*>(kp + (head[j] * nkv + g) * D) : nullptr;
+        for (int p = 0; p < D / 2; ++p) kt[(p / 16) * 256 + (p % 16) * 16 + n] = key ? key[p] : 0u;
+      }
+    }
+    uint32_t* v = sc.vp + (int64_t(g) * b32 + blk) * 4 * 256;
+    for (int kpair = 0; kpair < 16; ++kpair) {
+      const int j0 = blk * 32 + 2 * kpair, j1 = j0 + 1;
+      const bf16* v0 = j0 < shared ? vp + (head[j0] * nkv + g) * D : nullptr;
+      const bf16* v1 = j1 < shared ? vp + (head[j1] * nkv + g) * D : nullptr;
+      for (int d = 0; d < D; ++d)
+        v[(d / 16) * 256 + kpair * 16 + d % 16] = uint32_t(v0 ? v0[d] : 0) | uint32_t(v1 ? v1[d] : 0) << 16;
+    }
+  }
+#pragma omp for schedule(static)
+  for (int t = 0; t < nkv * qtiles; ++t) {
+    const int g = t / qtiles, qt = t % qtiles;
+    bf16* q = sc.q + int64_t(t) * 16 * D;
+    for (int r = 0; r < 16; ++r) {
+      const int qi = qt * 16 + r;
+      if (qi < queries)
+        std::memcpy(q + r * D, qkv + int64_t(qi / group) * width + (g * group + qi % group) * D, D * 2);
+      else
+        std::memset(q + r * D, 0, D * 2);
+    }
+  }
+  // 2. the shared keys for every query tile: the maxima, then exp, sums and value sums (tiles 3-6)
+  const __m512 scale = _mm512_set1_ps(md.scale);
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int t = 0; t < nkv * qtiles; ++t) {
+    const int g = t / qtiles, qt = t % qtiles;
+    const bf16* q = sc.q + int64_t(t) * 16 * D;
+    const uint32_t* kt = sc.kt + int64_t(g) * b32 * 2 * 2 * 256;
+    const uint32_t* vg = sc.vp + int64_t(g) * b32 * 4 * 256;
+    configure_tiles(16);
+    alignas(64) float s[2][16][16];
+    alignas(64) float top[16], sum[16] = {};
+    std::fill(top, top + 16, -INFINITY);
+    for (int b = 0; b < b16; ++b) {
+      shared_scores(q, kt + int64_t(b) * 2 * 256, s[0]);
+      const __mmask16 real = mask16(shared - b * 16);
+      for (int r = 0; r < 16; ++r)
+        top[r] = std::max(top[r], _mm512_mask_reduce_max_ps(real, _mm512_mul_ps(_mm512_load_ps(s[0][r]), scale)));
+    }
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    alignas(64) bf16 p[16][32];
+    for (int blk = 0; blk < b32; ++blk) {
+      for (int sub = 0; sub < 2; ++sub) shared_scores(q, kt + (int64_t(blk) * 2 + sub) * 2 * 256, s[sub]);
+      for (int r = 0; r < 16; ++r) {
+        __m512 e[2];
+        for (int sub = 0; sub < 2; ++sub) {
+          const __mmask16 real = mask16(shared - blk * 32 - sub * 16);
+          e[sub] = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(s[sub][r]), scale),
+                                                                 _mm512_set1_ps(top[r]))));
+        }
+        sum[r] += _mm512_reduce_add_ps(_mm512_add_ps(e[0], e[1]));
+        store16(&p[r][0], e[0], 0xffff);  // probabilities as bf16: the A tile of O += P V
+        store16(&p[r][16], e[1], 0xffff);
+      }
+      _tile_loadd(1, p, 64);
+      const uint32_t* vb = vg + int64_t(blk) * 4 * 256;
+      _tile_loadd(2, vb, 64);
+      _tile_dpbf16ps(3, 1, 2);
+      _tile_loadd(2, vb + 256, 64);
+      _tile_dpbf16ps(4, 1, 2);
+      _tile_loadd(2, vb + 512, 64);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_loadd(2, vb + 768, 64);
+      _tile_dpbf16ps(6, 1, 2);
+    }
+    alignas(64) float o[16][D];
+    _tile_stored(3, &o[0][0], D * 4);
+    _tile_stored(4, &o[0][16], D * 4);
+    _tile_stored(5, &o[0][32], D * 4);
+    _tile_stored(6, &o[0][48], D * 4);
+    for (int r = 0; r < 16 && qt * 16 + r < queries; ++r) {
+      float* part = sc.part + (int64_t(g) * queries + qt * 16 + r) * (2 + D);
+      part[0] = top[r];
+      part[1] = sum[r];
+      std::memcpy(part + 2, o[r], D * 4);
+    }
+  }
+  // 3. each row's own keys the usual way (tasks beside step 2's: neither reads the other), their states kept in
+  //    the second half of the partials; this loop's barrier is the first after step 2, so the merge follows both
+  float* own = sc.part + int64_t(nkv) * queries * (2 + D);
+#pragma omp for schedule(dynamic, 1)
+  for (int t = 0; t < rows * nkv; ++t) {
+    const int m = t / nkv, g = t % nkv, len = row_len(st, m);
+    SoftmaxState s;
+    for (int h = 0; h < group; ++h) {
+      s.best[h] = -INFINITY;
+      s.total[h] = 0.0f;
+      for (int i = 0; i < D; ++i) s.acc[h][i] = 0.0f;
+    }
+    if (len > shared)
+      attend_keys_bf16<kSharedDim>(reinterpret_cast<const bf16*>(qkv) + int64_t(m) * width + g * group * D, kp, vp,
+                                   nkv, g, st.slots + row_start(st, m) + shared, len - shared, group, md.scale, s);
+    float* keep = own + (int64_t(g) * queries + int64_t(m) * group) * (2 + D);
+    for (int h = 0; h < group; ++h) {
+      keep[h * (2 + D)] = s.best[h];
+      keep[h * (2 + D) + 1] = s.total[h];
+      std::memcpy(keep + h * (2 + D) + 2, s.acc[h], D * 4);
+    }
+  }
+  // 4. the merge: both states rescaled to the larger maximum, added, normalized
+#pragma omp for schedule(static)
+  for (int t = 0; t < rows * nkv; ++t) {
+    const int m = t / nkv, g = t % nkv;
+    for (int h = 0; h < group; ++h) {
+      const int64_t qi = int64_t(m) * group + h;
+      const float* a = sc.part + (int64_t(g) * queries + qi) * (2 + D);
+      const float* b = own + (int64_t(g) * queries + qi) * (2 + D);
+      const float top = std::max(a[0], b[0]);
+      const float wa = a[1] > 0 ? std::exp(a[0] - top) : 0.0f, wb = b[1] > 0 ? std::exp(b[0] - top) : 0.0f;
+      const __m512 inv = _mm512_set1_ps(1.0f / (wa * a[1] + wb * b[1]));
+      T* o = out + int64_t(m) * nq * D + (g * group + h) * D;
+      for (int i = 0; i < D; i += 16) {
+        const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(wa), _mm512_loadu_ps(a + 2 + i),
+                                         _mm512_mul_ps(_mm512_set1_ps(wb), _mm512_loadu_ps(b + 2 + i)));
+        store16(o + i, rnd16<T>(_mm512_mul_ps(v, inv)), 0xffff);
+      }
+    }
+  }
+}
+
+#else
+
+template <class T>
+inline void attention_shared(const Model&, const Layer&, const Step&, const T*, T*, const SharedScratch&) {}
+
+#endif
+
+}  // namespace rs
