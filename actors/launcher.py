@@ -1,17 +1,26 @@
 """Launcher and supervisor: resolve the model and config once, spawn the actors, wait until each reports ready,
-watch them, and take everything down (children first, then the runtime dir) on a signal or a death."""
+watch them, and take everything down (children first, then the runtime dir) on a signal or a death.
+
+Node 0 runs the tokenizer, the scheduler and its share of the runner ranks (the api is the launching process
+itself); another node of a multi-node server (``--node-rank`` k > 0) runs only its ranks, and its launcher and
+node 0's watch each other over a NodeLink (actors/nodes.py). ``core=False``: the ranks only (an Engine with
+``tp`` > 1 is their scheduler).
+"""
 from __future__ import annotations
 
 import importlib
 import logging
 import multiprocessing as mp
 import shutil
+import socket
 import tempfile
 import time
 
 import zmq
 
 from radixserve.actors.messages import Failed, LauncherInbox, Ready, decoder as inbox_decoder
+from radixserve.actors.nodes import NodeLink
+from radixserve.actors.runner_actor import rank_name
 from radixserve.actors.transport import ActorSpec, Endpoints
 from radixserve.prepare import Prepared
 
@@ -24,29 +33,46 @@ ACTOR_MODULES = {
     "runner": "radixserve.actors.runner_actor",
 }
 READY_TIMEOUT_S = 600.0
+NODE_SILENCE_S = 10.0  # a node not heard from for this long (or --dist-timeout, if shorter) is taken for dead
 
 
 class LaunchError(RuntimeError):
     pass
 
 
-def _child(name: str, spec: ActorSpec) -> None:
-    importlib.import_module(ACTOR_MODULES[name]).main(spec)
+def _child(name: str, spec: ActorSpec, rank: int | None) -> None:
+    module = importlib.import_module(ACTOR_MODULES[name if rank is None else "runner"])
+    module.main(spec) if rank is None else module.main(spec, rank)
+
+
+def free_local_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Launcher:
-    def __init__(self, prepared: Prepared) -> None:
+    def __init__(self, prepared: Prepared, core: bool = True) -> None:
         self.prepared = prepared
+        args = prepared.args
         self.runtime_dir = tempfile.mkdtemp(prefix="radixserve-")
-        self.endpoints = Endpoints(self.runtime_dir)
+        self.endpoints = Endpoints(self.runtime_dir, args.dist_init_addr if args.nnodes > 1 else None)
+        # the ranks meet at node 0's --dist-init-addr, or, all on this machine, at a free local port
+        self.dist_addr = args.dist_init_addr or (f"127.0.0.1:{free_local_port()}" if args.tp > 1 else None)
+        self.ranks = {rank_name(r): r for r in args.ranks_here}
+        core_actors = [n for n in ACTOR_MODULES if n != "runner"] if core and args.node_rank == 0 else []
+        self.names = core_actors + list(self.ranks)
+        self.link = (NodeLink(self.endpoints.node_link(bind=args.node_rank == 0), args.node_rank, args.nnodes,
+                              min(args.dist_timeout, NODE_SILENCE_S)) if args.nnodes > 1 else None)
         self.processes: dict[str, mp.process.BaseProcess] = {}
         self.info: dict[str, dict] = {}
 
     def start(self) -> None:
-        """Spawn every actor and wait for all to be ready; LaunchError names the one that was not."""
+        """Spawn every actor and wait for all to be ready (and, across nodes, every node's); LaunchError names
+        the one that was not."""
         p = self.prepared
         spec = ActorSpec(self.endpoints, p.args, str(p.files.path), p.scheduler_config, p.args.log_level,
-                         str(p.files.source))
+                         str(p.files.source), self.dist_addr)
         ctx = zmq.Context()
         inbox = ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.LINGER, 0)
@@ -54,13 +80,15 @@ class Launcher:
         decoder = inbox_decoder(LauncherInbox)
         spawn = mp.get_context("spawn")
         try:
-            for name in ACTOR_MODULES:
-                proc = spawn.Process(target=_child, args=(name, spec), name=f"radixserve-{name}")
+            for name in self.names:
+                proc = spawn.Process(target=_child, args=(name, spec, self.ranks.get(name)),
+                                     name=f"radixserve-{name}")
                 proc.start()
                 self.processes[name] = proc
             waiting = set(self.processes)
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while waiting:
+            told = False  # another node: node 0 has been told that this node's ranks are ready
+            while waiting or (self.link is not None and self.link.node == 0 and not self.link.all_ready()):
                 if inbox.poll(200):
                     msg = decoder.decode(inbox.recv())
                     if isinstance(msg, Failed):
@@ -74,10 +102,18 @@ class Launcher:
                     if code is not None:
                         raise LaunchError(f"the {name} actor exited with code {code} before it was ready "
                                           "(its log is above)")
+                if self.link is not None:
+                    if self.link.poll():
+                        raise LaunchError(f"the server could not start: {self.link.down}")
+                    if not waiting and self.link.node != 0 and not told:
+                        self.link.say_ready(self.info)
+                        told = True
                 if time.monotonic() > deadline:
-                    raise LaunchError(f"timed out after {READY_TIMEOUT_S:.0f}s waiting for: {', '.join(waiting)}")
-        except BaseException:
-            self.shutdown()
+                    missing = list(waiting) or [f"node {n}" for n in range(1, p.args.nnodes)
+                                                if n not in self.link.ready]
+                    raise LaunchError(f"timed out after {READY_TIMEOUT_S:.0f}s waiting for: {', '.join(missing)}")
+        except BaseException as exc:
+            self.shutdown(f"{type(exc).__name__}: {exc}")
             raise
         finally:
             inbox.close()
@@ -87,11 +123,31 @@ class Launcher:
         """(name, exit code) of every actor that is no longer running."""
         return [(n, p.exitcode) for n, p in self.processes.items() if p.exitcode is not None]
 
+    def failure(self) -> str | None:
+        """Why the server must end (an actor here died, another node ended or fell silent), or None."""
+        dead = self.dead()
+        if dead:
+            return "; ".join(f"the {name} actor exited with code {code}" for name, code in dead)
+        return self.link.poll() if self.link is not None else None
+
+    def ranks_by_node(self) -> dict[int, list[dict]]:
+        """Every runner rank's Ready info (rank, pid, ...), by node."""
+        actors = dict(self.info)
+        for infos in (self.link.ready.values() if self.link is not None else ()):
+            actors.update(infos)
+        nodes: dict[int, list[dict]] = {}
+        for info in sorted((a for a in actors.values() if "rank" in a), key=lambda a: a["rank"]):
+            nodes.setdefault(info["node"], []).append(info)
+        return nodes
+
     def pids(self) -> dict[str, int]:
         return {n: p.pid for n, p in self.processes.items()}
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """SIGTERM every actor, SIGKILL what is still alive after ``timeout``, remove the runtime dir."""
+    def shutdown(self, reason: str = "stopped", timeout: float = 5.0) -> None:
+        """SIGTERM every actor, SIGKILL what is still alive after ``timeout``, remove the runtime dir; the other
+        nodes are told (``reason``) and end too."""
+        if self.link is not None:
+            self.link.say_down(reason)
         for proc in self.processes.values():
             if proc.exitcode is None:
                 proc.terminate()
@@ -101,4 +157,7 @@ class Launcher:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(1.0)
+        if self.link is not None:
+            self.link.close()
+            self.link = None
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

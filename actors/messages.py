@@ -4,7 +4,7 @@
                    api <--TextBatch/RequestError-- tokenizer <--TokenBatch/--------- scheduler <-ForwardResult- runner
                                                                     RequestError
                    api <---------------------------Status/ControlReply--ControlReq--> scheduler
-    every actor --Ready/Failed--> launcher
+    every actor --Ready/Failed--> launcher; node k's launcher <--NodeReady/NodeDown/Heartbeat--> node 0's
 
 Token and slot arrays are numpy arrays at both ends (``int32`` unless noted) and raw bytes on the wire: a msgpack
 extension value whose code names the dtype (``encoder``/``decoder``), so no consumer parses bytes. One message per
@@ -307,9 +307,29 @@ class Failed(msgspec.Struct, tag="failed"):
     message: str
 
 
+# -- launcher <-> launcher, across nodes (actors/nodes.py) ----------------------------------------------------
+class NodeReady(msgspec.Struct, tag="node_ready"):
+    """A node's ranks are all up: their Ready infos, by actor name."""
+
+    node: int
+    actors: dict[str, dict[str, Any]]
+
+
+class NodeDown(msgspec.Struct, tag="node_down"):
+    """A node is ending (one of its actors died, a signal, a failed start): every other node ends too."""
+
+    node: int
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    node: int
+
+
 # What each inbox accepts (decoders are typed by these unions).
 ApiInbox = TextBatch | RequestError | Status | ControlReply
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | RequestError
 SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq
 RunnerInbox = ForwardPlan
 LauncherInbox = Ready | Failed
+NodeInbox = NodeReady | NodeDown | Heartbeat

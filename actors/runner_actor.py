@@ -1,11 +1,24 @@
-"""The runner actor: receives a ForwardPlan, runs it, replies with the ForwardResult. Nothing else."""
+"""The runner actor, one per tensor-parallel rank: receives every ForwardPlan the scheduler publishes, runs its
+share of it; rank 0 samples and replies with the ForwardResult. Nothing else.
+
+Rank 0 samples and the others do not, rather than every rank sampling the same way from the same seeds: only
+rank 0 needs the whole logits (one gather instead of an all-gather), grammar state and sampling live in one
+process, and no broadcast of the chosen ids is needed at all -- they come back to every rank inside the next
+plan, which the scheduler publishes to all of them anyway.
+"""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from radixserve.actors.messages import RunnerInbox
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
+
+
+def rank_name(rank: int) -> str:
+    """The actor name of tensor-parallel rank ``rank`` ("runner" for rank 0, the one the scheduler hears from)."""
+    return "runner" if rank == 0 else f"runner{rank}"
 
 
 class RunnerActor:
@@ -16,23 +29,37 @@ class RunnerActor:
     async def run(self) -> None:
         while True:
             plan = await self.channel.recv()
-            await self.channel.send("scheduler", self.runner.forward(plan))
+            result = self.runner.forward(plan)
+            if result is not None:  # rank 0
+                await self.channel.send("scheduler", result)
 
 
-def build(spec: ActorSpec, channel: Channel) -> tuple[RunnerActor, dict[str, Any]]:
+def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, dict[str, Any]]:
+    import dataclasses
+
     from radixserve.model.config import ModelConfig
     from radixserve.model.loader import load_configs
+    from radixserve.model.parallel import init_group
     from radixserve.model.runner import ModelRunner
 
     args = spec.server_args
+    local = len(args.ranks_here)
+    if args.num_threads is None and local > 1:  # this node's cores, shared by its ranks
+        args = dataclasses.replace(args, num_threads=max(1, len(os.sched_getaffinity(0)) // local))
+    tp = init_group(rank, args.tp, args.dist_backend, spec.dist_addr, args.dist_timeout)
+    # the pool is as large as node 0's scheduler made its allocator (another node sized it from its own memory)
+    args = dataclasses.replace(args, max_total_tokens=tp.first_ranks(args.max_total_tokens))
     cfg = ModelConfig.from_hf(*load_configs(Path(spec.model_dir)))
     source = Path(spec.model_source) if spec.model_source else None
-    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source)
-    return RunnerActor(runner, channel), {"dtype": args.dtype, "device": args.device, "attention": runner.attn.name,
+    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp)
+    return RunnerActor(runner, channel), {"rank": rank, "node": args.node_rank, "dtype": args.dtype,
+                                          "device": args.device, "attention": runner.attn.name,
                                           "deterministic": args.deterministic, "quantization": args.quantization,
-                                          "decode_kernel": runner.decode_kernel,
+                                          "decode_kernel": runner.decode_kernel, "kv_heads": runner.num_kv_heads,
                                           "kv_pool_bytes": runner.kv.nbytes}
 
 
-def main(spec: ActorSpec) -> None:
-    run_actor("runner", spec, RunnerInbox, ("scheduler",), build)
+def main(spec: ActorSpec, rank: int = 0) -> None:
+    peers = ("scheduler",) if rank == 0 else ()  # only rank 0 answers (and it runs on node 0)
+    run_actor(rank_name(rank), spec, RunnerInbox, peers, lambda s, c: build(s, c, rank),
+              subscribe=spec.endpoints.plans_source(spec.server_args.node_rank))

@@ -1,7 +1,9 @@
 """ZeroMQ transport and the actor shell.
 
 Every actor has one PULL inbox bound at its own ``ipc://`` address in a private runtime dir and one PUSH outbox
-per peer it talks to. Messages are msgspec msgpack, decoded straight into the inbox's union of Structs.
+per peer it talks to -- except the runner ranks, whose inbox subscribes to the scheduler's plans: the scheduler
+publishes each step's plan once (``Publisher``) and every rank, on this machine (``ipc://``) or on another node
+(``tcp://``), gets it. Messages are msgspec msgpack, decoded straight into the inbox's union of Structs.
 ``run_actor`` is each child process's whole life: sockets, the core (slow: e.g. loading a model), a Ready (or
 Failed) report to the launcher, the actor's loop until SIGTERM.
 """
@@ -13,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,23 +34,48 @@ ActorName = str  # "api" | "tokenizer" | "scheduler" | "runner" | "launcher"
 
 @dataclass(frozen=True)
 class Endpoints:
-    """Every socket address, derived from the runtime dir (no address literals anywhere else)."""
+    """Every socket address, derived from the runtime dir and, across machines, node 0's ``--dist-init-addr``
+    HOST:PORT (no address literals anywhere else): torch.distributed's store at PORT, the plans at PORT+1, the
+    nodes' link at PORT+2."""
 
     runtime_dir: str
+    node0: str | None = None  # HOST:PORT when the ranks span machines
 
     def address(self, name: ActorName) -> str:
         return f"ipc://{self.runtime_dir}/{name}.sock"
+
+    def _tcp(self, offset: int, bind: bool = False) -> str:
+        host, _, port = self.node0.rpartition(":")
+        return f"tcp://{'*' if bind else host}:{int(port) + offset}"  # node 0 listens on all its interfaces
+
+    def plans_bound(self) -> list[str]:
+        """Where the scheduler publishes plans: its runtime dir, and node 0's PORT+1 when ranks are elsewhere."""
+        return [self.address("plans")] + ([self._tcp(1, bind=True)] if self.node0 else [])
+
+    def plans_source(self, node_rank: int) -> str:
+        """Where a rank on ``node_rank`` subscribes to the plans."""
+        return self.address("plans") if node_rank == 0 else self._tcp(1)
+
+    def node_link(self, bind: bool = False) -> str:
+        return self._tcp(2, bind)
 
 
 class Channel:
     """An actor's sockets: its inbox and a PUSH per peer."""
 
     def __init__(self, endpoints: Endpoints, name: ActorName, inbox_type: Any, peers: tuple[ActorName, ...],
-                 ctx: zmq.asyncio.Context | None = None) -> None:
+                 ctx: zmq.asyncio.Context | None = None, subscribe: str | None = None) -> None:
+        """``subscribe``: the inbox is a subscription to the publisher at that address (a runner rank's)."""
         self.ctx = ctx or zmq.asyncio.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
+        if subscribe is None:
+            self.inbox = self.ctx.socket(zmq.PULL)
+            self.inbox.bind(endpoints.address(name))
+        else:
+            self.inbox = self.ctx.socket(zmq.SUB)
+            self.inbox.setsockopt(zmq.RCVHWM, 0)  # never drop a plan
+            self.inbox.setsockopt(zmq.SUBSCRIBE, b"")
+            self.inbox.connect(subscribe)
         self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind(endpoints.address(name))
         self.outboxes: dict[ActorName, zmq.asyncio.Socket] = {}
         for peer in peers:
             sock = self.ctx.socket(zmq.PUSH)
@@ -76,6 +104,40 @@ class Channel:
         self.ctx.term()
 
 
+class Publisher:
+    """One message to every subscriber (the scheduler's plans to all runner ranks: one send per step, however
+    many ranks). ``wait_for(n)`` before the first send: a subscription made before it is never missed."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a plan
+        self.sock.setsockopt(zmq.LINGER, 0)
+        for address in addresses:
+            self.sock.bind(address)
+        self.subscribers = 0
+        self._encoder = encoder()
+
+    def wait_for(self, n: int, timeout_s: float) -> None:
+        """Until ``n`` subscribers have joined; RuntimeError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.subscribers < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"only {self.subscribers} of {n} runner ranks subscribed to the plans in "
+                                   f"{timeout_s:.0f}s")
+            if self.sock.poll(min(left, 0.1) * 1000):
+                self.subscribers += self.sock.recv()[:1] == b"\x01"
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.sock.send(self._encoder.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
 class Actor(Protocol):
     async def run(self) -> None: ...
 
@@ -90,6 +152,7 @@ class ActorSpec:
     scheduler_config: Any  # SchedulerConfig
     log_level: str = "info"
     model_source: str | None = None  # the file or folder the user gave (a GGUF file's own quantized weights)
+    dist_addr: str | None = None  # HOST:PORT where the tensor-parallel ranks meet (torch.distributed's store)
 
 
 def die_with_parent() -> None:
@@ -100,18 +163,20 @@ def die_with_parent() -> None:
 
 
 def run_actor(name: ActorName, spec: ActorSpec, inbox_type: Any, peers: tuple[ActorName, ...],
-              build: Callable[[ActorSpec, Channel], tuple[Actor, dict[str, Any]]]) -> None:
-    """A child process's entry: never returns normally; exits 0 on SIGTERM, 1 on failure."""
+              build: Callable[[ActorSpec, Channel], tuple[Actor, dict[str, Any]]],
+              subscribe: str | None = None) -> None:
+    """A child process's entry: never returns normally; exits 0 on SIGTERM, 1 on failure. ``subscribe``: the
+    inbox subscribes to that publisher instead of being bound at the actor's own address."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the launcher stops us in order
     logging.basicConfig(level=spec.log_level.upper(), format=f"%(asctime)s [{name}] %(name)s: %(message)s")
     import uvloop
 
-    sys.exit(uvloop.run(_actor_main(name, spec, inbox_type, peers, build)))
+    sys.exit(uvloop.run(_actor_main(name, spec, inbox_type, peers, build, subscribe)))
 
 
-async def _actor_main(name, spec, inbox_type, peers, build) -> int:
-    channel = Channel(spec.endpoints, name, inbox_type, (*peers, "launcher"))
+async def _actor_main(name, spec, inbox_type, peers, build, subscribe) -> int:
+    channel = Channel(spec.endpoints, name, inbox_type, (*peers, "launcher"), subscribe=subscribe)
     try:
         actor, info = build(spec, channel)
     except Exception as exc:

@@ -2,9 +2,9 @@
 model, dtype and prompts, measured side by side in one run; writes benchmarks/results/REPORT.md, PNG plots and
 results.json. See benchmarks/README.md.
 
-    python benchmarks/bench.py [--quick] [--out benchmarks/results]
+    python benchmarks/bench.py [--quick] [--out benchmarks/results] [--tp N]
                                [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant,
-                                       compile,peer,radix]
+                                       compile,peer,radix,tp]
 
 ``--only`` reruns some stages and keeps the other stages' results from the last run's results.json (the report
 lists when each stage was measured).
@@ -31,6 +31,7 @@ import machine  # noqa: E402
 import quant_cost  # noqa: E402
 import radix_speed  # noqa: E402
 import report  # noqa: E402
+import tp_cost  # noqa: E402
 from forward_speed import HF, Ours  # noqa: E402
 from harness import best_hf, load_hf  # noqa: E402
 from scenarios import MultiTurn, SeedSmallCase, SharedPrefix, Unique  # noqa: E402
@@ -41,11 +42,11 @@ from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant", "compile",
-          "peer", "radix")
+          "peer", "radix", "tp")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
               "deterministic": ("deterministic",), "grammar": ("grammar",), "quant": ("quant",),
-              "compile": ("compile",), "peer": ("peer",), "radix": ("radix",)}
+              "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",)}
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--only", default=",".join(STAGES))
     ap.add_argument("--model-path", default=None)
+    ap.add_argument("--tp", type=int, default=None,
+                    help="ranks of the tensor-parallelism stage (default: the smallest tp > 1 the model splits)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     out = Path(args.out)
@@ -76,7 +79,7 @@ def main() -> None:
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
-    bar = tqdm(total=10, desc="bench", unit="stage")
+    bar = tqdm(total=11, desc="bench", unit="stage")
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
         llama = start_llama_cpp(files.path) if only & {"shared", "multiturn"} else None
@@ -154,6 +157,9 @@ def main() -> None:
     bar.update()
     if "radix" in only:
         res["radix"] = radix_speed.measure(5000 if q else 20000, (200000, 50000), 2 if q else 3)
+    bar.update()
+    if "tp" in only:
+        res["tp"] = tp_cost.measure(args.tp or tp_cost.smallest_tp(cfg), 2 if q else 3, q, args.model_path)
     bar.update()
     bar.close()
     res = keep_other_stages(res, only, out / "results.json")

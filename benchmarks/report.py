@@ -235,11 +235,34 @@ def write(res: dict, out: Path) -> None:
         L += peer_section(res["peer"], targets, out)
     if "radix" in res:
         L += radix_section(res["radix"], targets)
+    if "tp" in res:
+        L += tp_section(res["tp"], out)
     if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
         L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
+
+
+def tp_section(t: dict, out: Path) -> list[str]:
+    n, a = t["tp"], t["agreement"]
+    L = [f"## Tensor parallelism: --tp {n} against one rank", "",
+         f"The same weights on one rank and on {n} ranks (local processes, gloo), side by side (alternating, median "
+         "of repeats; bf16, eager decode steps on both). On one machine the ranks share its cores and every layer "
+         "adds two all-reduces over local sockets, so --tp is not a speed-up here: it is for a model that does not "
+         "fit one process's memory, or one machine. Start-up: one rank "
+         f"{t['start_s']['1']:.1f} s, {n} ranks {t['start_s'][str(n)]:.1f} s.", ""]
+    if t.get("substituted"):
+        L += [f"The bench's model cannot run at --tp {n}: {t['substituted']}.", ""]
+    L += [f"Greedy agreement in float32: {a['identical_prompts']}/{a['prompts']} prompts give exactly one rank's "
+          f"tokens; {a['same_prefix_tokens']}/{a['tokens']} tokens agree before any first difference.", "",
+          f"| | size | tp 1 tok/s | tp {n} tok/s | tp {n} / tp 1 |", "|---|---|---|---|---|"]
+    for r in t["rows"]:
+        L.append(f"| {r['kind']} | {r['size']} | {r['tp1_tok_s']:.1f} | {r['tpn_tok_s']:.1f} | {r['ratio']:.2f}x |")
+    plot_bars([f"{r['kind']} {r['size']}" for r in t["rows"]],
+              {"tp 1": [r["tp1_tok_s"] for r in t["rows"]], f"tp {n}": [r["tpn_tok_s"] for r in t["rows"]]},
+              "tokens/s", f"--tp {n} vs one rank (bf16)", out / "tp.png")
+    return L + ["", "![tensor parallelism](tp.png)", ""]
 
 
 def compile_section(c: dict, out: Path) -> list[str]:

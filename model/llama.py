@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.parallel import SINGLE, TPGroup, row_parallel_bias
 
 if TYPE_CHECKING:
     from radixserve.model.forward_batch import ForwardBatch
@@ -62,10 +63,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's heads (all of them on one rank): Q/K/V column-parallel, O row-parallel (model/parallel.py)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, tp.kv_heads(cfg.num_kv_heads)[1]
+        self.head_dim = cfg.head_dim
+        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
@@ -80,28 +85,29 @@ class Attention(nn.Module):
             o = attn.decode(q, k_pool, v_pool, meta, self.scale)
         else:
             o = attn.extend(q, k, v, k_pool, v_pool, meta, self.scale)
-        return self.o_proj(o.reshape(n, -1))
+        return self.tp.all_reduce(self.o_proj(o.reshape(n, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        size = cfg.intermediate_size
+        self.tp = tp
+        size = cfg.intermediate_size // tp.size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """``k_pool``/``v_pool``: this layer's part of the KV pool."""
@@ -110,35 +116,49 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(tp.vocab(cfg.vocab_size)[1], cfg.hidden_size)  # this rank's rows
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """Returns next-token logits for the positions ``batch.logit_rows`` only (the last token of each request
-    that samples), so the vocabulary projection is not paid for every prompt token."""
+    that samples), so the vocabulary projection is not paid for every prompt token. Under tensor parallelism
+    (``tp``) every rank holds its share of each layer and rank 0 gets the whole logits."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = Backbone(cfg, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab(cfg.vocab_size)[1], bias=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``ids``: on several ranks, each looks up the ids in its vocabulary shard (zeros for
+        the others') and an all-reduce adds the shards up."""
+        if self.tp.size == 1:
+            return self.model.embed_tokens(ids)
+        start, held, _ = self.tp.vocab(self.config.vocab_size)
+        local = ids - start
+        mine = (local >= 0) & (local < held)
+        h = self.model.embed_tokens(torch.where(mine, local, 0)).masked_fill_(~mine.unsqueeze(-1), 0)
+        return self.tp.all_reduce(h)
 
     def forward(self, batch: ForwardBatch, run_layer: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """``run_layer(layer, h, batch, k_pool, v_pool)``: how a layer is run (a compiled decode layer); default:
         ``layer(h, batch, k_pool, v_pool)``."""
-        h = self.model.embed_tokens(batch.input_ids)
+        h = self.embed(batch.input_ids)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, batch, *batch.kv.layer(i)) if run_layer is None else run_layer(layer, h, batch,
                                                                                          *batch.kv.layer(i))
         h = self.model.norm(h[batch.logit_rows])
-        return self.lm_head(h).float()
+        return self.tp.gather_vocab(self.lm_head(h).float(), self.config.vocab_size)
 
     def load_weights(self, weights) -> None:
-        """``weights``: iterable of (HF name, tensor). Every parameter must be covered exactly once."""
+        """``weights``: iterable of (HF name, tensor), each already cut to this rank's part of it
+        (``parallel.shard_of``). Every parameter must be covered exactly once."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         loaded: set[str] = set()
@@ -152,7 +172,12 @@ class CausalLM(nn.Module):
                 modules[f"{parent}.{fused}"].load_shard(shard, param, tensor)
                 loaded.add(f"{parent}.{fused}.{param}:{shard}")
             elif name in params:
-                params[name].data.copy_(tensor)
+                data = params[name].data
+                if row_parallel_bias(self.tp, name):
+                    tensor = torch.zeros_like(tensor)
+                if len(tensor) < len(data):  # the last vocabulary shard: padded with zero rows
+                    data[len(tensor):].zero_()
+                data[: len(tensor)].copy_(tensor)
                 loaded.add(name)
             else:
                 raise ValueError(f"checkpoint weight {name!r} has no place in the {self.config.model_type} model")

@@ -24,6 +24,7 @@ from radixserve.model.grammar import Constraints, Masks
 from radixserve.model.llama import CausalLM
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.loader import cache_root
+from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows
 from radixserve.model.slot_table import SlotTable
 
@@ -32,21 +33,24 @@ log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def iter_safetensors(path: Path):
+def iter_safetensors(path: Path, part=lambda name: None):
+    """(name, tensor) of every checkpoint weight; ``part(name)``: the (dim, start, length) of it to read (only
+    those bytes are read: a tensor-parallel rank never holds the whole model), None for all of it."""
     files = sorted(path.glob("*.safetensors"))
     for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, read_part(f.get_slice(name), part(name))
 
 
 def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
-                quantization: str | None = None, source: Path | None = None) -> CausalLM:
-    """The model with its weights as loaded (quantized if asked); ``pack`` swaps in the CPU's packed linears."""
+                quantization: str | None = None, source: Path | None = None, tp: TPGroup = SINGLE) -> CausalLM:
+    """The model (this rank's share of it) with its weights as loaded (quantized if asked); ``pack`` swaps in
+    the CPU's packed linears."""
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, tp)
     model = model.to(dtype).to_empty(device=device)  # no random init: every weight is loaded next
-    model.load_weights(iter_safetensors(path))
+    model.load_weights(iter_safetensors(path, lambda name: shard_of(cfg, tp, name)))
     if quantization is not None:
         quantize(model, cfg, quantization, dtype, device, source)
     return model.eval()
@@ -84,17 +88,20 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
                  attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
                  quantization: str | None = None, source: Path | None = None, decode_kernel: str = "eager",
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, tp: TPGroup = SINGLE) -> None:
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         elif deterministic:
             raise ValueError("--deterministic is implemented for the CPU only; run without it on CUDA")
         self.cfg = cfg
+        self.tp = tp
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         start = time.perf_counter()
-        self.model = build_model(cfg, path, self.dtype, self.device, quantization, source)
-        self.kv = KVPool(cfg.num_layers, num_slots + 1, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.model = build_model(cfg, path, self.dtype, self.device, quantization, source, tp)
+        attn = self.model.model.layers[0].self_attn  # this rank's heads
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.kv = KVPool(cfg.num_layers, num_slots + 1, self.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.native: NativeDecode | None = None
         self.native_build_seconds = 0.0  # building (first start) or loading the native step
         if decode_kernel == "native":  # packs its own copy of the weights, from the plain ones: before pack()
@@ -112,8 +119,9 @@ class ModelRunner:
         self.attn = get_backend(attention_backend, self.device, deterministic)
         self.table = SlotTable()
         self.constraints = Constraints(path, cfg.vocab_size)
-        log.info("model loaded in %.1fs (%s, %s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
-                 cfg.model_type, dtype, num_slots, self.kv.nbytes / 2**20)
+        log.info("model loaded in %.1fs (%s, %s%s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
+                 cfg.model_type, dtype, f", rank {tp.rank} of {tp.size}" if tp.size > 1 else "", num_slots,
+                 self.kv.nbytes / 2**20)
         self.compiled: CompiledDecode | None = None
         if decode_kernel == "compiled":
             self.compiled = CompiledDecode(self.model, self.kv, self.rope, cache_root() / "inductor")
@@ -128,13 +136,14 @@ class ModelRunner:
             log.info("deterministic: batch invariance checked on this machine in %.1fs", time.perf_counter() - start)
 
     @classmethod
-    def from_args(cls, cfg: ModelConfig, path: Path, args, source: Path | None = None) -> ModelRunner:
+    def from_args(cls, cfg: ModelConfig, path: Path, args, source: Path | None = None,
+                  tp: TPGroup = SINGLE) -> ModelRunner:
         """The runner a server or Engine runs, configured by ``args`` (resolved ServerArgs); ``source``: the file
-        the user gave (a GGUF file's quantized weights can be used as they ship)."""
+        the user gave (a GGUF file's quantized weights can be used as they ship); ``tp``: this rank's place."""
         return cls(cfg, path, dtype=args.dtype, num_slots=args.max_total_tokens, device=args.device,
                    attention_backend=args.attention_backend, num_threads=args.num_threads,
                    deterministic=args.deterministic, quantization=args.quantization, source=source,
-                   decode_kernel=args.decode_kernel, max_batch=args.max_running_requests)
+                   decode_kernel=args.decode_kernel, max_batch=args.max_running_requests, tp=tp)
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
@@ -143,7 +152,7 @@ class ModelRunner:
 
     @property
     def _group(self) -> int:
-        return self.cfg.num_heads // self.cfg.num_kv_heads
+        return self.num_heads // self.num_kv_heads  # query heads per KV head, on this rank
 
     @property
     def decode_kernel(self) -> str:
@@ -163,9 +172,12 @@ class ModelRunner:
         return self.model(batch)
 
     @torch.inference_mode()
-    def forward(self, plan: ForwardPlan) -> ForwardResult:
+    def forward(self, plan: ForwardPlan) -> ForwardResult | None:
         """Run one step. Nothing in it ends the runner: a step that raises comes back as ``error`` (the scheduler
-        fails its requests and frees what they allocated), a request whose sampling raises as ``errors[row]``."""
+        fails its requests and frees what they allocated), a request whose sampling raises as ``errors[row]``.
+        A rank other than 0 computes its share of the step and returns None: rank 0 samples and answers."""
+        if not self.tp.samples:
+            return self._share(plan)
         start_errors = self.constraints.update(plan.new_grammars, plan.released_grammars)  # even if the step fails
         try:
             batch = self._batch(plan)
@@ -207,3 +219,17 @@ class ModelRunner:
         errors.update({**refused, **refused_tokens})
         return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
                              grammar_done=done, errors=errors)
+
+    def _share(self, plan: ForwardPlan) -> None:
+        """A rank other than 0: the step's forward, for the collectives rank 0 takes part in. The plan is the
+        same on every rank, so a step that fails here fails on rank 0 too (which reports it)."""
+        try:  # what rank 0 checks before its forward, checked the same way: both skip the forward or neither
+            batch = self._batch(plan)
+            SamplingInputs.from_batch(plan.sampling, self.device)
+        except Exception:
+            return None
+        try:
+            self._run(batch)
+        except Exception:
+            log.exception("step %d failed on rank %d", plan.step, self.tp.rank)
+        return None

@@ -43,7 +43,12 @@ class Engine:
         self.model_config = prepared.model
         self.model_files = prepared.files
         self.tokenizer = TokenizerCore(prepared.files.path)
-        self.runner = ModelRunner.from_args(prepared.model, prepared.files.path, args, prepared.files.source)
+        if args.tp > 1:  # the ranks as processes (the server's runner actors), this scheduler publishing to them
+            from radixserve.actors.ranks import Ranks
+
+            self.runner = Ranks(prepared)
+        else:
+            self.runner = ModelRunner.from_args(prepared.model, prepared.files.path, args, prepared.files.source)
         self.scheduler = build_scheduler(args, prepared.scheduler_config)
         self._ids = itertools.count()
         self._closed = False
@@ -135,6 +140,8 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            if hasattr(self.runner, "shutdown"):  # the tensor-parallel ranks' processes
+                self.runner.shutdown()
             self.runner = self.scheduler = None  # the last references to the weights and the pool tensors
         gc.collect()
 

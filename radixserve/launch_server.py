@@ -1,7 +1,9 @@
 """Start the server: ``python -m radixserve.launch_server [flags]`` (same flags as ``radixserve serve``).
 
 The main process is the launcher/supervisor and the api actor (aiohttp on uvloop); tokenizer, scheduler and
-runner are child processes. Any actor dying ends the server with a non-zero exit; SIGINT/SIGTERM end it cleanly.
+the runner ranks are child processes. Any actor dying ends the server with a non-zero exit; SIGINT/SIGTERM end it
+cleanly. On another node of a multi-node server (``--node-rank`` > 0) the main process only launches and
+watches that node's ranks.
 """
 from __future__ import annotations
 
@@ -30,11 +32,33 @@ def serve(args: ServerArgs) -> int:
     prepared = prepare(args)
     launcher = Launcher(prepared)
     launcher.start()
+    reason = "stopped"
     try:
-        return uvloop.run(_serve(prepared, launcher))
+        code = uvloop.run(_serve(prepared, launcher) if args.node_rank == 0 else _serve_ranks(launcher))
+        reason = "stopped" if code == 0 else launcher.failure() or f"exit code {code}"
+        return code
+    except BaseException as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
-        launcher.shutdown()
+        launcher.shutdown(reason)
         log.info("stopped")
+
+
+async def _serve_ranks(launcher) -> int:
+    """Another node: its ranks run until a signal (0) or until a rank here dies or another node ends (1)."""
+    stop = _stop_on_signals()
+    log.info("node %d: ranks %s ready, serving node 0's scheduler", launcher.prepared.args.node_rank,
+             list(launcher.ranks.values()))
+    return await _supervise(launcher, None, stop, {})
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 async def _serve(prepared, launcher) -> int:
@@ -54,6 +78,8 @@ async def _serve(prepared, launcher) -> int:
         "started": int(time.time()),
         "server_args": {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"},
         "actors": {name: {k: v for k, v in a.items() if k != "chat_template"} for name, a in launcher.info.items()},
+        "ranks": {str(node): ranks for node, ranks in launcher.ranks_by_node().items()},  # per node
+        "tp_ranks": args.tp,
         "model_info": prepared.model_info(launcher.info.get("tokenizer", {}).get("chat_template")),
         "runtime_dir": launcher.runtime_dir,
     }
@@ -61,6 +87,7 @@ async def _serve(prepared, launcher) -> int:
                     max_in_flight=args.max_queued_requests + args.max_running_requests,
                     vocab_size=prepared.model.vocab_size)
     server = ApiServer(launcher.endpoints, info, limits)
+    server.metrics.ranks(launcher.ranks_by_node())
     server.start()
     runner = web.AppRunner(make_app(server, args.api_key), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -72,10 +99,7 @@ async def _serve(prepared, launcher) -> int:
         await server.close()
         return 2
     log.info("radixserve %s serving %s on http://%s:%d", __version__, prepared.model_name, args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     code = await _supervise(launcher, server, stop, info)
     if code == 0 and server.pending:  # a signal: drain -- new requests get 503, those in flight may finish
         log.info("draining %d request(s) for up to %gs (signal again to stop now)", len(server.pending),
@@ -92,15 +116,16 @@ async def _serve(prepared, launcher) -> int:
 
 
 async def _supervise(launcher, server, stop: asyncio.Event, info: dict) -> int:
-    """Until a signal (0) or an actor's death (1, every waiting request answered 503)."""
+    """Until a signal (0) or an actor's death here or another node's end (1, every waiting request answered
+    503). ``server``: the api (None on a node that runs only ranks)."""
     while not stop.is_set():
-        dead = launcher.dead()
-        if dead:
-            reason = "; ".join(f"the {name} actor exited with code {c}" for name, c in dead)
+        reason = launcher.failure()
+        if reason:
             log.error("%s -- shutting down", reason)
             info["unhealthy_reason"] = reason
-            server.fail_all(f"{reason}; the server is shutting down")
-            await asyncio.sleep(SUPERVISE_INTERVAL_S)  # let waiting handlers answer 503
+            if server is not None:
+                server.fail_all(f"{reason}; the server is shutting down")
+                await asyncio.sleep(SUPERVISE_INTERVAL_S)  # let waiting handlers answer 503
             return 1
         try:
             await asyncio.wait_for(stop.wait(), SUPERVISE_INTERVAL_S)

@@ -8,6 +8,7 @@ from typing import Any
 from radixserve.actors.scheduler.scheduler import SchedulerConfig
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import ModelFiles, load_configs, resolve_model
+from radixserve.model.parallel import check_divisible
 from radixserve.policies import load_eviction_policy, load_schedule_policy
 from radixserve.server_args import ServerArgs
 
@@ -42,10 +43,9 @@ class Prepared:
 
 def prepare(args: ServerArgs) -> Prepared:
     """Resolve ``args`` against the model; fails fast (ValueError / FileNotFoundError) on bad names or paths."""
-    if args.tp != 1:
-        raise ValueError(f"tensor parallelism (--tp {args.tp}) is not supported yet; use --tp 1")
     files = resolve_model(args.model_path)
     model = ModelConfig.from_hf(*load_configs(files.path))
+    check_divisible(args.tp, model.num_heads, model.num_kv_heads, model.intermediate_size)
     args = args.resolved(model.kv_values_per_token, model.max_position_embeddings, model.num_parameters)
     load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
     cfg = SchedulerConfig(

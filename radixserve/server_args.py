@@ -30,7 +30,12 @@ class ServerArgs:
     disable_radix_cache: bool = False
     host: str = "127.0.0.1"
     port: int = 30000
-    tp: int = 1
+    tp: int = 1  # tensor-parallel ranks (runner processes), over torch.distributed
+    nnodes: int = 1  # machines the ranks run on (tp / nnodes ranks each)
+    node_rank: int = 0  # this machine's place; node 0 runs the api, tokenizer, scheduler and ranks 0..
+    dist_init_addr: str | None = None  # HOST:PORT of node 0 (torch.distributed's store; PORT+1, PORT+2 too)
+    dist_backend: str = "auto"  # auto: nccl on CUDA, gloo on the CPU
+    dist_timeout: float = 60.0  # seconds a collective may take (a node silent 10 s, or this if shorter, is dead)
     log_level: str = "info"
     api_key: str | None = None
     served_model_name: str | None = None  # None: from the model file or folder name
@@ -88,6 +93,37 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
+        self._check_distributed()
+
+    def _check_distributed(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.tp % self.nnodes:
+            raise ValueError(f"--tp {self.tp} ranks cannot be spread evenly over --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every "
+                             "node)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65534:
+                raise ValueError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT (PORT, PORT+1 and "
+                                 "PORT+2 are used)")
+        if self.dist_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"dist_backend={self.dist_backend!r} is not one of auto, gloo, nccl")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout={self.dist_timeout} must be > 0 seconds")
+        if self.tp > 1 and self.quantization:
+            raise ValueError(f"--quantization {self.quantization} is not implemented with --tp > 1 yet: run the "
+                             "quantized model on one rank, or the full-precision one over several")
+        if self.tp > 1 and self.deterministic:
+            raise ValueError("--deterministic is not implemented with --tp > 1: the ranks' partial sums are added "
+                             "by the collective in its own order")
+
+    @property
+    def ranks_here(self) -> range:
+        """The tensor-parallel ranks this node runs."""
+        per = self.tp // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
@@ -121,8 +157,11 @@ class ServerArgs:
             # that cannot fit are refused with a message naming --max-total-tokens) instead of running out of RAM
             total = max(256, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
         kernel = self._decode_kernel(dtype, device)
+        backend = self.dist_backend if self.dist_backend != "auto" else "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl" and not device.startswith("cuda"):
+            raise ValueError("--dist-backend nccl needs CUDA devices; on the CPU use gloo")
         return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total, device=device,
-                                   decode_kernel=kernel, disable_compile=kernel == "eager")
+                                   decode_kernel=kernel, disable_compile=kernel == "eager", dist_backend=backend)
 
     def _decode_kernel(self, dtype: str, device: str) -> str:
         """native (the C++ decode step) where this CPU, compiler, dtype and weights allow it, else compiled
@@ -130,12 +169,13 @@ class ServerArgs:
         kernels), on CUDA, with --disable-compile, and under RADIXSERVE_DISABLE_COMPILE=1 (whole test runs)."""
         from radixserve.kernels.cpu_native import unavailable_reason  # no torch: the scheduler resolves args too
 
-        if (self.disable_compile or self.deterministic or device != "cpu"
+        if (self.disable_compile or self.deterministic or device != "cpu" or self.tp > 1
                 or os.environ.get("RADIXSERVE_DISABLE_COMPILE") == "1"):
             if self.decode_kernel not in ("auto", "eager"):
                 raise ValueError(f"--decode-kernel {self.decode_kernel} runs on the CPU only, not on {device}"
-                                 if device != "cpu" else f"--decode-kernel {self.decode_kernel} is off here "
-                                 "(RADIXSERVE_DISABLE_COMPILE=1)")
+                                 if device != "cpu" else f"--decode-kernel {self.decode_kernel} runs one whole step "
+                                 "on one rank; with --tp > 1 decode steps run eagerly" if self.tp > 1 else
+                                 f"--decode-kernel {self.decode_kernel} is off here (RADIXSERVE_DISABLE_COMPILE=1)")
             return "eager"
         why = unavailable_reason(dtype)
         if self.decode_kernel == "native" and why:
@@ -176,7 +216,16 @@ HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require `Authorization: Bearer <key>` on every route but /health",
-    "tp": "tensor-parallel ranks (only 1 is supported yet)",
+    "tp": "tensor-parallel ranks: runner processes that each hold 1/tp of every layer (torch.distributed); must "
+          "divide the attention heads, the MLP width and the KV heads (or be a multiple of them)",
+    "nnodes": "machines the --tp ranks are spread over (tp / nnodes each); start `radixserve serve` on each with "
+              "the same flags and its own --node-rank",
+    "node_rank": "this machine's number, 0..nnodes-1; node 0 serves HTTP and runs the scheduler",
+    "dist_init_addr": "HOST:PORT of node 0, reachable from every node: torch.distributed's store at PORT, the "
+                      "scheduler's plans at PORT+1, the nodes' heartbeat link at PORT+2",
+    "dist_backend": "auto (nccl on CUDA, gloo on the CPU), gloo or nccl",
+    "dist_timeout": "seconds a collective may wait (also the rendezvous: start every node within it); a node "
+                    "silent for 10 s, or this if shorter, ends the whole server",
     "log_level": "debug, info, warning or error",
     "num_threads": "torch threads for the model (default: all cores)",
     "device": "auto (cuda if available), cuda or cpu",

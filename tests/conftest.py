@@ -32,6 +32,23 @@ def smollm2_path() -> Path:
     return resolve_model(None).path
 
 
+def save_random(cfg, tok, out: Path, seed: int) -> Path:
+    """A random checkpoint of ``cfg`` with ``tok``'s tokenizer at ``out``; biases drawn too (from_config zeroes
+    them, and a zero bias tests nothing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def build_tiny(kind: str, root: Path, tokenizer_from: Path) -> Path:
     """A random checkpoint whose vocabulary matches the SmolLM2 tokenizer (so prompts can be text)."""
     import torch

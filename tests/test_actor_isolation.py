@@ -25,6 +25,9 @@ class Recorder:
     def of(self, kind: type) -> list:
         return [m for _, m in self.sent if isinstance(m, kind)]
 
+    def wait_for(self, ranks: int, timeout_s: float) -> None:  # as the scheduler's Publisher of plans
+        pass
+
 
 @pytest.fixture(scope="module")
 def tokenizer_core(smollm2_path):
@@ -71,7 +74,7 @@ def test_a_request_the_scheduler_cannot_queue_fails_alone_and_the_actor_goes_on(
     cfg = SchedulerConfig(context_length=512, vocab_size=50, eos_ids=frozenset({0}))
     sched = Scheduler(cfg, CacheManager(256, LRU()), FCFS())
     channel = Recorder()
-    actor = SchedulerActor(sched, channel)
+    actor = SchedulerActor(sched, channel, plans=channel, ranks=1, timeout_s=1.0)
     real = sched.add_request
 
     def add_request(rid, *a, **kw):

@@ -86,11 +86,6 @@ def test_missing_bundled_model_says_how_to_install(monkeypatch):
         loader.resolve_model(None)
 
 
-def test_tp_is_refused_clearly(tiny_models):
-    with pytest.raises(ValueError, match="tensor parallelism .* not supported yet"):
-        Engine(str(tiny_models["llama"]), tp=2)
-
-
 def test_logprobs_match_a_direct_forward(engine, hf_models):
     import torch
 

@@ -383,7 +383,7 @@ def assert_still_serving(server) -> None:
     assert server.proc.poll() is None, f"the server exited with {server.proc.returncode}:\n{log_tail()}"
     with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
         health = client.get("/health")
-        assert health.status_code == 200 and health.json() == {"status": "ok"}, health.text
+        assert health.status_code == 200 and health.json() == {"status": "ok", "tp_ranks": 1}, health.text
         for name, actor in client.get("/get_server_info").json()["actors"].items():
             assert alive(actor["pid"]), f"the {name} actor (pid {actor['pid']}) died:\n{log_tail()}"
         good = client.post(CHAT, json=GOOD_CHAT)

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from conftest import save_random
 from radixserve import Engine
 from radixserve.kernels import cpu_native
 from radixserve.kernels.cpu_native import NativeUnavailable, unavailable_reason
@@ -25,22 +26,13 @@ pytestmark = pytest.mark.skipif(unavailable_reason("bfloat16") is not None,
 def odd_model(tmp_path_factory, smollm2_path):
     """Dimensions that fill no 16-row block or 32-wide k step evenly: hidden 48 (3 heads of 16), q/k/v 80 rows,
     intermediate 88, qkv bias."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers import AutoTokenizer, Qwen2Config
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=88, num_hidden_layers=2,
                       num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=2048,
                       initializer_range=0.25, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    out = tmp_path_factory.mktemp("odd") / "qwen2-odd"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_random(cfg, tok, tmp_path_factory.mktemp("odd") / "qwen2-odd", seed=1)
 
 
 def _rows(n: int, seed: int, shared: int = 0) -> list[list[int]]:

@@ -61,7 +61,7 @@ def test_top_k_that_once_killed_the_scheduler_is_a_400_and_the_server_serves_on(
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
     r = httpx.post(tiny_server.url + CHAT, json=chat(seed=-(10**30)), timeout=30)  # any integer seed: reduced
     assert r.status_code == 200
-    assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok", "tp_ranks": 1}
 
 
 def test_a_rid_in_use_is_refused_and_abort_takes_exact_ids_only(tiny_server):

@@ -49,6 +49,13 @@ class Metrics:
         self.policy_evicted = Gauge("radixserve_policy_evicted_tokens", "tokens evicted under the policies",
                                     labels, registry=r)
 
+    def ranks(self, by_node: dict[int, list[dict]]) -> None:
+        """The tensor-parallel runner ranks up, per node (set once all are ready; the server ends if one dies)."""
+        gauge = Gauge("radixserve_tp_ranks", "tensor-parallel runner ranks running, per node", ["node"],
+                      registry=self.registry)
+        for node, ranks in by_node.items():
+            gauge.labels(str(node)).set(len(ranks))
+
     def finished(self, reason: str, prompt: int, cached: int, e2e: float) -> None:
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(prompt)

@@ -90,7 +90,7 @@ class NativeRoutes:
             return json_response({"status": "unhealthy", "reason": self.server.info.get("unhealthy_reason")}, 503)
         if self.server.draining:
             return json_response({"status": "draining"}, 503)
-        return json_response({"status": "ok"})
+        return json_response({"status": "ok", "tp_ranks": self.server.info.get("tp_ranks", 1)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.server.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

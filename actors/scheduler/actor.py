@@ -1,7 +1,8 @@
 """The scheduler actor: the Scheduler core behind an inbox (no torch here either).
 
 Overlap: as soon as a step's result arrives, the next plan goes to the runner *before* this step's tokens go
-to the tokenizer, so detokenizing and HTTP streaming run while the model computes the next step.
+to the tokenizer, so detokenizing and HTTP streaming run while the model computes the next step. Plans are
+published once per step to every tensor-parallel rank; rank 0 answers.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from radixserve.actors.messages import (
 from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler import build_scheduler
 from radixserve.actors.scheduler.scheduler import Scheduler
-from radixserve.actors.transport import ActorSpec, Channel, run_actor
+from radixserve.actors.transport import ActorSpec, Channel, Publisher, run_actor
 from radixserve.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -25,9 +26,12 @@ STATUS_INTERVAL_S = 0.25
 
 
 class SchedulerActor:
-    def __init__(self, scheduler: Scheduler, channel: Channel) -> None:
+    def __init__(self, scheduler: Scheduler, channel: Channel, plans: Publisher, ranks: int,
+                 timeout_s: float) -> None:
         self.scheduler = scheduler
         self.channel = channel
+        self.plans = plans
+        self._ranks, self._timeout_s = ranks, timeout_s  # every rank has subscribed before the first plan
         self.inflight = False
         self._last_status = 0.0
         self._dirty = True  # something changed since the last Status
@@ -70,7 +74,8 @@ class SchedulerActor:
             self.scheduler.fail_all("internal error in the scheduler (logged)")
             return
         if plan is not None:
-            await self.channel.send("runner", plan)
+            self.plans.wait_for(self._ranks, self._timeout_s)  # returns at once after the first time
+            self.plans.send(plan)
             self.inflight = True
 
     async def report_failures(self) -> None:
@@ -163,9 +168,11 @@ def status_of(sched: Scheduler) -> Status:
 
 
 def build(spec: ActorSpec, channel: Channel) -> tuple[SchedulerActor, dict[str, Any]]:
-    scheduler = build_scheduler(spec.server_args, spec.scheduler_config)
-    return SchedulerActor(scheduler, channel), {"capacity": scheduler.cache.capacity}
+    args = spec.server_args
+    scheduler = build_scheduler(args, spec.scheduler_config)
+    plans = Publisher(spec.endpoints.plans_bound())
+    return SchedulerActor(scheduler, channel, plans, args.tp, args.dist_timeout), {"capacity": scheduler.cache.capacity}
 
 
 def main(spec: ActorSpec) -> None:
-    run_actor("scheduler", spec, SchedulerInbox, ("runner", "tokenizer", "api"), build)
+    run_actor("scheduler", spec, SchedulerInbox, ("tokenizer", "api"), build)
