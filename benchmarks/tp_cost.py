@@ -109,6 +109,10 @@ def measure(tp: int = 3, repeats: int = 3, quick: bool = False, model_path: str 
                      "ratio": med[1] / med[tp]})
     for ours in systems.values():
         ours.engine.shutdown()
+    if why:  # the reshaped random checkpoint
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
     return {"tp": tp, "model": "bundled" if model_path is None else model_path, "measured_on": str(path),
             "substituted": why, "dtype": "bfloat16 (agreement: float32)", "agreement": agree, "rows": rows,
             "start_s": {str(n): s for n, s in start_s.items()}}
