@@ -62,7 +62,7 @@ class Launcher:
         self.ranks = {rank_name(r): r for r in args.ranks_here}
         core_actors = [n for n in ACTOR_MODULES if n != "runner"] if core and args.node_rank == 0 else []
         self.names = core_actors + list(self.ranks)
-        self.link = (NodeLink(self.endpoints.node_link(bind=args.node_rank == 0), args.node_rank, args.nnodes,
+        self.link = (NodeLink(self.endpoints.node_link(), args.node_rank, args.nnodes,
                               min(args.dist_timeout, NODE_SILENCE_S)) if args.nnodes > 1 else None)
         self.processes: dict[str, mp.process.BaseProcess] = {}
         self.info: dict[str, dict] = {}
@@ -106,8 +106,11 @@ class Launcher:
                     if self.link.poll():
                         raise LaunchError(f"the server could not start: {self.link.down}")
                     if not waiting and self.link.node != 0 and not told:
-                        self.link.say_ready(self.info)
+                        self.link.say_ready(self.info, self.settings())
                         told = True
+                    differ = self.link.disagreement(self.settings()) if self.link.node == 0 else None
+                    if differ:
+                        raise LaunchError(differ)
                 if time.monotonic() > deadline:
                     missing = list(waiting) or [f"node {n}" for n in range(1, p.args.nnodes)
                                                 if n not in self.link.ready]
@@ -118,6 +121,14 @@ class Launcher:
         finally:
             inbox.close()
             ctx.term()
+
+    def settings(self) -> dict:
+        """What every node of a multi-node server must have been started with alike."""
+        a, m = self.prepared.args, self.prepared.model
+        return {"tp": a.tp, "nnodes": a.nnodes, "dtype": a.dtype, "dist_backend": a.dist_backend,
+                "model_type": m.model_type, "layers": m.num_layers, "hidden_size": m.hidden_size,
+                "heads": m.num_heads, "kv_heads": m.num_kv_heads, "vocab_size": m.vocab_size,
+                "intermediate_size": m.intermediate_size}
 
     def dead(self) -> list[tuple[str, int]]:
         """(name, exit code) of every actor that is no longer running."""

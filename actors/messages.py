@@ -313,6 +313,7 @@ class NodeReady(msgspec.Struct, tag="node_ready"):
 
     node: int
     actors: dict[str, dict[str, Any]]
+    config: dict[str, Any] = {}  # what every node must agree on (the model's shape, dtype, tp, ...)
 
 
 class NodeDown(msgspec.Struct, tag="node_down"):

@@ -28,6 +28,7 @@ class NodeLink:
             self.sock.connect(address)
         self._enc, self._dec = encoder(), decoder(NodeInbox)
         self.ready: dict[int, dict[str, dict]] = {}  # node -> its actors' Ready infos
+        self.configs: dict[int, dict] = {}  # node -> the settings it was started with
         self._peers: dict[int, bytes] = {}  # node 0: node -> its socket identity
         self._heard: dict[int, float] = {}  # node -> when it was last heard from
         self._sent = 0.0
@@ -52,6 +53,7 @@ class NodeLink:
             self._heard[msg.node] = time.monotonic()
             if isinstance(msg, NodeReady):
                 self.ready[msg.node] = msg.actors
+                self.configs[msg.node] = msg.config
             elif isinstance(msg, NodeDown) and self.down is None:
                 self.down = f"node {msg.node} ended: {msg.reason}"
         now = time.monotonic()
@@ -67,8 +69,16 @@ class NodeLink:
         """Node 0: every other node's ranks are up."""
         return len(self.ready) == self.nnodes - 1
 
-    def say_ready(self, actors: dict[str, dict]) -> None:
-        self._send_now(NodeReady(self.node, actors))
+    def say_ready(self, actors: dict[str, dict], config: dict) -> None:
+        self._send_now(NodeReady(self.node, actors, config))
+
+    def disagreement(self, config: dict) -> str | None:
+        """Node 0: how a node that is ready was started differently from ``config`` (node 0's), or None."""
+        for node, theirs in sorted(self.configs.items()):
+            differ = [f"{k} {config[k]} here, {theirs.get(k)} there" for k in config if theirs.get(k) != config[k]]
+            if differ:
+                return f"node {node} was started with other settings: {'; '.join(differ)}"
+        return None
 
     def say_down(self, reason: str) -> None:
         self._send_now(NodeDown(self.node, reason))

@@ -46,7 +46,13 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     local = len(args.ranks_here)
     if args.num_threads is None and local > 1:  # this node's cores, shared by its ranks
         args = dataclasses.replace(args, num_threads=max(1, len(os.sched_getaffinity(0)) // local))
-    tp = init_group(rank, args.tp, args.dist_backend, spec.dist_addr, args.dist_timeout)
+    if args.device.startswith("cuda") and args.tp > 1:  # a GPU of its own: this node's ranks take GPUs 0, 1, ..
+        import torch
+
+        index = rank - args.ranks_here.start
+        torch.cuda.set_device(index)
+        args = dataclasses.replace(args, device=f"cuda:{index}")
+    tp = init_group(rank, args.tp, args.dist_backend, spec.dist_addr, args.dist_timeout, args.device)
     # the pool is as large as node 0's scheduler made its allocator (another node sized it from its own memory)
     args = dataclasses.replace(args, max_total_tokens=tp.first_ranks(args.max_total_tokens))
     cfg = ModelConfig.from_hf(*load_configs(Path(spec.model_dir)))

@@ -44,20 +44,20 @@ class Endpoints:
     def address(self, name: ActorName) -> str:
         return f"ipc://{self.runtime_dir}/{name}.sock"
 
-    def _tcp(self, offset: int, bind: bool = False) -> str:
+    def _tcp(self, offset: int) -> str:
         host, _, port = self.node0.rpartition(":")
-        return f"tcp://{'*' if bind else host}:{int(port) + offset}"  # node 0 listens on all its interfaces
+        return f"tcp://{host}:{int(port) + offset}"  # node 0 listens there only, not on every interface
 
     def plans_bound(self) -> list[str]:
         """Where the scheduler publishes plans: its runtime dir, and node 0's PORT+1 when ranks are elsewhere."""
-        return [self.address("plans")] + ([self._tcp(1, bind=True)] if self.node0 else [])
+        return [self.address("plans")] + ([self._tcp(1)] if self.node0 else [])
 
     def plans_source(self, node_rank: int) -> str:
         """Where a rank on ``node_rank`` subscribes to the plans."""
         return self.address("plans") if node_rank == 0 else self._tcp(1)
 
-    def node_link(self, bind: bool = False) -> str:
-        return self._tcp(2, bind)
+    def node_link(self) -> str:
+        return self._tcp(2)
 
 
 class Channel:

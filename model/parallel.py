@@ -50,6 +50,7 @@ class TPGroup:
 
     rank: int = 0
     size: int = 1
+    device: str = "cpu"  # where this rank's tensors live (a collective's own tensors too: NCCL takes CUDA ones)
 
     @property
     def samples(self) -> bool:
@@ -92,7 +93,7 @@ class TPGroup:
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=0)
         return int(t.item())
 
@@ -113,16 +114,22 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def init_group(rank: int, size: int, backend: str, init_addr: str, timeout_s: float) -> TPGroup:
+def init_group(rank: int, size: int, backend: str, init_addr: str, timeout_s: float,
+               device: str = "cpu") -> TPGroup:
     """Join the ``size`` ranks at ``init_addr`` (HOST:PORT, rank 0's TCP store). ``timeout_s`` bounds every
-    collective, so a rank whose peer died fails instead of waiting forever."""
+    collective, so a rank whose peer died fails instead of waiting forever. ``device``: this rank's (on CUDA,
+    its own GPU)."""
     if size == 1:
         return SINGLE
     import torch.distributed as dist
 
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
-    return TPGroup(rank, size)
+    return TPGroup(rank, size, device)
+
+
+def kv_heads_per_rank(tp: int, num_kv_heads: int) -> int:
+    return TPGroup(0, tp).kv_heads(num_kv_heads)[1]
 
 
 def shard_of(cfg: ModelConfig, tp: TPGroup, name: str) -> tuple[int, int, int] | None:

@@ -191,6 +191,7 @@ class ModelRunner:
             logits = self._run(batch)  # [S + P, vocab]: the rows that sample, then prompt rows asked for
             prompt = prompt_logprobs_of(logits[len(sampling):], plan.prompt_logprobs) if plan.prompt_logprobs else {}
         except Exception as exc:
+            self._end_if_parallel(plan)
             log.exception("step %d failed", plan.step)
             if masks is not None:
                 masks.result()  # the helper thread is done with the matchers before anything else uses them
@@ -231,5 +232,14 @@ class ModelRunner:
         try:
             self._run(batch)
         except Exception:
-            log.exception("step %d failed on rank %d", plan.step, self.tp.rank)
+            self._end_if_parallel(plan)
         return None
+
+    def _end_if_parallel(self, plan: ForwardPlan) -> None:
+        """A forward that raised on one rank may not have on the others (out of memory, a timed-out collective):
+        their collectives are no longer in step, and nothing can put them back. With tp > 1 the rank ends (the
+        exception goes up and ends the actor), and the launcher ends the server."""
+        if self.tp.size > 1:
+            log.critical("step %d failed on rank %d of %d: the ranks' collectives cannot stay in step; ending",
+                         plan.step, self.tp.rank, self.tp.size)
+            raise

@@ -38,7 +38,11 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
 
-        self.prepared = prepared = prepare(ServerArgs.from_kwargs(model_path=model_path, **server_args))
+        args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        if args.nnodes > 1:
+            raise ValueError("Engine runs on one machine (tp ranks as local processes); across machines, start "
+                             "`radixserve serve --nnodes N --node-rank K ...` on each")
+        self.prepared = prepared = prepare(args)
         self.args = args = prepared.args
         self.model_config = prepared.model
         self.model_files = prepared.files

@@ -106,10 +106,16 @@ async def _serve(prepared, launcher) -> int:
                  args.shutdown_timeout)
         stop.clear()
         idle = server.drain()
-        waiting = [asyncio.create_task(e.wait()) for e in (idle, stop)]
-        await asyncio.wait(waiting, timeout=args.shutdown_timeout, return_when=asyncio.FIRST_COMPLETED)
-        for t in waiting:
-            t.cancel()
+        deadline = time.monotonic() + args.shutdown_timeout
+        # the supervision goes on meanwhile: other nodes keep hearing from this one, a death ends the drain
+        while not (idle.is_set() or stop.is_set()) and time.monotonic() < deadline:
+            reason = launcher.failure()
+            if reason:
+                log.error("%s -- stopping the drain", reason)
+                server.fail_all(f"{reason}; the server is shutting down")
+                code = 1
+                break
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
     await runner.cleanup()
     await server.close()
     return code

@@ -8,7 +8,7 @@ from typing import Any
 from radixserve.actors.scheduler.scheduler import SchedulerConfig
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import ModelFiles, load_configs, resolve_model
-from radixserve.model.parallel import check_divisible
+from radixserve.model.parallel import check_divisible, kv_heads_per_rank
 from radixserve.policies import load_eviction_policy, load_schedule_policy
 from radixserve.server_args import ServerArgs
 
@@ -46,7 +46,8 @@ def prepare(args: ServerArgs) -> Prepared:
     files = resolve_model(args.model_path)
     model = ModelConfig.from_hf(*load_configs(files.path))
     check_divisible(args.tp, model.num_heads, model.num_kv_heads, model.intermediate_size)
-    args = args.resolved(model.kv_values_per_token, model.max_position_embeddings, model.num_parameters)
+    per_rank = 2 * model.num_layers * kv_heads_per_rank(args.tp, model.num_kv_heads) * model.head_dim
+    args = args.resolved(model.kv_values_per_token, model.max_position_embeddings, model.num_parameters, per_rank)
     load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
     cfg = SchedulerConfig(
         context_length=args.context_length,

@@ -133,11 +133,14 @@ class ServerArgs:
             raise ValueError(f"unknown server argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
         return cls(**kwargs)
 
-    def resolved(self, kv_values_per_token: int, model_context: int, num_parameters: int = 0) -> ServerArgs:
+    def resolved(self, kv_values_per_token: int, model_context: int, num_parameters: int = 0,
+                 kv_values_per_rank: int | None = None) -> ServerArgs:
         """A copy with every auto value made concrete (the frozen config the actors run on).
 
         ``kv_values_per_token``: K and V elements one token takes over all layers (2 * layers * kv_heads * head_dim);
-        ``num_parameters``: the model's weights (on CUDA the pool gets what the weights leave of the GPU's share).
+        ``num_parameters``: the model's weights (on CUDA the pool gets what the weights leave of the GPU's share);
+        ``kv_values_per_rank``: with --tp, what one rank's share of the heads takes per token (KV heads copied to
+        several ranks count on each). A GPU holds one rank's weights and pool; a CPU node's memory all its ranks'.
         """
         dtype = "bfloat16" if self.dtype == "auto" else self.dtype
         device = self.device
@@ -145,7 +148,10 @@ class ServerArgs:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        kv_bytes_per_token = kv_values_per_token * (4 if dtype == "float32" else 2)
+        per_rank = kv_values_per_rank or kv_values_per_token
+        on_cuda = device.startswith("cuda")
+        kv_bytes_per_token = per_rank * (1 if on_cuda else len(self.ranks_here)) * (4 if dtype == "float32" else 2)
+        num_parameters //= self.tp if on_cuda else 1
         context = min(self.context_length or model_context, model_context)
         total = self.max_total_tokens
         if total is None and device.startswith("cuda"):
@@ -160,6 +166,9 @@ class ServerArgs:
         backend = self.dist_backend if self.dist_backend != "auto" else "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl" and not device.startswith("cuda"):
             raise ValueError("--dist-backend nccl needs CUDA devices; on the CPU use gloo")
+        if backend == "gloo" and device.startswith("cuda") and self.tp > 1:
+            raise ValueError("--dist-backend gloo cannot gather CUDA tensors (the logits of the vocabulary shards); "
+                             "use nccl on CUDA")
         return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total, device=device,
                                    decode_kernel=kernel, disable_compile=kernel == "eager", dist_backend=backend)
 

@@ -48,3 +48,24 @@ def test_parameter_count_of_smollm2(smollm2_path):
 
     cfg = ModelConfig.from_hf(*load_configs(smollm2_path))
     assert abs(cfg.num_parameters - 134_515_008) < 1_000_000  # SmolLM2-135M: 134.5M parameters (tied embeddings)
+
+
+def test_with_tp_a_gpu_holds_one_ranks_share(monkeypatch):
+    """--tp 3 on GPUs: each holds a third of the weights and its rank's KV heads (one of SmolLM2's three)."""
+    fake_gpu(monkeypatch, free=139 * GIB, total=140 * GIB)
+    per_rank = 2 * 30 * 1 * 64
+    args = ServerArgs(device="cuda", tp=3, dist_backend="nccl").resolved(2 * 30 * 3 * 64, 8192, 135_000_000, per_rank)
+    budget = 139 * GIB - 0.15 * 140 * GIB - 45_000_000 * 2
+    assert args.max_total_tokens == int(budget // (per_rank * 2))
+
+
+def test_with_tp_a_cpu_node_holds_all_its_ranks_pools(monkeypatch):
+    """--tp 4 over 2 KV heads on one CPU machine: each rank holds a copy of one KV head, so the node's pools take
+    twice the memory per token that one rank's whole pool would."""
+    import os
+
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 2**20, "SC_PAGE_SIZE": 4096}[name])
+    full, per_rank = 2 * 30 * 2 * 1024, 2 * 30 * 1 * 1024  # big heads, so neither pool reaches the cap
+    one = ServerArgs(device="cpu").resolved(full, 8192).max_total_tokens
+    four = ServerArgs(device="cpu", tp=4).resolved(full, 8192, 0, per_rank).max_total_tokens
+    assert four == pytest.approx(one / 2, rel=0.01)

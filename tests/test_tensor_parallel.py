@@ -38,8 +38,17 @@ def biased_model(tmp_path_factory, smollm2_path):
     return save_random(cfg, tok, tmp_path_factory.mktemp("biased") / "llama-biased", seed=2)
 
 
+def _needs(tp: int) -> None:
+    """On a CUDA machine (benchmarks/gpu_check.sh) each rank takes a GPU of its own: skip what it cannot seat."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        pytest.skip(f"--tp {tp} on CUDA needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
+
+
 def _greedy(path, tp: int, **kw) -> list[list[int]]:
     """Each prompt's greedy tokens, twice over (the second round hits the radix cache), on ``tp`` ranks."""
+    _needs(tp)
     with Engine(str(path), dtype="float32", tp=tp, max_total_tokens=4096, **kw) as engine:
         first = [r["output_ids"] for r in engine.generate(PROMPTS, GREEDY)]
         again = [r["output_ids"] for r in engine.generate(PROMPTS, GREEDY)]
@@ -94,8 +103,11 @@ def _ends(proc: subprocess.Popen, within_s: float) -> int:
 def test_smollm2_over_three_ranks_serves_what_one_rank_computes(smollm2_path):
     """SmolLM2 (9 heads / 3 KV heads) at --tp 3, float32, through the server: the same greedy tokens as one rank;
     /get_server_info lists the ranks, /health and /metrics count them; killing a rank ends the server."""
+    _needs(3)
     with Engine(dtype="float32", max_total_tokens=4096) as engine:
         expected = [r["output_ids"] for r in engine.generate(PROMPTS, GREEDY)]
+    with Engine(dtype="float32", max_total_tokens=4096, tp=3) as engine:  # the same, through Engine
+        assert [r["output_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
     server = ServerProcess("--tp", "3", "--dtype", "float32", "--max-total-tokens", "4096")
     try:
         assert _generate(server.url) == expected
@@ -134,6 +146,7 @@ def _free_port_run(n: int = 3) -> int:
 def test_two_nodes_on_one_machine(victim_node, tiny_models, tmp_path):
     """``--nnodes 2``: node 0 serves HTTP with rank 0, node 1 runs rank 1 and reaches node 0 over tcp://; greedy
     tokens as one rank's; a rank killed on either node ends both launches, non-zero, within seconds."""
+    _needs(2)
     path = str(tiny_models["llama"])
     expected = _greedy(tiny_models["llama"], 1)[: len(PROMPTS)]
     flags = ["--model-path", path, "--tp", "2", "--nnodes", "2", "--dtype", "float32", "--max-total-tokens",
@@ -189,3 +202,47 @@ def test_kv_heads_and_vocabulary_shares():
     assert [TPGroup(r, 4).kv_heads(2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]  # copies
     assert [TPGroup(r, 2).kv_heads(4) for r in range(2)] == [(0, 2), (2, 2)]
     assert [TPGroup(r, 2).vocab(7) for r in range(2)] == [(0, 4, 4), (4, 4, 3)]  # the last shard padded
+
+
+def test_nodes_started_with_other_settings_are_refused(tiny_models, tmp_path):
+    """Node 1 given another --dtype than node 0: node 0 refuses to start, naming the difference; both end."""
+    _needs(2)
+    flags = ["--model-path", str(tiny_models["llama"]), "--tp", "2", "--nnodes", "2", "--max-total-tokens", "4096",
+             "--dist-init-addr", f"127.0.0.1:{_free_port_run()}"]
+    node1 = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", *flags, "--node-rank", "1",
+                              "--dtype", "bfloat16"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(RuntimeError, match="node 1 was started with other settings: dtype float32 here, "
+                                               "bfloat16 there"):
+            ServerProcess(*flags, "--node-rank", "0", "--dtype", "float32")
+        assert _ends(node1, 20) != 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_step_that_raises_on_a_rank_ends_that_rank(rank, tiny_models):
+    """With one rank a failed step comes back as an error and the runner goes on (test_actor_isolation); with
+    several, the other ranks' collectives could no longer be paired with this one's, so the rank ends (raises)."""
+    from pathlib import Path
+
+    from radixserve.model.config import ModelConfig
+    from radixserve.model.loader import load_configs
+    from radixserve.model.parallel import TPGroup
+    from radixserve.model.runner import ModelRunner
+    from radixserve.sampling_params import SamplingParams
+
+    path = Path(tiny_models["llama"])
+    with Engine(str(path), dtype="float32", max_total_tokens=300) as engine:
+        engine.scheduler.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0))
+        plan = engine.scheduler.schedule()
+    cfg = ModelConfig.from_hf(*load_configs(path))
+    runner = ModelRunner(cfg, path, dtype="float32", num_slots=300, tp=TPGroup(rank, 2))  # no collective is reached
+
+    def broken(batch):
+        raise RuntimeError("out of memory")
+
+    runner.model = broken
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.forward(plan)
