@@ -10,6 +10,15 @@ PYTHON ?= python3
 
 .PHONY: install serve test bench clean
 
+# `make bench ARGS=--tp 2`, unquoted: make takes the "2" for a goal. Words after the goals above go to ARGS instead
+# (and, as goals, do nothing), so that reads as `make bench ARGS="--tp 2"`.
+PASSED := $(filter-out install serve test bench clean,$(MAKECMDGOALS))
+ifneq ($(PASSED),)
+override ARGS += $(PASSED)
+$(PASSED):
+	@:
+endif
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
