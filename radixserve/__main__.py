@@ -1,4 +1,5 @@
-"""Command line: ``radixserve serve [flags]`` starts the OpenAI-compatible server; ``radixserve demo [flags]``
+"""Command line: ``radixserve serve [flags]`` starts the OpenAI-compatible server; ``radixserve router
+--worker-urls URL ...`` routes requests over several servers (actors/router/server.py); ``radixserve demo [flags]``
 runs the offline Engine on the bundled model: a chat in the terminal (or, without a terminal, a short
 scripted conversation), printing after each answer how many prompt tokens came from the radix cache.
 """
@@ -53,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     from radixserve.compare.cli import add_args as add_compare_args
 
     add_compare_args(p_compare)
+    p_router = sub.add_parser("router", help="route requests over several servers (cache-aware by default)",
+                              description="One HTTP front for several radixserve or SGLang-compatible servers")
+    from radixserve.actors.router.server import add_cli_args as add_router_args
+
+    add_router_args(p_router)
     p_demo = sub.add_parser("demo", help="chat with the offline Engine in the terminal")
     add_cli_args(p_demo)
     p_demo.add_argument("--max-new-tokens", type=int, default=128)
@@ -61,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from radixserve.launch_server import run_cli
 
         return run_cli(args)
+    if args.command == "router":
+        from radixserve.actors.router.server import run_cli as run_router
+
+        return run_router(args)
     if args.command == "compare":
         from radixserve.compare.cli import run
 

@@ -1,0 +1,226 @@
+"""``radixserve router --worker-urls URL ...``: one HTTP front for several radixserve (or SGLang-compatible)
+servers. Each request's text picks a worker through the routing policy (cache-aware by default: requests that
+share a prefix go where it is probably cached); the worker's answer, streamed or not, is passed through as it
+comes. Workers are health-checked (``GET /health``); one that fails is taken out (and forgotten by the policy)
+until it answers again. A request whose worker fails before anything was sent back is retried on another; one
+that fails mid-stream ends with an error event. The router's own routes: ``/health``, ``/workers``,
+``/get_server_info``; everything else a worker serves is proxied."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from radixserve.actors.api.errors import APIError, error_middleware
+from radixserve.actors.router.policies import RoutingConfig, Worker, load_routing_policy
+
+log = logging.getLogger(__name__)
+
+ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate")  # POST, a worker chosen by the request's text
+ANY_WORKER = ("/v1/models", "/get_model_info")  # GET, any healthy worker answers
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+def route_text(path: str, body: Any) -> str:
+    """The text a request's prefix is matched on: the prompt, a chat's messages in order, or /generate's text
+    (token ids as text when it sends ids)."""
+    if not isinstance(body, dict):
+        return ""
+    if path == "/v1/chat/completions":
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}:{content or ''}\n")
+        return "".join(parts)
+    value = body.get("prompt") if path == "/v1/completions" else body.get("text", body.get("input_ids"))
+    if isinstance(value, list) and value and not isinstance(value[0], int):
+        value = value[0]  # a batch: routed by its first prompt
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return value if isinstance(value, str) else ""
+
+
+class Router:
+    def __init__(self, urls: list[str], policy: str = "cache-aware", config: RoutingConfig | None = None,
+                 health_interval_s: float = 1.0, failures_to_remove: int = 2) -> None:
+        if not urls:
+            raise ValueError("the router needs at least one --worker-urls URL")
+        self.workers = [Worker(url.rstrip("/")) for url in urls]
+        self.policy = load_routing_policy(policy, config)
+        self.health_interval_s, self.failures_to_remove = health_interval_s, failures_to_remove
+        self.routed = {w.url: 0 for w in self.workers}
+        self._failures = {w.url: 0 for w in self.workers}
+        self.session: aiohttp.ClientSession | None = None
+        self._health: asyncio.Task | None = None
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self._health = asyncio.create_task(self._watch())
+
+    async def stop(self, app: web.Application) -> None:
+        if self._health is not None:
+            self._health.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(w) for w in self.workers))
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _check(self, worker: Worker) -> None:
+        try:
+            async with self.session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if ok:
+            self._failures[worker.url] = 0
+            if not worker.healthy:
+                log.info("worker %s is back", worker.url)
+            worker.healthy = True
+        else:
+            self._failures[worker.url] += 1
+            if self._failures[worker.url] >= self.failures_to_remove:
+                self._take_out(worker, "failed its health check")
+
+    def _take_out(self, worker: Worker, why: str) -> None:
+        if worker.healthy:
+            log.warning("worker %s taken out: %s", worker.url, why)
+            worker.healthy = False
+            if hasattr(self.policy, "forget"):
+                self.policy.forget(worker.url)
+
+    def _healthy(self, exclude: set[str] = frozenset()) -> list[Worker]:
+        workers = [w for w in self.workers if w.healthy and w.url not in exclude]
+        if not workers:
+            raise APIError(503, "no healthy worker to send the request to", code="no_healthy_worker",
+                           retry_after=1)
+        return workers
+
+    # -- routes ------------------------------------------------------------------------------------------
+    async def proxy_routed(self, request: web.Request) -> web.StreamResponse:
+        data = await request.read()
+        try:
+            body = json.loads(data) if data else None
+        except ValueError:
+            body = None  # the worker answers the malformed body with its own 400
+        text = route_text(request.path, body)
+        tried: set[str] = set()
+        while True:
+            worker = self.policy.choose(text, self._healthy(tried))
+            tried.add(worker.url)
+            self.routed[worker.url] += 1
+            worker.load += 1
+            try:
+                return await self._forward(request, worker, data)
+            except _NothingSent as exc:  # the worker failed before answering: another one may
+                self._take_out(worker, str(exc))
+                log.warning("retrying a request that %s failed before answering", worker.url)
+            finally:
+                worker.load -= 1
+
+    async def proxy_any(self, request: web.Request) -> web.StreamResponse:
+        tried: set[str] = set()
+        while True:
+            worker = self._healthy(tried)[0]
+            tried.add(worker.url)
+            try:
+                return await self._forward(request, worker, await request.read())
+            except _NothingSent as exc:
+                self._take_out(worker, str(exc))
+
+    async def _forward(self, request: web.Request, worker: Worker, data: bytes) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        try:
+            upstream = await self.session.request(request.method, worker.url + request.path_qs, data=data,
+                                                  headers=headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise _NothingSent(f"{type(exc).__name__}: {exc}") from exc
+        async with upstream:
+            passed = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+            if upstream.content_type != "text/event-stream":
+                try:
+                    payload = await upstream.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    raise _NothingSent(f"{type(exc).__name__}: {exc}") from exc
+                return web.Response(body=payload, status=upstream.status, headers=passed)
+            response = web.StreamResponse(status=upstream.status, headers=passed)
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # mid-stream: too late to retry
+                self._take_out(worker, f"failed mid-stream: {type(exc).__name__}")
+                error = APIError(502, f"the worker serving this request failed mid-stream ({worker.url})",
+                                 code="worker_failed", type="server_error")
+                await response.write(f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode())
+            await response.write_eof()
+            return response
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = sum(w.healthy for w in self.workers)
+        return web.json_response({"status": "ok" if up else "unhealthy", "healthy_workers": up},
+                                 status=200 if up else 503)
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"policy": self.policy.name, "workers": [
+            {"url": w.url, "healthy": w.healthy, "load": w.load, "routed": self.routed[w.url]}
+            for w in self.workers]})
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware(None)], client_max_size=64 * 2**20)
+        for path in ROUTED:
+            app.router.add_post(path, self.proxy_routed)
+        for path in ANY_WORKER:
+            app.router.add_get(path, self.proxy_any)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/workers", self.list_workers)
+        app.router.add_get("/get_server_info", self.list_workers)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        return app
+
+
+class _NothingSent(Exception):
+    """The worker failed before any of its answer reached the client: the request can go elsewhere."""
+
+
+def add_cli_args(parser) -> None:
+    d = RoutingConfig()
+    parser.add_argument("--worker-urls", nargs="+", required=True, help="the servers to route to")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--policy", default="cache-aware",
+                        help="routing policy (entry points radixserve.routing_policies: round-robin, least-load, "
+                             "cache-aware, ...)")
+    parser.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                        help="matched share of a request's text above which cache-aware routes by affinity")
+    parser.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                        help="loads are skewed when max - min exceeds this (and max exceeds rel x min)")
+    parser.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
+    parser.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
+                        help="characters of request text the cache-aware policy remembers per worker")
+    parser.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between health checks")
+    parser.add_argument("--log-level", default="info")
+
+
+def run_cli(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [router] %(name)s: %(message)s")
+    config = RoutingConfig(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
+                           args.max_tree_size)
+    try:
+        router = Router(args.worker_urls, args.policy, config, args.health_check_interval)
+    except ValueError as exc:
+        print(f"radixserve router: error: {exc}")
+        return 2
+    log.info("routing %d workers (%s) on http://%s:%d", len(router.workers), router.policy.name, args.host,
+             args.port)
+    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None)
+    return 0
