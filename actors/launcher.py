@@ -8,6 +8,7 @@ node 0's watch each other over a NodeLink (actors/nodes.py). ``core=False``: the
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import multiprocessing as mp
@@ -21,7 +22,7 @@ import zmq
 from radixserve.actors.messages import Failed, LauncherInbox, Ready, decoder as inbox_decoder
 from radixserve.actors.nodes import NodeLink
 from radixserve.actors.runner_actor import rank_name
-from radixserve.actors.transport import ActorSpec, Endpoints
+from radixserve.actors.transport import ActorSpec, Endpoints, replica_name
 from radixserve.prepare import Prepared
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,8 @@ class LaunchError(RuntimeError):
     pass
 
 
-def _child(name: str, spec: ActorSpec, rank: int | None) -> None:
-    module = importlib.import_module(ACTOR_MODULES[name if rank is None else "runner"])
+def _child(kind: str, spec: ActorSpec, rank: int | None) -> None:
+    module = importlib.import_module(ACTOR_MODULES[kind])
     module.main(spec) if rank is None else module.main(spec, rank)
 
 
@@ -57,11 +58,21 @@ class Launcher:
         args = prepared.args
         self.runtime_dir = tempfile.mkdtemp(prefix="radixserve-")
         self.endpoints = Endpoints(self.runtime_dir, args.dist_init_addr if args.nnodes > 1 else None)
-        # the ranks meet at node 0's --dist-init-addr, or, all on this machine, at a free local port
-        self.dist_addr = args.dist_init_addr or (f"127.0.0.1:{free_local_port()}" if args.tp > 1 else None)
-        self.ranks = {rank_name(r): r for r in args.ranks_here}
-        core_actors = [n for n in ACTOR_MODULES if n != "runner"] if core and args.node_rank == 0 else []
-        self.names = core_actors + list(self.ranks)
+        # name -> (kind, tensor-parallel rank, data-parallel replica) of every actor this launcher starts
+        self.children: dict[str, tuple[str, int | None, int | None]] = {}
+        core = core and args.node_rank == 0
+        if core:
+            self.children["tokenizer"] = ("tokenizer", None, None)
+        replicas = [None] if args.dp == 1 else list(range(args.dp))
+        for replica in replicas:
+            if core:
+                self.children[replica_name("scheduler", replica)] = ("scheduler", None, replica)
+            for r in args.ranks_here:
+                self.children[replica_name(rank_name(r), replica)] = ("runner", r, replica)
+        self.ranks = {name: r for name, (kind, r, _) in self.children.items() if kind == "runner"}
+        # a replica's ranks meet at node 0's --dist-init-addr, or, all on this machine, at a free local port
+        self.dist_addrs = {replica: args.dist_init_addr or (f"127.0.0.1:{free_local_port()}" if args.tp > 1 else None)
+                           for replica in replicas}
         self.link = (NodeLink(self.endpoints.node_link(), args.node_rank, args.nnodes,
                               min(args.dist_timeout, NODE_SILENCE_S)) if args.nnodes > 1 else None)
         self.processes: dict[str, mp.process.BaseProcess] = {}
@@ -72,7 +83,7 @@ class Launcher:
         the one that was not."""
         p = self.prepared
         spec = ActorSpec(self.endpoints, p.args, str(p.files.path), p.scheduler_config, p.args.log_level,
-                         str(p.files.source), self.dist_addr)
+                         str(p.files.source))
         ctx = zmq.Context()
         inbox = ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.LINGER, 0)
@@ -80,9 +91,9 @@ class Launcher:
         decoder = inbox_decoder(LauncherInbox)
         spawn = mp.get_context("spawn")
         try:
-            for name in self.names:
-                proc = spawn.Process(target=_child, args=(name, spec, self.ranks.get(name)),
-                                     name=f"radixserve-{name}")
+            for name, (kind, rank, replica) in self.children.items():
+                own = dataclasses.replace(spec, replica=replica, dist_addr=self.dist_addrs.get(replica))
+                proc = spawn.Process(target=_child, args=(kind, own, rank), name=f"radixserve-{name}")
                 proc.start()
                 self.processes[name] = proc
             waiting = set(self.processes)
@@ -147,7 +158,7 @@ class Launcher:
         for infos in (self.link.ready.values() if self.link is not None else ()):
             actors.update(infos)
         nodes: dict[int, list[dict]] = {}
-        for info in sorted((a for a in actors.values() if "rank" in a), key=lambda a: a["rank"]):
+        for info in sorted((a for a in actors.values() if "rank" in a), key=lambda a: (a["replica"], a["rank"])):
             nodes.setdefault(info["node"], []).append(info)
         return nodes
 

@@ -217,6 +217,7 @@ class Status(msgspec.Struct, tag="status"):
     epoch_evicted_tokens: int
     queue_timeouts: int = 0
     failed_requests: int = 0
+    replica: int = 0  # which data-parallel replica's scheduler (--dp)
 
 
 # -- scheduler -> runner ------------------------------------------------------------------------------------

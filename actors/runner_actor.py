@@ -22,16 +22,17 @@ def rank_name(rank: int) -> str:
 
 
 class RunnerActor:
-    def __init__(self, runner, channel: Channel) -> None:
+    def __init__(self, runner, channel: Channel, scheduler: str = "scheduler") -> None:
         self.runner = runner
         self.channel = channel
+        self.scheduler = scheduler  # its replica's
 
     async def run(self) -> None:
         while True:
             plan = await self.channel.recv()
             result = self.runner.forward(plan)
             if result is not None:  # rank 0
-                await self.channel.send("scheduler", result)
+                await self.channel.send(self.scheduler, result)
 
 
 def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, dict[str, Any]]:
@@ -58,7 +59,9 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     cfg = ModelConfig.from_hf(*load_configs(Path(spec.model_dir)))
     source = Path(spec.model_source) if spec.model_source else None
     runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp)
-    return RunnerActor(runner, channel), {"rank": rank, "node": args.node_rank, "dtype": args.dtype,
+    return RunnerActor(runner, channel, spec.named("scheduler")), {
+                                          "rank": rank, "node": args.node_rank, "replica": spec.replica or 0,
+                                          "dtype": args.dtype,
                                           "device": args.device, "attention": runner.attn.name,
                                           "deterministic": args.deterministic, "quantization": args.quantization,
                                           "decode_kernel": runner.decode_kernel, "kv_heads": runner.num_kv_heads,
@@ -66,6 +69,6 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
 
 
 def main(spec: ActorSpec, rank: int = 0) -> None:
-    peers = ("scheduler",) if rank == 0 else ()  # only rank 0 answers (and it runs on node 0)
-    run_actor(rank_name(rank), spec, RunnerInbox, peers, lambda s, c: build(s, c, rank),
-              subscribe=spec.endpoints.plans_source(spec.server_args.node_rank))
+    peers = (spec.named("scheduler"),) if rank == 0 else ()  # only rank 0 answers (and it runs on node 0)
+    run_actor(spec.named(rank_name(rank)), spec, RunnerInbox, peers, lambda s, c: build(s, c, rank),
+              subscribe=spec.endpoints.plans_source(spec.server_args.node_rank, spec.named("plans")))

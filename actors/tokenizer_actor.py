@@ -2,6 +2,10 @@
 
 Per scheduler step it gets one TokenBatch and answers the api with one TextBatch. Nothing a request carries can
 end this actor: a request whose text cannot be encoded, or whose tokens cannot be decoded, fails alone.
+
+With --dp replicas it also routes: each request's token ids pick a replica's scheduler through the routing policy
+(the router's own code, actors/router; a token id is one character of the text it matches on), and everything
+later about that request goes to the same replica.
 """
 from __future__ import annotations
 
@@ -12,17 +16,43 @@ from radixserve.actors.messages import (
     AbortReq, AddReq, Delta, FinishReason, FinishReq, GenerateReq, RequestError, TextBatch, TokenBatch,
     TokenizerInbox, array,
 )
+from radixserve.actors.router.policies import Worker, load_routing_policy
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
-from radixserve.actors.transport import ActorSpec, Channel, run_actor
+from radixserve.actors.transport import ActorSpec, Channel, replica_name, run_actor
 
 log = logging.getLogger(__name__)
 
 
+class Replicas:
+    """The schedulers requests can go to, and which one holds each request in flight (its ``load`` counts them)."""
+
+    def __init__(self, names: list[str], policy: str = "cache-aware") -> None:
+        self.workers = [Worker(name) for name in names]
+        self.policy = load_routing_policy(policy) if len(names) > 1 else None
+        self.where: dict[str, Worker] = {}  # rid -> its replica
+
+    def route(self, rid: str, ids: list[int]) -> str:
+        worker = self.workers[0] if self.policy is None else self.policy.choose("".join(map(chr, ids)), self.workers)
+        worker.load += 1
+        self.where[rid] = worker
+        return worker.url
+
+    def of(self, rid: str) -> str:
+        worker = self.where.get(rid)
+        return worker.url if worker is not None else self.workers[0].url
+
+    def settle(self, live: dict) -> None:
+        """Requests no longer in flight here no longer count on their replica."""
+        for rid in [r for r in self.where if r not in live]:
+            self.where.pop(rid).load -= 1
+
+
 class TokenizerActor:
-    def __init__(self, core: TokenizerCore, channel: Channel) -> None:
+    def __init__(self, core: TokenizerCore, channel: Channel, replicas: Replicas | None = None) -> None:
         self.core = core
         self.channel = channel
         self.live: dict[str, OutputText] = {}  # every request in flight here, by rid
+        self.replicas = replicas or Replicas(["scheduler"])
 
     async def run(self) -> None:
         while True:
@@ -33,6 +63,7 @@ class TokenizerActor:
                 log.exception("internal error on %s", type(msg).__name__)
                 if isinstance(msg, GenerateReq):
                     await self.fail(msg.rid, "internal error while tokenizing (logged)")
+            self.replicas.settle(self.live)
 
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, TokenBatch):
@@ -53,8 +84,9 @@ class TokenizerActor:
             await self.channel.send("api", RequestError(msg.rid, text, param="messages" if msg.messages else "prompt"))
             return
         self.live[msg.rid] = self.core.output(msg.params)
-        await self.channel.send("scheduler", AddReq(msg.rid, array(ids), msg.params, msg.top_logprobs,
-                                                    msg.priority, msg.logprob_start))
+        await self.channel.send(self.replicas.route(msg.rid, ids),
+                                AddReq(msg.rid, array(ids), msg.params, msg.top_logprobs, msg.priority,
+                                       msg.logprob_start))
 
     def encode(self, msg: GenerateReq) -> list[int]:
         if msg.messages is not None:
@@ -68,13 +100,13 @@ class TokenizerActor:
         if tracked is None:
             return
         reason = FinishReason("abort", message=msg.message)
-        await self.channel.send("scheduler", FinishReq(msg.rid, reason))
+        await self.channel.send(self.replicas.of(msg.rid), FinishReq(msg.rid, reason))
         await self.channel.send("api", TextBatch([Delta(msg.rid, "", [], 0, tracked.completion_tokens, 0, reason)]))
 
     async def fail(self, rid: str, message: str) -> None:
         """End one request with a 500 on our side: the api answers it, the scheduler frees its KV."""
         self.live.pop(rid, None)
-        await self.channel.send("scheduler", FinishReq(rid, FinishReason("abort", message=message)))
+        await self.channel.send(self.replicas.of(rid), FinishReq(rid, FinishReason("abort", message=message)))
         await self.channel.send("api", RequestError(rid, message, status=500, code="internal_error"))
 
     async def on_tokens(self, batch: TokenBatch) -> None:
@@ -82,7 +114,7 @@ class TokenizerActor:
         for rid in out.failed:
             await self.fail(rid, "internal error while detokenizing (logged)")
         for stop in out.stops:  # a stop string ended it here: the scheduler does not know yet
-            await self.channel.send("scheduler", stop)
+            await self.channel.send(self.replicas.of(stop.rid), stop)
         if out.deltas:
             await self.channel.send("api", TextBatch(out.deltas))
 
@@ -92,8 +124,15 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[TokenizerActor, dict[str, 
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     core = TokenizerCore(spec.model_dir)
-    return TokenizerActor(core, channel), {"vocab_size": core.vocab_size, "chat_template": core.chat_template()}
+    replicas = Replicas(scheduler_names(spec.server_args.dp), spec.server_args.routing_policy)
+    return TokenizerActor(core, channel, replicas), {"vocab_size": core.vocab_size,
+                                                     "chat_template": core.chat_template()}
+
+
+def scheduler_names(dp: int) -> list[str]:
+    """Every replica's scheduler actor."""
+    return [replica_name("scheduler", None if dp == 1 else i) for i in range(dp)]
 
 
 def main(spec: ActorSpec) -> None:
-    run_actor("tokenizer", spec, TokenizerInbox, ("scheduler", "api"), build)
+    run_actor("tokenizer", spec, TokenizerInbox, (*scheduler_names(spec.server_args.dp), "api"), build)

@@ -48,13 +48,14 @@ class Endpoints:
         host, _, port = self.node0.rpartition(":")
         return f"tcp://{host}:{int(port) + offset}"  # node 0 listens there only, not on every interface
 
-    def plans_bound(self) -> list[str]:
-        """Where the scheduler publishes plans: its runtime dir, and node 0's PORT+1 when ranks are elsewhere."""
-        return [self.address("plans")] + ([self._tcp(1)] if self.node0 else [])
+    def plans_bound(self, name: str = "plans") -> list[str]:
+        """Where a scheduler publishes plans (``name``: its replica's): its runtime dir, and node 0's PORT+1 when
+        ranks are elsewhere."""
+        return [self.address(name)] + ([self._tcp(1)] if self.node0 else [])
 
-    def plans_source(self, node_rank: int) -> str:
+    def plans_source(self, node_rank: int, name: str = "plans") -> str:
         """Where a rank on ``node_rank`` subscribes to the plans."""
-        return self.address("plans") if node_rank == 0 else self._tcp(1)
+        return self.address(name) if node_rank == 0 else self._tcp(1)
 
     def node_link(self) -> str:
         return self._tcp(2)
@@ -153,6 +154,15 @@ class ActorSpec:
     log_level: str = "info"
     model_source: str | None = None  # the file or folder the user gave (a GGUF file's own quantized weights)
     dist_addr: str | None = None  # HOST:PORT where the tensor-parallel ranks meet (torch.distributed's store)
+    replica: int | None = None  # with --dp > 1: the data-parallel replica this actor belongs to
+
+    def named(self, base: ActorName) -> ActorName:
+        return replica_name(base, self.replica)
+
+
+def replica_name(base: ActorName, replica: int | None) -> ActorName:
+    """A data-parallel replica's own actor (or socket) name, ``scheduler.1``; the plain name without --dp."""
+    return base if replica is None else f"{base}.{replica}"
 
 
 def die_with_parent() -> None:

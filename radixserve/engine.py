@@ -39,6 +39,9 @@ class Engine:
         from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
 
         args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        if args.dp > 1:
+            raise ValueError("Engine runs one replica; --dp replicas behind a router are the server's "
+                             "(`radixserve serve --dp N`)")
         if args.nnodes > 1:
             raise ValueError("Engine runs on one machine (tp ranks as local processes); across machines, start "
                              "`radixserve serve --nnodes N --node-rank K ...` on each")

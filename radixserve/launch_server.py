@@ -86,7 +86,9 @@ async def _serve(prepared, launcher) -> int:
     limits = Limits(max_sequences_per_request=args.max_sequences_per_request,
                     max_in_flight=args.max_queued_requests + args.max_running_requests,
                     vocab_size=prepared.model.vocab_size)
-    server = ApiServer(launcher.endpoints, info, limits)
+    from radixserve.actors.tokenizer_actor import scheduler_names
+
+    server = ApiServer(launcher.endpoints, info, limits, tuple(scheduler_names(args.dp)))
     server.metrics.ranks(launcher.ranks_by_node())
     server.start()
     runner = web.AppRunner(make_app(server, args.api_key), handler_cancellation=True, access_log=None)

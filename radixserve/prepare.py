@@ -49,6 +49,10 @@ def prepare(args: ServerArgs) -> Prepared:
     per_rank = 2 * model.num_layers * kv_heads_per_rank(args.tp, model.num_kv_heads) * model.head_dim
     args = args.resolved(model.kv_values_per_token, model.max_position_embeddings, model.num_parameters, per_rank)
     load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
+    if args.dp > 1:
+        from radixserve.actors.router.policies import load_routing_policy
+
+        load_routing_policy(args.routing_policy)
     cfg = SchedulerConfig(
         context_length=args.context_length,
         vocab_size=model.vocab_size,

@@ -31,6 +31,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     tp: int = 1  # tensor-parallel ranks (runner processes), over torch.distributed
+    dp: int = 1  # data-parallel replicas: scheduler + runner(s) each, behind one api and tokenizer
+    routing_policy: str = "cache-aware"  # which replica takes a request (entry points radixserve.routing_policies)
     nnodes: int = 1  # machines the ranks run on (tp / nnodes ranks each)
     node_rank: int = 0  # this machine's place; node 0 runs the api, tokenizer, scheduler and ranks 0..
     dist_init_addr: str | None = None  # HOST:PORT of node 0 (torch.distributed's store; PORT+1, PORT+2 too)
@@ -96,6 +98,11 @@ class ServerArgs:
         self._check_distributed()
 
     def _check_distributed(self) -> None:
+        if self.dp < 1:
+            raise ValueError(f"dp={self.dp} must be >= 1")
+        if self.dp > 1 and self.nnodes > 1:
+            raise ValueError("--dp > 1 runs its replicas on one machine; across machines, run a server per machine "
+                             "and `radixserve router` in front of them")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.tp % self.nnodes:
@@ -227,6 +234,10 @@ HELP = {
     "api_key": "require `Authorization: Bearer <key>` on every route but /health",
     "tp": "tensor-parallel ranks: runner processes that each hold 1/tp of every layer (torch.distributed); must "
           "divide the attention heads, the MLP width and the KV heads (or be a multiple of them)",
+    "dp": "data-parallel replicas on this machine: each a scheduler with its own KV pool, radix cache and "
+          "policies, and its runner rank(s); one api and tokenizer route requests to them (--routing-policy)",
+    "routing_policy": "how --dp replicas share requests: cache-aware (requests sharing a prefix go where it is "
+                      "cached), round-robin, least-load, or a plugin (entry points radixserve.routing_policies)",
     "nnodes": "machines the --tp ranks are spread over (tp / nnodes each); start `radixserve serve` on each with "
               "the same flags and its own --node-rank",
     "node_rank": "this machine's number, 0..nnodes-1; node 0 serves HTTP and runs the scheduler",

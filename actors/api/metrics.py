@@ -49,6 +49,26 @@ class Metrics:
         self.policy_evicted = Gauge("radixserve_policy_evicted_tokens", "tokens evicted under the policies",
                                     labels, registry=r)
 
+    def replica_status(self, s: Status) -> None:
+        """One --dp replica's own numbers beside the totals."""
+        if not hasattr(self, "replica_gauges"):
+            r, label = self.registry, ["replica"]
+            self.replica_gauges = {
+                "running": Gauge("radixserve_replica_num_running_requests", "requests holding KV, per replica",
+                                 label, registry=r),
+                "waiting": Gauge("radixserve_replica_num_queued_requests", "requests waiting, per replica", label,
+                                 registry=r),
+                "usage": Gauge("radixserve_replica_kv_pool_usage", "fraction of KV slots not free, per replica",
+                               label, registry=r),
+                "hit": Gauge("radixserve_replica_cache_hit_rate", "cached / prompt tokens under the current "
+                             "policies, per replica", label, registry=r),
+            }
+        g, i = self.replica_gauges, str(s.replica)
+        g["running"].labels(i).set(s.running)
+        g["waiting"].labels(i).set(s.waiting)
+        g["usage"].labels(i).set(1 - s.free / s.capacity if s.capacity else 0)
+        g["hit"].labels(i).set(s.epoch_cached_tokens / s.epoch_prompt_tokens if s.epoch_prompt_tokens else 0.0)
+
     def ranks(self, by_node: dict[int, list[dict]]) -> None:
         """The tensor-parallel runner ranks up, per node (set once all are ready; the server ends if one dies)."""
         gauge = Gauge("radixserve_tp_ranks", "tensor-parallel runner ranks running, per node", ["node"],

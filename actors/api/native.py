@@ -69,7 +69,8 @@ class NativeRoutes:
         body = await decode_body(request, PoliciesBody)
         if body.eviction is None and body.schedule is None:
             raise APIError(400, "send {\"eviction\": NAME} and/or {\"schedule\": NAME}", param="eviction")
-        reply = await self.server.control("set_policies", eviction=body.eviction, schedule=body.schedule)
+        reply = await self.server.control("set_policies", replica=body.replica, eviction=body.eviction,
+                                          schedule=body.schedule)
         if reply.error is not None:
             param = "schedule" if "schedule policy" in reply.error else "eviction"
             raise APIError(400, reply.error, param=param, code="unknown_policy" if "unknown" in reply.error

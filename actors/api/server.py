@@ -114,14 +114,17 @@ class RequestGroup:
 
 
 class ApiServer:
-    def __init__(self, endpoints: Endpoints, info: dict[str, Any], limits: Limits | None = None) -> None:
-        self.channel = Channel(endpoints, "api", ApiInbox, ("tokenizer", "scheduler"))
+    def __init__(self, endpoints: Endpoints, info: dict[str, Any], limits: Limits | None = None,
+                 schedulers: tuple[str, ...] = ("scheduler",)) -> None:
+        self.schedulers = schedulers  # one per --dp replica
+        self.channel = Channel(endpoints, "api", ApiInbox, ("tokenizer", *schedulers))
         self.info = info  # model name, args, limits: what /get_server_info and /v1/models show
         self.limits = limits or Limits()
         self.pending: dict[str, RequestStream] = {}  # every sequence in flight, by its rid
         self.groups: dict[str, list[str]] = {}  # an HTTP request's rid -> the rids of its sequences
         self.metrics = Metrics()
-        self.status: Status | None = None
+        self.status: Status | None = None  # every replica's together
+        self.statuses: dict[int, Status] = {}  # by replica
         self.healthy = True
         self.draining = False
         self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight any more
@@ -204,30 +207,74 @@ class ApiServer:
             if (s := self.pending.get(msg.rid)) is not None:
                 s.queue.put_nowait(msg)
         elif isinstance(msg, Status):
-            self.status = msg
-            self.metrics.status(msg)
+            self.statuses[msg.replica] = msg
+            self.status = msg if len(self.schedulers) == 1 else combined(list(self.statuses.values()))
+            self.metrics.status(self.status)
+            if len(self.schedulers) > 1:
+                self.metrics.replica_status(msg)
         elif isinstance(msg, ControlReply):
             fut = self._replies.pop(msg.reply_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
-    async def control(self, op: str, timeout: float = 30.0, **kw: str | None) -> ControlReply:
-        """Ask the scheduler (it answers between two steps)."""
+    async def control(self, op: str, timeout: float = 30.0, replica: int | None = None,
+                      **kw: str | None) -> ControlReply:
+        """Ask the scheduler (it answers between two steps); with --dp, every replica's, or ``replica``'s alone.
+        Several answers come back as one: replica 0's body with ``replicas`` (each one's) and ``total`` (the
+        counts added up); an error from any of them is the answer's."""
+        if replica is not None and not 0 <= replica < len(self.schedulers):
+            raise APIError(400, f"replica {replica} does not exist (this server runs {len(self.schedulers)})",
+                           param="replica")
+        targets = self.schedulers if replica is None else (self.schedulers[replica],)
+        replies = await asyncio.gather(*(self._ask(name, op, timeout, kw) for name in targets))
+        if len(self.schedulers) == 1:
+            return replies[0]
+        bodies = [r.body for r in replies]
+        body = {**bodies[0], "replicas": bodies if replica is None else {str(replica): bodies[0]},
+                "total": added_up(bodies)}
+        return ControlReply(replies[0].reply_id, body, next((r.error for r in replies if r.error), None))
+
+    async def _ask(self, scheduler: str, op: str, timeout: float, kw: dict) -> ControlReply:
         reply_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[reply_id] = fut
-        await self.channel.send("scheduler", ControlReq(reply_id, op, **kw))
+        await self.channel.send(scheduler, ControlReq(reply_id, op, **kw))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             self._replies.pop(reply_id, None)
-            raise APIError(503, f"the scheduler did not answer {op} within {timeout:.0f}s",
+            raise APIError(503, f"the {scheduler} actor did not answer {op} within {timeout:.0f}s",
                            type="service_unavailable") from None
 
     def server_info(self) -> dict[str, Any]:
         info = dict(self.info)
         info["status"] = msgspec.to_builtins(self.status) if self.status else None
+        if len(self.schedulers) > 1:
+            info["replica_status"] = [msgspec.to_builtins(self.statuses[i]) if i in self.statuses else None
+                                      for i in range(len(self.schedulers))]
         info["healthy"] = self.healthy
         info["draining"] = self.draining
         info["in_flight"] = len(self.pending)
         return info
+
+
+def combined(statuses: list[Status]) -> Status:
+    """The replicas' statuses as one (counts added up; the policies named are replica 0's)."""
+    first = min(statuses, key=lambda s: s.replica)
+    counts = {f: sum(getattr(s, f) for s in statuses) for f in Status.__struct_fields__
+              if isinstance(getattr(first, f), int) and f != "replica"}
+    return msgspec.structs.replace(first, **counts)
+
+
+def added_up(bodies: list[dict]) -> dict:
+    """The counts (ints, at any depth of nested objects) that every body has, added up; rates, names and lists
+    are left out: they do not add."""
+    total: dict = {}
+    for key, value in bodies[0].items():
+        values = [b.get(key) for b in bodies]
+        if isinstance(value, dict) and all(isinstance(v, dict) for v in values):
+            if inner := added_up(values):
+                total[key] = inner
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            total[key] = sum(values)
+    return total

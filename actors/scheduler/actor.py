@@ -27,8 +27,9 @@ STATUS_INTERVAL_S = 0.25
 
 class SchedulerActor:
     def __init__(self, scheduler: Scheduler, channel: Channel, plans: Publisher, ranks: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, replica: int = 0) -> None:
         self.scheduler = scheduler
+        self.replica = replica  # with --dp: which replica's scheduler this is
         self.channel = channel
         self.plans = plans
         self._ranks, self._timeout_s = ranks, timeout_s  # every rank has subscribed before the first plan
@@ -107,7 +108,7 @@ class SchedulerActor:
         now = time.monotonic()
         if now - self._last_status >= STATUS_INTERVAL_S or (self._dirty and not self.scheduler.has_work):
             self._last_status, self._dirty = now, False
-            await self.channel.send("api", status_of(self.scheduler))
+            await self.channel.send("api", status_of(self.scheduler, self.replica))
 
 
 def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
@@ -144,7 +145,7 @@ def token_batch(reqs: list[Req]) -> TokenBatch:
     )
 
 
-def status_of(sched: Scheduler) -> Status:
+def status_of(sched: Scheduler, replica: int = 0) -> Status:
     cache, epoch = sched.cache, sched.epochs[-1]
     return Status(
         running=len(sched.running) + (sched.chunked is not None),
@@ -164,15 +165,17 @@ def status_of(sched: Scheduler) -> Status:
         epoch_evicted_tokens=cache.evicted_tokens - epoch.evicted_at_start,
         queue_timeouts=sched.stats.queue_timeouts,
         failed_requests=sched.stats.failed,
+        replica=replica,
     )
 
 
 def build(spec: ActorSpec, channel: Channel) -> tuple[SchedulerActor, dict[str, Any]]:
     args = spec.server_args
     scheduler = build_scheduler(args, spec.scheduler_config)
-    plans = Publisher(spec.endpoints.plans_bound())
-    return SchedulerActor(scheduler, channel, plans, args.tp, args.dist_timeout), {"capacity": scheduler.cache.capacity}
+    plans = Publisher(spec.endpoints.plans_bound(spec.named("plans")))
+    actor = SchedulerActor(scheduler, channel, plans, args.tp, args.dist_timeout, spec.replica or 0)
+    return actor, {"capacity": scheduler.cache.capacity, "replica": spec.replica or 0}
 
 
 def main(spec: ActorSpec) -> None:
-    run_actor("scheduler", spec, SchedulerInbox, ("tokenizer", "api"), build)
+    run_actor(spec.named("scheduler"), spec, SchedulerInbox, ("tokenizer", "api"), build)
