@@ -44,8 +44,8 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     from radixserve.model.runner import ModelRunner
 
     args = spec.server_args
-    local = len(args.ranks_here)
-    if args.num_threads is None and local > 1:  # this node's cores, shared by its ranks
+    local = len(args.ranks_here) * args.dp
+    if args.num_threads is None and local > 1:  # this node's cores, shared by its ranks (of every replica)
         args = dataclasses.replace(args, num_threads=max(1, len(os.sched_getaffinity(0)) // local))
     if args.device.startswith("cuda") and args.tp > 1:  # a GPU of its own: this node's ranks take GPUs 0, 1, ..
         import torch

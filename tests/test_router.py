@@ -4,9 +4,6 @@ dies taken out while every request still gets an answer from the other."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -30,26 +27,8 @@ def _get(url: str) -> dict:
         return json.load(resp)
 
 
-class RouterProcess:
-    def __init__(self, *args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixserve", "router", "--port", str(port), *args,
-                                      "--health-check-interval", "0.3"])
-        for _ in range(100):
-            try:
-                if _get(self.url + "/health")["status"] == "ok":
-                    return
-            except (urllib.error.URLError, OSError, ValueError):
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("the router did not come up")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+def RouterProcess(*args: str) -> ServerProcess:
+    return ServerProcess(*args, "--health-check-interval", "0.3", command="router")
 
 
 @pytest.fixture(scope="module")
