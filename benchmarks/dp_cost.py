@@ -2,7 +2,7 @@
 replica, by ``--dp 2`` (cache-aware, round-robin) and by ``radixserve router`` over two separate servers
 (cache-aware at SGLang's defaults and at other thresholds, round-robin): cache hit rate, throughput and TTFT.
 
-Each round sends one question per group, all at once; the groups' system prompts together need about twice one
+Each round sends one question per group, all at once; the groups' system prompts together need about 1.3-1.6x one
 replica's pool, so one replica keeps evicting them while two replicas can hold them all -- if each group keeps
 going to the same one. Every system gets the machine's 2 cores (one replica: 2 threads; two: 1 thread each).
 
@@ -26,9 +26,9 @@ POOL = 3000  # KV tokens per replica
 
 
 def workload(tok, groups: int, rounds: int, seed: int = 0) -> list[list[list[int]]]:
-    """``rounds`` rounds of one question per group; group g's system prompt is its own ~330 tokens."""
+    """``rounds`` rounds of one question per group; group g's system prompt is its own ~530 tokens."""
     rng = random.Random(seed)
-    systems = [f"You are assistant {g} of team {g}. Your handbook: " + text(rng, 240) for g in range(groups)]
+    systems = [f"You are assistant {g} of team {g}. Your handbook: " + text(rng, 400) for g in range(groups)]
     return [[chat_ids(tok, systems[g], q) for g, q in enumerate(questions(rng, groups))] for _ in range(rounds)]
 
 
@@ -43,7 +43,8 @@ def run(label: str, url: str, rounds: list[list[list[int]]], max_new: int) -> di
 def measure(quick: bool = False, model_path: str | None = None) -> dict:
     files = resolve_model(model_path)
     tok = TokenizerCore(files.path)
-    groups, n_rounds, max_new = (8, 3, 8) if quick else (12, 4, 16)
+    # an odd number of groups, so that round-robin does not keep each group on one replica by accident
+    groups, n_rounds, max_new = (7, 3, 8) if quick else (9, 4, 16)
     rounds = workload(tok, groups, n_rounds)
     cores = str(len(os.sched_getaffinity(0)))
     common = ["--max-total-tokens", str(POOL), "--schedule-policy", "lpm"] + (

@@ -237,11 +237,38 @@ def write(res: dict, out: Path) -> None:
         L += radix_section(res["radix"], targets)
     if "tp" in res:
         L += tp_section(res["tp"], out)
+    if "dp" in res:
+        L += dp_section(res["dp"], targets, out)
     if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
         L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
+
+
+def dp_section(d: dict, targets: list[str], out: Path) -> list[str]:
+    rows = {r["system"]: r for r in d["rows"]}
+    one, aware, rr = rows["one replica"], rows["--dp 2, cache-aware"], rows["--dp 2, round-robin"]
+    targets.append(check("--dp 2 cache-aware / round-robin hit rate", aware["hit_rate"] / max(rr["hit_rate"], 1e-9),
+                         aware["hit_rate"] > rr["hit_rate"], "> 1"))
+    targets.append(check("--dp 2 cache-aware / one replica throughput",
+                         aware["throughput_tok_s"] / one["throughput_tok_s"],
+                         aware["throughput_tok_s"] > one["throughput_tok_s"], "> 1"))
+    L = ["## Data parallelism: --dp 2 and the router", "",
+         f"{d['groups']} prefix groups (each its own ~530-token system prompt), {d['rounds']} rounds of one question "
+         f"per group sent at once, {d['max_new']} tokens each; {d['pool_tokens']} KV tokens per replica, so the "
+         f"groups ({d['first_round_prompt_tokens']} prompt tokens a round) do not fit one replica's pool but fit "
+         "two. One replica gets both cores (2 threads); two replicas, or two servers behind `radixserve router`, a "
+         "thread each. Systems run one after another (each freshly started), not interleaved. Router thresholds: "
+         "cache threshold / balance abs / balance rel.", "",
+         "| system | hit rate | throughput tok/s | TTFT p50 | TTFT p90 |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        L.append(f"| {r['system']} | {pct(r['hit_rate'])} | {r['throughput_tok_s']:.1f} | {ms(r['ttft_p50_s'])} | "
+                 f"{ms(r['ttft_p90_s'])} |")
+    plot_bars([r["system"] for r in d["rows"]], {"throughput tok/s": [r["throughput_tok_s"] for r in d["rows"]],
+                                                "hit rate x 100": [100 * r["hit_rate"] for r in d["rows"]]},
+              "", "data parallelism: 2 replicas vs one", out / "dp.png")
+    return L + ["", "![data parallelism](dp.png)", ""]
 
 
 def tp_section(t: dict, out: Path) -> list[str]:

@@ -55,6 +55,21 @@ def test_simulator_runs_the_real_scheduler_and_lpm_beats_fcfs_when_the_cache_is_
     assert big.hit_rate > fcfs.hit_rate and big.evicted_tokens == 0
 
 
+def test_simulated_replicas_route_like_the_router():
+    """Two replicas, each with a cache that holds about half the groups' prefixes: cache-aware routing keeps each
+    group on one replica and hits far more than round-robin, which sends every group everywhere; both serve every
+    request, and one replica with the same cache falls in between on hit rate."""
+    trace = build(WorkloadSpec(kind="shared-prefix", requests=240, groups=12, prefix_tokens=200, rate=5))
+    kw = dict(cache_tokens=1800, cost=CostModel(), max_running=16, check_invariants=True)
+    aware = simulate(trace, "lru", "lpm", replicas=2, routing="cache-aware", **kw)
+    rr = simulate(trace, "lru", "lpm", replicas=2, routing="round-robin", **kw)
+    one = simulate(trace, "lru", "lpm", **kw)
+    assert aware.requests == rr.requests == one.requests == 240
+    assert aware.hit_rate > rr.hit_rate + 0.15 and aware.hit_rate > one.hit_rate
+    assert (aware.replicas, aware.routing, one.replicas, one.routing) == (2, "cache-aware", 1, None)
+    assert aware.makespan_s < one.makespan_s, "two replicas run in parallel"
+
+
 def test_cli_simulates_and_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "cmp"
     proc = subprocess.run([sys.executable, "-m", "radixserve", "compare", "--workload", "few-shot", "--requests",
@@ -70,6 +85,11 @@ def test_cli_simulates_and_writes_table_json_and_plots(tmp_path):
                             "--cache-sizes", "512", "--eviction", "lru", "--schedule", "lpm", "--out", str(out)],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
+    routed = subprocess.run([sys.executable, "-m", "radixserve", "compare", "--trace", str(tmp_path / "t.jsonl"),
+                             "--cache-sizes", "512", "--eviction", "lru", "--schedule", "lpm", "--replicas", "2",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert routed.returncode == 0, routed.stderr
+    assert "cache-aware x2" in routed.stdout and "round-robin x2" in routed.stdout
     typo = subprocess.run([sys.executable, "-m", "radixserve", "compare", "--eviction", "lur"], capture_output=True,
                           text=True, timeout=300)
     assert typo.returncode == 2 and "unknown eviction policy 'lur'" in typo.stderr

@@ -35,6 +35,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--cache-sizes", default="2048,4096,8192,16384", help="KV cache sizes (tokens) to sweep")
     s.add_argument("--max-running", type=int, default=64)
     s.add_argument("--chunk", type=int, default=2048, help="chunked prefill size")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="simulate this many --dp replicas (each with the cache size), requests routed by --routing")
+    s.add_argument("--routing", default="cache-aware,round-robin",
+                   help="comma-separated routing policies to compare, with --replicas > 1")
     cost = CostModel()
     s.add_argument("--prefill-cost", type=float, default=cost.prefill_per_token, help="seconds per prompt token")
     s.add_argument("--decode-step-cost", type=float, default=cost.decode_per_step, help="seconds per decode step")
@@ -87,10 +91,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"calibrated: {cost}", file=sys.stderr)
         payload["cost_model"] = dataclasses.asdict(cost)
         sizes = sorted({int(x) for x in args.cache_sizes.split(",")} | {r.cache_tokens for r in live_results})
-        jobs = [(ev, sc, size) for size in sizes for ev, sc in pairs]
+        routings = args.routing.split(",") if args.replicas > 1 else ["-"]
+        if args.replicas > 1:
+            from radixserve.actors.router.policies import load_routing_policy
+
+            for name in routings:  # fail fast on a typo
+                load_routing_policy(name)
+        jobs = [(ev, sc, size, routing) for size in sizes for ev, sc in pairs for routing in routings]
         with tqdm(total=len(jobs) * len(requests), desc="simulating", unit="req") as bar:
-            for ev, sc, size in jobs:
-                result = simulate(requests, ev, sc, size, cost, args.max_running, args.chunk, progress=bar)
+            for ev, sc, size, routing in jobs:
+                result = simulate(requests, ev, sc, size, cost, args.max_running, args.chunk, progress=bar,
+                                  replicas=args.replicas, routing=routing)
                 rows.append({"mode": "sim", **result.to_dict()})
     payload["results"] = rows
     print(report.table(rows))

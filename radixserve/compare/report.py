@@ -11,12 +11,20 @@ def fmt_s(v: float) -> str:
     return "-" if v != v else (f"{v * 1000:.0f}ms" if v < 10 else f"{v:.1f}s")
 
 
+def label(r: dict[str, Any]) -> str:
+    """A run's name: its policy pair, and its routing over replicas when it had several."""
+    pair = f"{r['eviction']}/{r['schedule']}"
+    return pair if r.get("replicas", 1) == 1 else f"{pair} {r['routing']} x{r['replicas']}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'mode':5} {'eviction':10} {'schedule':11} {'cache':>7} {'reqs':>6} {'hit rate':>8} {'TTFT p50':>9} " \
+    head = f"{'mode':5} {'eviction':10} {'schedule':11} {'routing':>16} {'cache':>7} {'reqs':>6} {'hit rate':>8} {'TTFT p50':>9} " \
            f"{'TTFT p99':>9} {'tok/s':>8} {'evicted':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['mode']:5} {r['eviction']:10} {r['schedule']:11} {r['cache_tokens']:>7} {r['requests']:>6} "
+        routing = f"{r['routing']} x{r['replicas']}" if r.get("replicas", 1) > 1 else "-"
+        lines.append(f"{r['mode']:5} {r['eviction']:10} {r['schedule']:11} {routing:>16} {r['cache_tokens']:>7} "
+                     f"{r['requests']:>6} "
                      f"{r['hit_rate']:>8.3f} {fmt_s(r['ttft_p50_s']):>9} {fmt_s(r['ttft_p99_s']):>9} "
                      f"{r['throughput_tokens_per_s']:>8.1f} {r.get('evicted_tokens', '-')!s:>8}")
     return "\n".join(lines)
@@ -24,7 +32,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def ranking(rows: list[dict[str, Any]], key: str = "hit_rate") -> list[str]:
     """Policy pairs from best to worst by ``key`` (higher is better)."""
-    return [f"{r['eviction']}/{r['schedule']}" for r in sorted(rows, key=lambda r: -r[key])]
+    return [label(r) for r in sorted(rows, key=lambda r: -r[key])]
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -39,7 +47,7 @@ def plot_hit_rate_vs_cache(rows: list[dict[str, Any]], path: Path, title: str) -
 
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for r in rows:
-        series[f"{r['eviction']}/{r['schedule']}"].append((r["cache_tokens"], r["hit_rate"]))
+        series[label(r)].append((r["cache_tokens"], r["hit_rate"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in sorted(series.items()):
         points.sort()
@@ -63,11 +71,11 @@ def plot_ttft(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({f"{r['eviction']}/{r['schedule']}" for r in rows})
+    names = sorted({label(r) for r in rows})
     modes = sorted({r["mode"] for r in rows})
     fig, axes = plt.subplots(1, len(modes), figsize=(max(6, 1.3 * len(names)) * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
-        by_name = {f"{r['eviction']}/{r['schedule']}": r for r in rows if r["mode"] == mode}
+        by_name = {label(r): r for r in rows if r["mode"] == mode}
         xs = range(len(names))
         p50 = [by_name[n]["ttft_p50_s"] if n in by_name else 0 for n in names]
         p99 = [by_name[n]["ttft_p99_s"] if n in by_name else 0 for n in names]

@@ -5,6 +5,10 @@ a runner that computes nothing and charges each step a modelled cost instead.
               = step_overhead + decode_per_step + decode_per_seq * batch size    (a decode step)
 
 Calibrate the four numbers against a live server with ``radixserve compare --calibrate URL`` (or give them).
+
+With ``replicas`` > 1 it simulates --dp replicas (or servers behind ``radixserve router``): each replica its own
+scheduler, cache and clock, running in parallel; each arrival goes where the routing policy sends it -- the same
+policy objects as the router's, fed the prompt's token ids and each replica's requests in flight as its load.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 from radixserve.actors.messages import ForwardPlan, ForwardResult
+from radixserve.actors.router.policies import Worker, load_routing_policy
 from radixserve.actors.scheduler import Req, Scheduler, SchedulerConfig
 from radixserve.cache import CacheManager
 from radixserve.compare.trace import TraceRequest
@@ -81,6 +86,8 @@ class RunResult:
     steps: int | None = None
     wall_s: float | None = None
     server_epoch: dict | None = None  # live: the server's own record of the run (GET /cache/stats)
+    replicas: int = 1
+    routing: str | None = None  # the routing policy, with replicas > 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,18 +99,35 @@ def quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
+class Replica:
+    """One simulated replica: the real scheduler and cache manager on a clock of their own."""
+
+    def __init__(self, cfg: SchedulerConfig, eviction: str, schedule: str, cache_tokens: int, cost: CostModel,
+                 outputs: dict[str, list[int]], index: int) -> None:
+        self.clock = SimClock()
+        self.cache = CacheManager(cache_tokens, load_eviction_policy(eviction), clock=self.clock)
+        self.sched = Scheduler(cfg, self.cache, load_schedule_policy(schedule), clock=self.clock)
+        self.runner = CostModelRunner(cost, self.clock, outputs)
+        self.worker = Worker(str(index))
+
+    @property
+    def load(self) -> int:
+        return len(self.sched.running) + len(self.sched.waiting) + (self.sched.chunked is not None)
+
+
 def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_tokens: int, cost: CostModel,
-             max_running: int = 64, chunk: int = 2048, progress=None, check_invariants: bool = False) -> RunResult:
-    """Replay ``trace`` through the real scheduler on a simulated clock; returns what a client would measure."""
+             max_running: int = 64, chunk: int = 2048, progress=None, check_invariants: bool = False,
+             replicas: int = 1, routing: str = "cache-aware") -> RunResult:
+    """Replay ``trace`` through the real scheduler on a simulated clock (``replicas`` of it, requests routed by
+    ``routing``, each with ``cache_tokens``); returns what a client would measure."""
     wall = time.perf_counter()
-    clock = SimClock()
     longest = max(len(r.prompt) + r.max_tokens for r in trace)
     cfg = SchedulerConfig(context_length=longest + 1, vocab_size=max(max(r.prompt) for r in trace) + 1 + 2**20,
                           eos_ids=frozenset(), max_running_requests=max_running, chunked_prefill_size=chunk,
                           check_invariants=check_invariants)
-    cache = CacheManager(cache_tokens, load_eviction_policy(eviction), clock=clock)
-    sched = Scheduler(cfg, cache, load_schedule_policy(schedule), clock=clock)
-    runner = CostModelRunner(cost, clock, {r.id: r.output or [1] * r.max_tokens for r in trace})
+    outputs = {r.id: r.output or [1] * r.max_tokens for r in trace}
+    reps = [Replica(cfg, eviction, schedule, cache_tokens, cost, outputs, i) for i in range(replicas)]
+    policy = load_routing_policy(routing) if replicas > 1 else None
 
     order = itertools.count()
     arrivals: list[tuple[float, int, TraceRequest]] = []
@@ -116,45 +140,61 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
     ttft, e2e, rejected, generated = [], [], 0, 0
     prompt_tokens = cached_tokens = 0
 
-    def release(parent_id: str) -> None:
+    def release(parent_id: str, now: float) -> None:
         for child in children.pop(parent_id, ()):
-            heapq.heappush(arrivals, (clock.now + child.delay, next(order), child))
+            heapq.heappush(arrivals, (now + child.delay, next(order), child))
 
-    while arrivals or sched.has_work:
-        while arrivals and arrivals[0][0] <= clock.now:
-            _, _, r = heapq.heappop(arrivals)
+    def route(r: TraceRequest) -> Replica:
+        if policy is None:
+            return reps[0]
+        for rep in reps:
+            rep.worker.load = rep.load
+        chosen = policy.choose("".join(map(chr, r.prompt)), [rep.worker for rep in reps])
+        return reps[int(chosen.url)]
+
+    while True:
+        busy = [rep for rep in reps if rep.sched.has_work]
+        if arrivals and (not busy or arrivals[0][0] <= min(rep.clock.now for rep in busy)):
+            at, _, r = heapq.heappop(arrivals)  # the next event is an arrival
+            rep = route(r)
+            rep.clock.now = max(rep.clock.now, at)  # an idle replica waits for it
             params = SamplingParams(max_new_tokens=r.max_tokens, temperature=0, ignore_eos=True)
             try:
-                sched.add_request(r.id, r.prompt, params, priority=r.priority)
+                rep.sched.add_request(r.id, r.prompt, params, priority=r.priority)
             except ValueError:  # longer than this cache can ever hold
                 rejected += 1
-                release(r.id)
+                release(r.id, rep.clock.now)
                 if progress is not None:
                     progress.update()
-        plan = sched.schedule() if sched.has_work else None
+            continue
+        if not busy:
+            break
+        rep = min(busy, key=lambda x: x.clock.now)  # the replica furthest behind takes its next step
+        plan = rep.sched.schedule()
         if plan is None:
-            if arrivals:  # idle until the next arrival
-                clock.now = max(clock.now, arrivals[0][0])
+            if arrivals:  # nothing it can run yet: it idles until the next arrival
+                rep.clock.now = max(rep.clock.now, arrivals[0][0])
                 continue
-            if sched.has_work:
-                raise RuntimeError("the scheduler stalled with work left (a bug)")
-            break  # the last arrivals were all rejected
-        for req in sched.process(runner.forward(plan, sched.inflight)):
+            raise RuntimeError("the scheduler stalled with work left (a bug)")
+        for req in rep.sched.process(rep.runner.forward(plan, rep.sched.inflight)):
             generated += 1
             if req.finished:
                 ttft.append(req.first_token_at - req.arrival)
-                e2e.append(clock.now - req.arrival)
+                e2e.append(rep.clock.now - req.arrival)
                 prompt_tokens += len(req.prompt_ids)
                 cached_tokens += req.cached_tokens or 0
-                release(req.rid)
+                release(req.rid, rep.clock.now)
                 if progress is not None:
                     progress.update()
+    makespan = max(rep.clock.now for rep in reps)
     return RunResult(
         eviction=eviction, schedule=schedule, cache_tokens=cache_tokens, requests=len(ttft), rejected=rejected,
         prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
         hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         ttft_p50_s=quantile(ttft, 50), ttft_p99_s=quantile(ttft, 99), e2e_p50_s=quantile(e2e, 50),
-        throughput_tokens_per_s=generated / clock.now if clock.now else 0.0, makespan_s=clock.now,
-        evicted_tokens=cache.evicted_tokens, retractions=sched.stats.retractions, steps=sched.stats.steps,
-        wall_s=time.perf_counter() - wall,
+        throughput_tokens_per_s=generated / makespan if makespan else 0.0, makespan_s=makespan,
+        evicted_tokens=sum(rep.cache.evicted_tokens for rep in reps),
+        retractions=sum(rep.sched.stats.retractions for rep in reps),
+        steps=sum(rep.sched.stats.steps for rep in reps), wall_s=time.perf_counter() - wall,
+        replicas=replicas, routing=routing if replicas > 1 else None,
     )
