@@ -101,3 +101,26 @@ def test_a_worker_that_dies_is_taken_out_and_requests_still_get_answers(tiny_mod
         router.stop()
         for s in servers:
             s.stop()
+
+
+def test_a_stream_whose_worker_dies_ends_with_an_error_event(tiny_models):
+    """Once tokens have been streamed the request cannot move: the client gets an error event, then [DONE]."""
+    server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens",
+                           "8192")
+    router = RouterProcess("--worker-urls", server.url)
+    try:
+        assert json.loads(_post(router.url + "/flush_cache", {})[0])["workers"][server.url]
+        body = {"text": "count", "stream": True, "sampling_params": {"max_new_tokens": 2000, "temperature": 0,
+                                                                     "ignore_eos": True}}
+        req = urllib.request.Request(router.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.readline().startswith(b"data: {")  # tokens are flowing
+            server.proc.kill()
+            rest = resp.read().decode()
+        events = [line for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "worker_failed"
+    finally:
+        router.stop()
+        server.stop()

@@ -4,7 +4,8 @@ share a prefix go where it is probably cached); the worker's answer, streamed or
 comes. Workers are health-checked (``GET /health``); one that fails is taken out (and forgotten by the policy)
 until it answers again. A request whose worker fails before anything was sent back is retried on another; one
 that fails mid-stream ends with an error event. The router's own routes: ``/health``, ``/workers``,
-``/get_server_info``; everything else a worker serves is proxied."""
+``/get_server_info``; ``POST /flush_cache`` goes to every healthy worker; the generation routes and the model
+routes are proxied."""
 from __future__ import annotations
 
 import asyncio
@@ -164,6 +165,19 @@ class Router:
             await response.write_eof()
             return response
 
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """Every healthy worker's cache (what a client of one server expects the route to do)."""
+        async def one(worker: Worker):
+            try:
+                async with self.session.post(worker.url + "/flush_cache", json={}) as resp:
+                    return worker.url, resp.status, await resp.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                return worker.url, 502, {"error": f"{type(exc).__name__}: {exc}"}
+
+        answers = await asyncio.gather(*(one(w) for w in self._healthy()))
+        status = 200 if all(code == 200 for _, code, _ in answers) else 502
+        return web.json_response({"workers": {url: body for url, _, body in answers}}, status=status)
+
     async def health(self, request: web.Request) -> web.Response:
         up = sum(w.healthy for w in self.workers)
         return web.json_response({"status": "ok" if up else "unhealthy", "healthy_workers": up},
@@ -180,6 +194,7 @@ class Router:
             app.router.add_post(path, self.proxy_routed)
         for path in ANY_WORKER:
             app.router.add_get(path, self.proxy_any)
+        app.router.add_post("/flush_cache", self.flush_cache)
         app.router.add_get("/health", self.health)
         app.router.add_get("/workers", self.list_workers)
         app.router.add_get("/get_server_info", self.list_workers)
