@@ -71,8 +71,9 @@ class Launcher:
                 self.children[replica_name(rank_name(r), replica)] = ("runner", r, replica)
         self.ranks = {name: r for name, (kind, r, _) in self.children.items() if kind == "runner"}
         # a replica's ranks meet at node 0's --dist-init-addr, or, all on this machine, at a free local port
-        self.dist_addrs = {replica: args.dist_init_addr or (f"127.0.0.1:{free_local_port()}" if args.tp > 1 else None)
-                           for replica in replicas}
+        # (--dp replicas are all on this machine: each its own local port, whatever --dist-init-addr says)
+        self.dist_addrs = {replica: (args.dist_init_addr if args.dp == 1 else None)
+                           or (f"127.0.0.1:{free_local_port()}" if args.tp > 1 else None) for replica in replicas}
         self.link = (NodeLink(self.endpoints.node_link(), args.node_rank, args.nnodes,
                               min(args.dist_timeout, NODE_SILENCE_S)) if args.nnodes > 1 else None)
         self.processes: dict[str, mp.process.BaseProcess] = {}

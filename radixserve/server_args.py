@@ -157,7 +157,12 @@ class ServerArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         per_rank = kv_values_per_rank or kv_values_per_token
         on_cuda = device.startswith("cuda")
-        kv_bytes_per_token = per_rank * (1 if on_cuda else len(self.ranks_here)) * (4 if dtype == "float32" else 2)
+        if on_cuda and self.dp > 1:
+            raise ValueError("--dp > 1 on CUDA is not implemented yet (each replica needs GPUs of its own); run a "
+                             "server per GPU and `radixserve router` in front of them")
+        # a CPU node's memory holds every rank's pool of every replica
+        kv_bytes_per_token = per_rank * (1 if on_cuda else len(self.ranks_here) * self.dp) * \
+            (4 if dtype == "float32" else 2)
         num_parameters //= self.tp if on_cuda else 1
         context = min(self.context_length or model_context, model_context)
         total = self.max_total_tokens

@@ -46,7 +46,7 @@ def test_replicas_serve_one_replicas_tokens_and_cache_aware_keeps_groups_togethe
     two, stats, server = _serve(path, "--dp", "2")
     try:
         assert two == one and rr == one
-        per = [r["totals"]["requests_received"] for r in stats["replicas"]]
+        per = [r["totals"]["requests_received"] for r in stats["replicas"].values()]
         assert sum(per) == len(PROMPTS) and min(per) > 0, "both replicas serve"
         assert stats["total"]["totals"]["requests_received"] == len(PROMPTS)
         cached = stats["total"]["totals"]["cached_tokens"]
@@ -57,9 +57,12 @@ def test_replicas_serve_one_replicas_tokens_and_cache_aware_keeps_groups_togethe
         switched = _post(server.url + "/policies", {"eviction": "lfu", "replica": 1})
         assert switched["replicas"]["1"]["eviction"]["current"] == "lfu"
         now = _get(server.url + "/policies")
-        assert [r["eviction"]["current"] for r in now["replicas"]] == ["lru", "lfu"]
+        assert {i: r["eviction"]["current"] for i, r in now["replicas"].items()} == {"0": "lru", "1": "lfu"}
         _post(server.url + "/policies", {"schedule": "lpm"})  # no replica: all of them
-        assert [r["schedule"]["current"] for r in _get(server.url + "/policies")["replicas"]] == ["lpm", "lpm"]
+        assert [r["schedule"]["current"] for r in _get(server.url + "/policies")["replicas"].values()] == ["lpm"] * 2
+        flushed = _post(server.url + "/flush_cache", {})
+        assert flushed["tokens_freed"] == sum(r["tokens_freed"] for r in flushed["replicas"].values()) > 0
+        assert _get(server.url + "/get_server_info")["status"]["eviction"] == "mixed"
         with pytest.raises(urllib.error.HTTPError) as bad:
             _post(server.url + "/policies", {"eviction": "lfu", "replica": 2})
         assert bad.value.code == 400 and json.load(bad.value)["error"]["param"] == "replica"

@@ -60,7 +60,7 @@ class NativeRoutes:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         reply = await self.server.control("flush_cache")
-        return json_response({"message": "cache flushed", **reply.body})
+        return json_response({"message": "cache flushed", **reply.body, **reply.body.get("total", {})})
 
     async def get_policies(self, request: web.Request) -> web.Response:
         return json_response((await self.server.control("get_policies")).body)

@@ -230,8 +230,8 @@ class ApiServer:
         if len(self.schedulers) == 1:
             return replies[0]
         bodies = [r.body for r in replies]
-        body = {**bodies[0], "replicas": bodies if replica is None else {str(replica): bodies[0]},
-                "total": added_up(bodies)}
+        indices = range(len(self.schedulers)) if replica is None else [replica]
+        body = {**bodies[0], "replicas": {str(i): b for i, b in zip(indices, bodies)}, "total": added_up(bodies)}
         return ControlReply(replies[0].reply_id, body, next((r.error for r in replies if r.error), None))
 
     async def _ask(self, scheduler: str, op: str, timeout: float, kw: dict) -> ControlReply:
@@ -259,11 +259,14 @@ class ApiServer:
 
 
 def combined(statuses: list[Status]) -> Status:
-    """The replicas' statuses as one (counts added up; the policies named are replica 0's)."""
+    """The replicas' statuses as one: counts added up; the policies named where all replicas run the same ones,
+    else "mixed" (so per-policy numbers are never credited to policies some replicas do not run)."""
     first = min(statuses, key=lambda s: s.replica)
     counts = {f: sum(getattr(s, f) for s in statuses) for f in Status.__struct_fields__
               if isinstance(getattr(first, f), int) and f != "replica"}
-    return msgspec.structs.replace(first, **counts)
+    names = {f: getattr(first, f) if len({getattr(s, f) for s in statuses}) == 1 else "mixed"
+             for f in ("eviction", "schedule")}
+    return msgspec.structs.replace(first, **counts, **names)
 
 
 def added_up(bodies: list[dict]) -> dict:

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate")  # POST, a worker chosen by the request's text
 ANY_WORKER = ("/v1/models", "/get_model_info")  # GET, any healthy worker answers
+EVERY_WORKER = ("/flush_cache", "/abort_request")  # POST, sent to every healthy worker
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+BUSY = (502, 503, 504)  # a worker's answer that another worker may not give: the request tries the next one
 
 
 def route_text(path: str, body: Any) -> str:
@@ -36,8 +38,8 @@ def route_text(path: str, body: Any) -> str:
         for m in body.get("messages") or []:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}:{content or ''}\n")
+                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}:{content if isinstance(content, str) else ''}\n")
         return "".join(parts)
     value = body.get("prompt") if path == "/v1/completions" else body.get("text", body.get("input_ids"))
     if isinstance(value, list) and value and not isinstance(value[0], int):
@@ -58,26 +60,34 @@ class Router:
         self.routed = {w.url: 0 for w in self.workers}
         self._failures = {w.url: 0 for w in self.workers}
         self.session: aiohttp.ClientSession | None = None
+        self._checks: aiohttp.ClientSession | None = None  # health checks: never queued behind requests
         self._health: asyncio.Task | None = None
 
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        # no cap on connections: each stream holds one for as long as it runs
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self._checks = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
         self._health = asyncio.create_task(self._watch())
 
     async def stop(self, app: web.Application) -> None:
         if self._health is not None:
             self._health.cancel()
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self._checks):
+            if session is not None:
+                await session.close()
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(w) for w in self.workers))
+            try:
+                await asyncio.gather(*(self._check(w) for w in self.workers))
+            except Exception:  # a bug here must not end health checking for good
+                log.exception("health check round failed")
             await asyncio.sleep(self.health_interval_s)
 
     async def _check(self, worker: Worker) -> None:
         try:
-            async with self.session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            async with self._checks.get(worker.url + "/health") as resp:
                 ok = resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             ok = False
@@ -124,6 +134,9 @@ class Router:
             except _NothingSent as exc:  # the worker failed before answering: another one may
                 self._take_out(worker, str(exc))
                 log.warning("retrying a request that %s failed before answering", worker.url)
+            except _Busy as busy:  # draining, overloaded or broken there: the next worker, if there is one
+                if not [w for w in self.workers if w.healthy and w.url not in tried]:
+                    return busy.response
             finally:
                 worker.load -= 1
 
@@ -136,6 +149,9 @@ class Router:
                 return await self._forward(request, worker, await request.read())
             except _NothingSent as exc:
                 self._take_out(worker, str(exc))
+            except _Busy as busy:
+                if not [w for w in self.workers if w.healthy and w.url not in tried]:
+                    return busy.response
 
     async def _forward(self, request: web.Request, worker: Worker, data: bytes) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
@@ -151,31 +167,47 @@ class Router:
                     payload = await upstream.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     raise _NothingSent(f"{type(exc).__name__}: {exc}") from exc
-                return web.Response(body=payload, status=upstream.status, headers=passed)
+                answer = web.Response(body=payload, status=upstream.status, headers=passed)
+                if upstream.status in BUSY:
+                    raise _Busy(answer)
+                return answer
             response = web.StreamResponse(status=upstream.status, headers=passed)
             await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the worker broke: too late to retry
+                    self._take_out(worker, f"failed mid-stream: {type(exc).__name__}")
+                    error = APIError(502, f"the worker serving this request failed mid-stream ({worker.url})",
+                                     code="worker_failed", type="server_error")
+                    chunk = f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+                    upstream = None
+                if not chunk:
+                    break
+                try:
                     await response.write(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # mid-stream: too late to retry
-                self._take_out(worker, f"failed mid-stream: {type(exc).__name__}")
-                error = APIError(502, f"the worker serving this request failed mid-stream ({worker.url})",
-                                 code="worker_failed", type="server_error")
-                await response.write(f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode())
+                except (ConnectionError, aiohttp.ClientConnectionResetError):  # the client left: the worker is
+                    return response  # fine; leaving the upstream response closes it, which aborts the request
+                if upstream is None:
+                    break
             await response.write_eof()
             return response
 
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        """Every healthy worker's cache (what a client of one server expects the route to do)."""
+    async def every_worker(self, request: web.Request) -> web.Response:
+        """``/flush_cache``, ``/abort_request``: sent to every healthy worker, with the client's credentials."""
+        data = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+
         async def one(worker: Worker):
             try:
-                async with self.session.post(worker.url + "/flush_cache", json={}) as resp:
+                async with self.session.post(worker.url + request.path, data=data, headers=headers) as resp:
                     return worker.url, resp.status, await resp.json(content_type=None)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 return worker.url, 502, {"error": f"{type(exc).__name__}: {exc}"}
 
         answers = await asyncio.gather(*(one(w) for w in self._healthy()))
-        status = 200 if all(code == 200 for _, code, _ in answers) else 502
+        codes = {code for _, code, _ in answers}
+        status = 200 if codes == {200} else max(codes)
         return web.json_response({"workers": {url: body for url, _, body in answers}}, status=status)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -194,7 +226,8 @@ class Router:
             app.router.add_post(path, self.proxy_routed)
         for path in ANY_WORKER:
             app.router.add_get(path, self.proxy_any)
-        app.router.add_post("/flush_cache", self.flush_cache)
+        for path in EVERY_WORKER:
+            app.router.add_post(path, self.every_worker)
         app.router.add_get("/health", self.health)
         app.router.add_get("/workers", self.list_workers)
         app.router.add_get("/get_server_info", self.list_workers)
@@ -205,6 +238,14 @@ class Router:
 
 class _NothingSent(Exception):
     """The worker failed before any of its answer reached the client: the request can go elsewhere."""
+
+
+class _Busy(Exception):
+    """The worker answered 502/503/504: another may serve the request (if none does, this answer is passed on)."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
 
 
 def add_cli_args(parser) -> None:
@@ -237,5 +278,7 @@ def run_cli(args) -> int:
         return 2
     log.info("routing %d workers (%s) on http://%s:%d", len(router.workers), router.policy.name, args.host,
              args.port)
-    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None)
+    # handler_cancellation: a client that leaves cancels its proxied request (the worker stops generating)
+    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,
+                handler_cancellation=True)
     return 0

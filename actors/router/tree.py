@@ -112,10 +112,15 @@ class ApproxTree:
         return worker in node.tenants and not any(worker in c.tenants for c in node.children.values())
 
     def _prune(self, node: _Node) -> None:
-        for key, child in list(node.children.items()):
-            self._prune(child)
-            if not child.tenants and not child.children:
-                del node.children[key]
+        """Drop every subtree no worker holds (iteratively: a long conversation makes a deep tree)."""
+        stack = [node]
+        while stack:
+            parent = stack.pop()
+            for key, child in list(parent.children.items()):
+                if not child.tenants:  # prefix-closed: nobody holds anything below it either
+                    del parent.children[key]
+                else:
+                    stack.append(child)
 
 
 def _common(segment: str, text: str, at: int) -> int:
