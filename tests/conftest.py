@@ -32,6 +32,26 @@ def smollm2_path() -> Path:
     return resolve_model(None).path
 
 
+def post_json(url: str, body: dict, timeout: float = 120) -> dict:
+    """POST a JSON body, the JSON answer (urllib.error.HTTPError on a 4xx/5xx)."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.load(resp)
+
+
+def get_body(url: str, timeout: float = 30):
+    """GET: the JSON answer, or the text when it is not JSON (/metrics)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        body = resp.read().decode()
+    return json.loads(body) if body.startswith("{") else body
+
+
 def save_random(cfg, tok, out: Path, seed: int) -> Path:
     """A random checkpoint of ``cfg`` with ``tok``'s tokenizer at ``out``; biases drawn too (from_config zeroes
     them, and a zero bias tests nothing)."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import urllib.error
-import urllib.request
 
 import pytest
 
+from conftest import get_body, post_json
 from radixserve import Engine
 from radixserve.server_process import ServerProcess
 
@@ -18,23 +18,13 @@ PROMPTS = [f"Group {g}: you are assistant {g}, follow rule {g} and answer briefl
            f"Question {q}?" for q in range(4) for g in range(3)]  # 3 groups interleaved: round-robin splits them
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return json.load(resp)
-
-
-def _get(url: str):
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        body = resp.read().decode()
-    return json.loads(body) if body.startswith("{") else body
 
 
 def _serve(path, *flags: str):
     """A server's greedy tokens for PROMPTS (one at a time), its /cache/stats, and the server (still up)."""
     server = ServerProcess("--model-path", str(path), "--dtype", "float32", "--max-total-tokens", "4096", *flags)
-    outs = [_post(server.url + "/generate", {"text": p, "sampling_params": GREEDY})["output_ids"] for p in PROMPTS]
-    return outs, _get(server.url + "/cache/stats"), server
+    outs = [post_json(server.url + "/generate", {"text": p, "sampling_params": GREEDY})["output_ids"] for p in PROMPTS]
+    return outs, get_body(server.url + "/cache/stats"), server
 
 
 def test_replicas_serve_one_replicas_tokens_and_cache_aware_keeps_groups_together(tiny_models):
@@ -54,23 +44,24 @@ def test_replicas_serve_one_replicas_tokens_and_cache_aware_keeps_groups_togethe
         assert one_stats["totals"]["cached_tokens"] - 8 <= cached <= one_stats["totals"]["cached_tokens"]
         assert cached > rr_stats["total"]["totals"]["cached_tokens"], "round-robin splits the groups"
 
-        switched = _post(server.url + "/policies", {"eviction": "lfu", "replica": 1})
+        switched = post_json(server.url + "/policies", {"eviction": "lfu", "replica": 1})
         assert switched["replicas"]["1"]["eviction"]["current"] == "lfu"
-        now = _get(server.url + "/policies")
+        now = get_body(server.url + "/policies")
         assert {i: r["eviction"]["current"] for i, r in now["replicas"].items()} == {"0": "lru", "1": "lfu"}
-        _post(server.url + "/policies", {"schedule": "lpm"})  # no replica: all of them
-        assert [r["schedule"]["current"] for r in _get(server.url + "/policies")["replicas"].values()] == ["lpm"] * 2
-        flushed = _post(server.url + "/flush_cache", {})
+        post_json(server.url + "/policies", {"schedule": "lpm"})  # no replica: all of them
+        replicas = get_body(server.url + "/policies")["replicas"].values()
+        assert [r["schedule"]["current"] for r in replicas] == ["lpm"] * 2
+        flushed = post_json(server.url + "/flush_cache", {})
         assert flushed["tokens_freed"] == sum(r["tokens_freed"] for r in flushed["replicas"].values()) > 0
-        assert _get(server.url + "/get_server_info")["status"]["eviction"] == "mixed"
+        assert get_body(server.url + "/get_server_info")["status"]["eviction"] == "mixed"
         with pytest.raises(urllib.error.HTTPError) as bad:
-            _post(server.url + "/policies", {"eviction": "lfu", "replica": 2})
+            post_json(server.url + "/policies", {"eviction": "lfu", "replica": 2})
         assert bad.value.code == 400 and json.load(bad.value)["error"]["param"] == "replica"
 
-        info = _get(server.url + "/get_server_info")
+        info = get_body(server.url + "/get_server_info")
         assert [s["replica"] for s in info["replica_status"]] == [0, 1]
         assert {"scheduler.0", "scheduler.1", "runner.0", "runner.1"} <= set(info["actors"])
-        metrics = _get(server.url + "/metrics")
+        metrics = get_body(server.url + "/metrics")
         assert 'radixserve_replica_kv_pool_usage{replica="1"}' in metrics
     finally:
         server.stop()

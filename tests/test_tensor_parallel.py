@@ -4,18 +4,16 @@ split their KV heads, replicate them (tp > KV heads), pad their vocabulary and c
 that dies ends every node within seconds; a tp that cannot split the model is refused before anything starts."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-from conftest import save_random
+from conftest import get_body, post_json, save_random
 from radixserve import Engine
 from radixserve.server_process import ServerProcess
 
@@ -79,20 +77,10 @@ def test_a_tp_that_cannot_split_the_model_is_refused(tiny_models, smollm2_path):
         Engine(str(tiny_models["llama"]), tp=2, decode_kernel="native")
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.load(resp)
-
-
-def _get(url: str):
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        body = resp.read().decode()
-    return json.loads(body) if body.startswith("{") else body
 
 
 def _generate(url: str) -> list[list[int]]:
-    return [_post(url + "/generate", {"text": p, "sampling_params": GREEDY})["output_ids"] for p in PROMPTS]
+    return [post_json(url + "/generate", {"text": p, "sampling_params": GREEDY})["output_ids"] for p in PROMPTS]
 
 
 def _ends(proc: subprocess.Popen, within_s: float) -> int:
@@ -111,12 +99,12 @@ def test_smollm2_over_three_ranks_serves_what_one_rank_computes(smollm2_path):
     server = ServerProcess("--tp", "3", "--dtype", "float32", "--max-total-tokens", "4096")
     try:
         assert _generate(server.url) == expected
-        info = _get(server.url + "/get_server_info")
+        info = get_body(server.url + "/get_server_info")
         ranks = info["ranks"]["0"]
         assert [r["rank"] for r in ranks] == [0, 1, 2] and all(r["kv_heads"] == 1 for r in ranks)
         assert info["actors"]["runner"]["decode_kernel"] == "eager"
-        assert _get(server.url + "/health") == {"status": "ok", "tp_ranks": 3}
-        assert 'radixserve_tp_ranks{node="0"} 3.0' in _get(server.url + "/metrics")
+        assert get_body(server.url + "/health") == {"status": "ok", "tp_ranks": 3}
+        assert 'radixserve_tp_ranks{node="0"} 3.0' in get_body(server.url + "/metrics")
         os.kill(ranks[2]["pid"], signal.SIGKILL)
         assert _ends(server.proc, 20) != 0
         assert "the runner2 actor exited" in server.output()
@@ -158,7 +146,7 @@ def test_two_nodes_on_one_machine(victim_node, tiny_models, tmp_path):
         node0 = ServerProcess(*flags, "--node-rank", "0")
         try:
             assert _generate(node0.url) == expected
-            ranks = _get(node0.url + "/get_server_info")["ranks"]
+            ranks = get_body(node0.url + "/get_server_info")["ranks"]
             assert {node: [r["rank"] for r in rs] for node, rs in ranks.items()} == {"0": [0], "1": [1]}
             killed = time.monotonic()
             os.kill(ranks[str(victim_node)][0]["pid"], signal.SIGKILL)

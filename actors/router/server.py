@@ -39,7 +39,8 @@ def route_text(path: str, body: Any) -> str:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):
                 content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-            parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}:{content if isinstance(content, str) else ''}\n")
+            role = m.get("role", "") if isinstance(m, dict) else ""
+            parts.append(f"{role}:{content if isinstance(content, str) else ''}\n")
         return "".join(parts)
     value = body.get("prompt") if path == "/v1/completions" else body.get("text", body.get("input_ids"))
     if isinstance(value, list) and value and not isinstance(value[0], int):
@@ -123,9 +124,17 @@ class Router:
         except ValueError:
             body = None  # the worker answers the malformed body with its own 400
         text = route_text(request.path, body)
+        return await self._serve(request, data, lambda workers: self.policy.choose(text, workers))
+
+    async def proxy_any(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, await request.read(), lambda workers: workers[0])
+
+    async def _serve(self, request: web.Request, data: bytes, pick) -> web.StreamResponse:
+        """The request on the worker ``pick`` chooses among the healthy ones not tried yet; on another while one
+        fails before answering or answers 502/503/504 (each worker once; the last such answer is passed on)."""
         tried: set[str] = set()
         while True:
-            worker = self.policy.choose(text, self._healthy(tried))
+            worker = pick(self._healthy(tried))
             tried.add(worker.url)
             self.routed[worker.url] += 1
             worker.load += 1
@@ -135,23 +144,10 @@ class Router:
                 self._take_out(worker, str(exc))
                 log.warning("retrying a request that %s failed before answering", worker.url)
             except _Busy as busy:  # draining, overloaded or broken there: the next worker, if there is one
-                if not [w for w in self.workers if w.healthy and w.url not in tried]:
+                if not any(w.healthy and w.url not in tried for w in self.workers):
                     return busy.response
             finally:
                 worker.load -= 1
-
-    async def proxy_any(self, request: web.Request) -> web.StreamResponse:
-        tried: set[str] = set()
-        while True:
-            worker = self._healthy(tried)[0]
-            tried.add(worker.url)
-            try:
-                return await self._forward(request, worker, await request.read())
-            except _NothingSent as exc:
-                self._take_out(worker, str(exc))
-            except _Busy as busy:
-                if not [w for w in self.workers if w.healthy and w.url not in tried]:
-                    return busy.response
 
     async def _forward(self, request: web.Request, worker: Worker, data: bytes) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
