@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
 from radixserve.cache.manager import CacheManager
 from radixserve.policies.base import EvictionPolicy, SchedulePolicy
@@ -75,6 +76,12 @@ class PolicyLab:
             return self.order(window, attempt + 1)
 
     # -- statistics --------------------------------------------------------------------------------------
+    def finished(self, req: Req) -> None:
+        """An admitted request ended: it counts in the epoch in charge now."""
+        ttft = req.first_token_at - req.arrival if req.first_token_at is not None else None
+        wait = req.admitted_at - req.arrival if req.admitted_at is not None else None
+        self.epochs[-1].finished(len(req.prompt_ids), req.cached_tokens or 0, ttft, wait)
+
     def new_epoch(self) -> None:
         now = self.clock()
         if self.epochs:

@@ -21,6 +21,7 @@ class Req:
     top_logprobs: int | None = None  # None: no logprobs; else how many alternatives come with each token's
     priority: int = 0  # larger = more important (priority schedule / eviction policies)
     logprob_start: int | None = None  # with top_logprobs: the prompt's logprobs from this position on
+    admitted_at: float | None = None  # when it first left the queue (its queue wait ends; kept across retraction)
     first_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)  # one per output token, when asked for

@@ -293,6 +293,10 @@ class Scheduler:
             self._blocked = (state, room_tokens)
             return None
         self._blocked = None
+        now = self.clock()
+        for req in adder.reqs:
+            if req.admitted_at is None:
+                req.admitted_at = now
         admitted = {id(r) for r in adder.reqs}
         head = self.waiting[:POLICY_WINDOW]  # everything admitted came from the window
         self.waiting = [r for r in head if id(r) not in admitted] + self.waiting[POLICY_WINDOW:]
@@ -381,8 +385,7 @@ class Scheduler:
             self.live.pop(req.rid, None)
             if req.cached_tokens is not None:  # it was admitted: it reused (or not) and computed
                 self.stats.cached_tokens += req.cached_tokens
-                ttft = req.first_token_at - req.arrival if req.first_token_at is not None else None
-                self.epochs[-1].finished(len(req.prompt_ids), req.cached_tokens, ttft)
+                self.lab.finished(req)
 
     # -- invariants --------------------------------------------------------------------------------------
     def check(self) -> None:

@@ -2,6 +2,7 @@
 can be compared on the same server (GET /cache/stats)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,26 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+SLOWEST_SHARE = 0.05  # starvation: the share of all TTFT that the slowest 5% of requests account for
+
+
+def latency_summary(ttft: list[float], cold_ttft: list[float], waits: list[float]) -> dict[str, Any]:
+    """TTFT percentiles plus what shows starvation: cold requests' (no cache hit) TTFT p99, the longest queue
+    wait (arrival to admission), and the share of the total TTFT spent by the slowest 5% of requests (1.0: one
+    request carries it all; 0.05: all equal). None where there is nothing to measure."""
+    total = sum(ttft)
+    worst = sorted(ttft, reverse=True)[:max(1, math.ceil(SLOWEST_SHARE * len(ttft)))] if ttft else []
+    return {
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "ttft_mean_s": total / len(ttft) if ttft else None,
+        "cold_requests": len(cold_ttft),
+        "cold_ttft_p99_s": percentile(cold_ttft, 99),
+        "max_queue_wait_s": max(waits) if waits else None,
+        "slowest5_ttft_share": sum(worst) / total if total > 0 else None,
+    }
+
+
 @dataclass
 class PolicyEpoch:
     """What happened while one (eviction, schedule) pair was in charge. Requests count in the epoch they
@@ -46,13 +67,21 @@ class PolicyEpoch:
     cached_tokens: int = 0
     generated_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
+    cold_ttft: list[float] = field(default_factory=list)  # of requests that reused nothing
+    waits: list[float] = field(default_factory=list)  # arrival to admission
 
-    def finished(self, prompt_tokens: int, cached_tokens: int, ttft: float | None) -> None:
+    def finished(self, prompt_tokens: int, cached_tokens: int, ttft: float | None, wait: float | None) -> None:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
-        if ttft is not None and len(self.ttft) < MAX_TTFT_SAMPLES:
+        if len(self.ttft) >= MAX_TTFT_SAMPLES:
+            return
+        if ttft is not None:
             self.ttft.append(ttft)
+            if cached_tokens == 0:
+                self.cold_ttft.append(ttft)
+        if wait is not None:
+            self.waits.append(wait)
 
     def close(self, now: float, evicted_total: int) -> None:
         self.ended, self.evicted_at_end = now, evicted_total
@@ -74,6 +103,5 @@ class PolicyEpoch:
             "evicted_tokens": evicted,
             "generated_tokens": self.generated_tokens,
             "throughput_tokens_per_s": self.generated_tokens / duration,
-            "ttft_p50_s": percentile(self.ttft, 50),
-            "ttft_p99_s": percentile(self.ttft, 99),
+            **latency_summary(self.ttft, self.cold_ttft, self.waits),
         }
