@@ -94,6 +94,12 @@ class SchedulePolicy(Protocol):
     shared with one already admitted in the same step, so that the prefix is computed once and then reused. If
     ``order`` raises or returns something else than a permutation, the scheduler falls back to the previous
     policy (FCFS at worst) and reports the error.
+
+    Optional: ``preempt: bool`` (absent = False). True: when the first request of the order does not fit the KV
+    pool, the scheduler retracts running requests of strictly lower priority (lowest first, then fewest
+    generated tokens) until it fits or none is left; a retracted request keeps its output so far and its
+    arrival, and its KV goes to the cache. ``max_preemptions: int`` (absent = 2) bounds how often one request
+    may be retracted so; after that it is never a victim again, so it finishes.
     """
 
     name: str

@@ -1,6 +1,8 @@
 """Built-in eviction policies. Smaller key = evicted first (see base.EvictionPolicy)."""
 from __future__ import annotations
 
+import math
+
 from radixserve.policies.base import NodeView
 
 
@@ -94,3 +96,25 @@ class GDSF:
 
     def on_evict(self, node: NodeView, key: float, now: float) -> None:
         self.clock = max(self.clock, key)
+
+
+class HitDensity:
+    """Size-aware with decay: the segment whose hits per cached token are lowest goes first, where hits halve
+    every ``half_life_s`` seconds without use. A short, often-hit prefix (a system prompt) outlives a long one
+    used once; a once-hot segment nobody uses any more decays and goes.
+
+    density(t) = (hit_count + 1) * 2 ** (-(t - last_access) / half_life_s) / num_tokens   (+1: the insert)
+
+    A key is computed once (when the node becomes an evictable leaf or its metadata changes) and compared with
+    keys computed at other times, so it must not depend on ``now``. In log space the decay term splits:
+    log2 density(t) = log2((hits + 1) / num_tokens) + last_access / half_life_s - t / half_life_s, and the last
+    term is the same for every node at any one t. So the key drops it: comparing keys is comparing densities at
+    any common moment, whenever each key was computed. The node keeps only a count of its hits, so they decay
+    as if all had happened at its last access.
+    """
+
+    name = "hit-density"
+    half_life_s = 60.0
+
+    def key(self, node: NodeView, now: float) -> float:
+        return math.log2((node.hit_count + 1) / max(node.num_tokens, 1)) + node.last_access / self.half_life_s

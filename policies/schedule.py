@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from radixserve.policies.base import R, CacheView
 
@@ -12,6 +13,18 @@ MAX_MATCHED = 256  # prefix matching is O(prompt) per request: the oldest this m
 
 def by_arrival(waiting: list[R]) -> list[R]:
     return sorted(waiting, key=lambda r: r.arrival)
+
+
+def uncached(req: R, cache: CacheView) -> int:
+    """Tokens ``req`` would compute if admitted now: what the cache does not hold (at least one, always computed)."""
+    return max(1, len(req.fill_ids) - cache.match_len(req.fill_key))
+
+
+def oldest_matched(waiting: list[R], key: Callable[[R], Any]) -> list[R]:
+    """The oldest MAX_MATCHED of ``waiting`` sorted by ``key`` (a key that matches the cache), the rest after
+    them by arrival."""
+    queue = by_arrival(waiting)
+    return sorted(queue[:MAX_MATCHED], key=key) + queue[MAX_MATCHED:]
 
 
 class FCFS:
@@ -33,9 +46,7 @@ class LongestPrefixMatch:
     cache_aware = True
 
     def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
-        queue = by_arrival(waiting)
-        head, tail = queue[:MAX_MATCHED], queue[MAX_MATCHED:]
-        return sorted(head, key=lambda r: (-cache.match_len(r.fill_key), r.arrival)) + tail
+        return oldest_matched(waiting, lambda r: (-cache.match_len(r.fill_key), r.arrival))
 
 
 class LPMAging:
@@ -116,6 +127,10 @@ class Random:
         return out
 
 
+def by_priority(waiting: list[R]) -> list[R]:
+    return sorted(waiting, key=lambda r: (-r.priority, r.arrival))
+
+
 class Priority:
     """Highest request priority first, first come first served among equals."""
 
@@ -123,4 +138,57 @@ class Priority:
     cache_aware = False
 
     def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
-        return sorted(waiting, key=lambda r: (-r.priority, r.arrival))
+        return by_priority(waiting)
+
+
+class PriorityPreempt:
+    """``priority``, and an arrival that does not fit the KV pool takes the room of running requests of strictly
+    lower priority: the scheduler retracts them (lowest priority first, then fewest generated tokens; their KV
+    stays cached, they rejoin the queue where they arrived and resume with the same output). A request is
+    retracted so at most ``max_preemptions`` times; after that preemption never takes it out again, so it cannot
+    keep a request from finishing (in the queue it waits behind higher priorities, as with ``priority``). It
+    frees KV room only, not places under --max-running-requests (then the arrival waits, as with ``priority``)."""
+
+    name = "priority-preempt"
+    cache_aware = False
+    preempt = True
+    max_preemptions = 2
+
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        return by_priority(waiting)
+
+
+class ShortestExtend:
+    """Fewest uncached tokens first (what it needs computed minus the cached prefix: the cheapest prefill first),
+    ties by arrival.
+    Of a very long queue, the oldest MAX_MATCHED are ordered so, the rest follow by arrival. No bound on waiting:
+    a long uncached prompt can wait while shorter ones keep coming (see sjf-aging)."""
+
+    name = "shortest-extend"
+    cache_aware = True
+
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        return oldest_matched(waiting, lambda r: (uncached(r, cache), r.arrival))
+
+
+class SJFAging:
+    """Shortest job first, with aging. A job's size is the tokens it costs: its uncached tokens (see
+    shortest-extend) plus its output budget ``max_new_tokens``. Waiting earns credit: the effective size is
+    ``size - aging_tokens_per_s * wait``, smallest first, ties by arrival.
+
+    Every request's credit grows at the same rate, so the order is that of ``size / aging_tokens_per_s +
+    arrival``. The bound: a request of size S (at most its prompt plus its budget) goes ahead of every request
+    that arrived more than (S - 1) / aging_tokens_per_s seconds after it (a size is at least 1), so only the
+    requests that arrived before that moment can delay it: at the default, 4 s of arrivals for a 4000-token
+    job. Of a very long queue, the oldest MAX_MATCHED are ordered so, the rest follow by arrival."""
+
+    name = "sjf-aging"
+    cache_aware = True
+    aging_tokens_per_s = 1000.0
+
+    def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
+        return oldest_matched(waiting, lambda r: (self.effective_size(r, cache, now), r.arrival))
+
+    def effective_size(self, req: R, cache: CacheView, now: float) -> float:
+        size = uncached(req, cache) + req.max_new_tokens
+        return size - self.aging_tokens_per_s * (now - req.arrival)

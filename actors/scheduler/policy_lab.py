@@ -102,6 +102,6 @@ class PolicyLab:
                        "requests_failed": stats.failed, "queue_timeouts": stats.queue_timeouts,
                        "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
                        "generated_tokens": stats.generated_tokens, "evicted_tokens": cache.evicted_tokens,
-                       "retractions": stats.retractions, "steps": stats.steps},
+                       "retractions": stats.retractions, "preemptions": stats.preemptions, "steps": stats.steps},
             "epochs": [e.to_dict(now, cache.evicted_tokens) for e in self.epochs],
         }

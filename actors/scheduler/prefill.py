@@ -30,6 +30,7 @@ class PrefillAdder:
         self.reqs: list[Req] = []
         self.starts: list[int] = []  # kv_len of each admitted request before this step
         self.partial: Req | None = None  # the one request that only got part of its prompt (chunked prefill)
+        self.short_of_kv = False  # the last add() failed for want of KV room, not of this step's token budget
 
     def future_tokens(self, req: Req) -> float:
         return future_tokens(req, self.clip, self.ratio)
@@ -40,6 +41,7 @@ class PrefillAdder:
         True: admitted (maybe partially). False: it does not fit; the caller stops admitting so that the order
         the schedule policy chose is kept (no small request overtaking a blocked large one forever).
         """
+        self.short_of_kv = False
         if self.partial is not None or self.tokens_left <= 0:
             return False
         fresh = req.kv is None
@@ -56,6 +58,7 @@ class PrefillAdder:
             return self._reject(req, fresh)
         reserve = self.future_tokens(req) if n == want else 0.0  # 0 for a prefill-only request
         if self.cache.available - self.reserved < n + reserve:
+            self.short_of_kv = True
             return self._reject(req, fresh)
         start = req.kv_len
         require(self.cache.extend(req.kv, n), "the pool had room a moment ago")
@@ -70,6 +73,10 @@ class PrefillAdder:
         if n < want:
             self.partial = req
         return True
+
+    def unreserve(self, req: Req) -> None:
+        """``req`` left the running set (preempted): the slots kept for its future decode tokens are free again."""
+        self.reserved -= self.future_tokens(req)
 
     def _reject(self, req: Req, fresh: bool) -> bool:
         if fresh:  # give back the prefix lock it took; a continuing chunked request keeps what it holds

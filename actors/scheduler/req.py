@@ -32,6 +32,7 @@ class Req:
     finish_reason: FinishReason | None = None
     grammar_started: bool = False  # the runner holds a matcher for this request's constraint
     table_row: int | None = None  # the runner's row of this request's slot indices, while it holds KV
+    preemptions: int = 0  # times it was retracted for a higher-priority arrival (priority-preempt)
     _key: array = field(init=False, repr=False)  # fill_ids packed (fill_key), extended as the output grows
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError
 from radixserve.actors.scheduler.plan import Step, build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
+from radixserve.actors.scheduler.preempt import pick_victim
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.runner_state import RunnerState
 from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
@@ -282,10 +283,10 @@ class Scheduler:
         room = cfg.max_running_requests - len(self.running) - (self.chunked is not None)
         if self.waiting and room > 0:
             dedup = InBatchDedup(self.cache) if getattr(self.policy, "cache_aware", False) and self.cache.tree else None
-            for req in self.lab.order(self.waiting[:POLICY_WINDOW])[:room]:
+            for i, req in enumerate(self.lab.order(self.waiting[:POLICY_WINDOW])[:room]):
                 if dedup is not None and dedup.defer(req, bool(adder.reqs)):
                     continue  # shares a prefix that this step computes for another request: reuse it next step
-                if not adder.add(req):
+                if not adder.add(req) and not (i == 0 and self._preempt_for(req, adder)):
                     break
                 if dedup is not None:
                     dedup.admitted(req)
@@ -364,12 +365,28 @@ class Scheduler:
         if not candidates:
             return False
         victim = min(candidates, key=lambda r: (r is not self.chunked, len(r.output_ids), -r.seq_len))
-        self._release(victim)
-        bisect.insort(self.waiting, victim, key=lambda r: r.arrival)  # back in line where it arrived
-        self._queue_version += 1
+        self._requeue(victim)
         self.stats.retractions += 1
         self.new_token_ratio = self.config.init_new_token_ratio
         return True
+
+    def _preempt_for(self, req: Req, adder: PrefillAdder) -> bool:
+        """A preempting policy's first choice ``req`` found no KV room: retract lower-priority running requests
+        (preempt.pick_victim) until it is admitted (True) or none may go (False)."""
+        while adder.short_of_kv and (victim := pick_victim(self.policy, self.running, req)) is not None:
+            adder.unreserve(victim)
+            victim.preemptions += 1
+            self.stats.preemptions += 1
+            self._requeue(victim)  # new_token_ratio stays: the estimate was right, a more important request came
+            if adder.add(req):
+                return True
+        return False
+
+    def _requeue(self, req: Req) -> None:
+        """Retract ``req``: its KV goes to the tree, its output is kept, it rejoins the queue where it arrived."""
+        self._release(req)
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+        self._queue_version += 1
 
     def _release(self, req: Req) -> None:
         """Drop ``req`` from the running set and close its KV (computed tokens go to the tree)."""

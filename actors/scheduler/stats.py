@@ -18,6 +18,7 @@ class SchedulerStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     retractions: int = 0
+    preemptions: int = 0  # retractions for a higher-priority arrival (a preempting schedule policy)
     steps: int = 0
     failed: int = 0  # requests that ended with an error (timed out in the queue, broke on our side)
     queue_timeouts: int = 0

@@ -1,0 +1,22 @@
+"""Priority preemption, for schedule policies with ``preempt = True`` (see policies.base.SchedulePolicy): which
+running request gives up its KV so that a more important arrival fits. The scheduler retracts the victim the way
+it retracts when decoding runs out of room: its KV goes to the tree, it rejoins the queue where it arrived, and
+it resumes with the same output."""
+from __future__ import annotations
+
+from radixserve.actors.scheduler.req import Req
+from radixserve.policies.base import SchedulePolicy
+
+DEFAULT_MAX_PREEMPTIONS = 2  # a preempting policy's ``max_preemptions``, when it has none
+
+
+def pick_victim(policy: SchedulePolicy, running: list[Req], req: Req) -> Req | None:
+    """The running request to retract so that ``req`` fits: one of strictly lower priority, retracted so fewer
+    than the policy's ``max_preemptions`` times (after that it runs to the end, so nothing starves); the lowest
+    priority first, then the fewest generated tokens (it loses least), then the longest (it frees most). None if
+    the policy does not preempt or no running request may be retracted for ``req``."""
+    if not getattr(policy, "preempt", False):
+        return None
+    limit = getattr(policy, "max_preemptions", DEFAULT_MAX_PREEMPTIONS)
+    candidates = [r for r in running if r.priority < req.priority and r.preemptions < limit]
+    return min(candidates, key=lambda r: (r.priority, len(r.output_ids), -r.seq_len), default=None)
