@@ -8,11 +8,11 @@ SGLANG_FRONTEND := $(VENV)/sglang-frontend
 SGLANG_PINS := sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 ipython==9.18.1 traitlets==5.16.1
 PYTHON ?= python3
 
-.PHONY: install serve test bench clean
+.PHONY: install browser serve test bench clean
 
 # `make bench ARGS=--tp 2`, unquoted: make takes the "2" for a goal. Words after the goals above go to ARGS instead
 # (and, as goals, do nothing), so that reads as `make bench ARGS="--tp 2"`.
-PASSED := $(filter-out install serve test bench clean,$(MAKECMDGOALS))
+PASSED := $(filter-out install browser serve test bench clean,$(MAKECMDGOALS))
 ifneq ($(PASSED),)
 override ARGS += $(PASSED)
 $(PASSED):
@@ -33,10 +33,23 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The dashboard's browser test drives Debian's chromium through its chromedriver (nothing downloads a browser).
+# Installed when missing and we are root (CI: a clean Debian clone, as root); otherwise say what to run.
+browser:
+	@if [ -x /usr/bin/chromedriver ] && [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			chromium chromium-driver; \
+	else \
+		echo "NOTE: /usr/bin/chromedriver is missing and this is not root, so it is not installed: run" \
+		     "'sudo apt-get install chromium chromium-driver' for tests/test_dashboard.py's browser test" \
+		     "(it skips without them, and fails when CI=true)."; \
+	fi
+
 serve: install
 	$(PY) -m radixserve serve $(ARGS)
 
-test: install
+test: install browser
 	$(PY) -m pytest -q tests
 
 bench: install

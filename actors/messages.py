@@ -183,10 +183,11 @@ class TextBatch(msgspec.Struct, tag="text"):
 
 # -- api <-> scheduler (control) ----------------------------------------------------------------------------
 class ControlReq(msgspec.Struct, tag="control"):
-    """Between two steps: flush the cache, read or switch the policies, read the per-policy statistics."""
+    """Between two steps: flush the cache, read or switch the policies, read the per-policy statistics, read
+    what the dashboard shows of the tree and the queues."""
 
     reply_id: int
-    op: Literal["flush_cache", "get_policies", "set_policies", "cache_stats"]
+    op: Literal["flush_cache", "get_policies", "set_policies", "cache_stats", "dashboard"]
     eviction: str | None = None
     schedule: str | None = None
 

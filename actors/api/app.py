@@ -11,13 +11,14 @@ import hmac
 
 from aiohttp import web
 
+from radixserve.actors.api import dashboard
 from radixserve.actors.api.errors import APIError, error_middleware
 from radixserve.actors.api.native import NativeRoutes
 from radixserve.actors.api.openai import OpenAIRoutes
 from radixserve.actors.api.server import SERVER, ApiServer
 
 MAX_BODY_BYTES = 8 * 2**20
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", *dashboard.OPEN_PATHS}  # the dashboard's page and files hold no data
 
 
 def auth_middleware(api_key: str):
@@ -54,4 +55,5 @@ def make_app(server: ApiServer, api_key: str | None = None, max_body: int = MAX_
     app[SERVER] = server
     OpenAIRoutes(server).add_to(app)
     NativeRoutes(server).add_to(app)
+    dashboard.DashboardRoutes(server).add_to(app)
     return app

@@ -14,6 +14,7 @@ from radixserve.actors.messages import (
     AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardResult, RequestError, SchedulerInbox, Status,
     TokenBatch, array,
 )
+from radixserve.actors.scheduler.inspect import dashboard_view
 from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler import build_scheduler
 from radixserve.actors.scheduler.scheduler import Scheduler
@@ -118,6 +119,8 @@ def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
             return ControlReply(msg.reply_id, {"tokens_freed": sched.cache.flush()})
         if msg.op == "cache_stats":
             return ControlReply(msg.reply_id, sched.cache_stats())
+        if msg.op == "dashboard":
+            return ControlReply(msg.reply_id, dashboard_view(sched))
         if msg.op == "set_policies":
             sched.switch_policies(msg.eviction, msg.schedule)
         return ControlReply(msg.reply_id, sched.policies_info())
