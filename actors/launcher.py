@@ -32,6 +32,7 @@ ACTOR_MODULES = {
     "tokenizer": "radixserve.actors.tokenizer_actor",
     "scheduler": "radixserve.actors.scheduler.actor",
     "runner": "radixserve.actors.runner_actor",
+    "shadow": "radixserve.actors.shadow_actor",
 }
 READY_TIMEOUT_S = 600.0
 NODE_SILENCE_S = 10.0  # a node not heard from for this long (or --dist-timeout, if shorter) is taken for dead
@@ -63,6 +64,8 @@ class Launcher:
         core = core and args.node_rank == 0
         if core:
             self.children["tokenizer"] = ("tokenizer", None, None)
+        if core and args.shadow_policies:
+            self.children["shadow"] = ("shadow", None, None)
         replicas = [None] if args.dp == 1 else list(range(args.dp))
         for replica in replicas:
             if core:

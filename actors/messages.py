@@ -4,6 +4,7 @@
                    api <--TextBatch/RequestError-- tokenizer <--TokenBatch/--------- scheduler <-ForwardResult- runner
                                                                     RequestError
                    api <---------------------------Status/ControlReply--ControlReq--> scheduler
+                   api <--ShadowReport-- shadow <--ShadowFeed-- scheduler <--PolicySwitch-- shadow   (--shadow-policies)
     every actor --Ready/Failed--> launcher; node k's launcher <--NodeReady/NodeDown/Heartbeat--> node 0's
 
 Token and slot arrays are numpy arrays at both ends (``int32`` unless noted) and raw bytes on the wire: a msgpack
@@ -221,6 +222,54 @@ class Status(msgspec.Struct, tag="status"):
     replica: int = 0  # which data-parallel replica's scheduler (--dp)
 
 
+# -- scheduler -> shadow (the live trace, --shadow-policies) ---------------------------------------------------
+class ShadowArrival(msgspec.Struct, array_like=True):
+    rid: str
+    at: float  # the scheduler's clock when it was queued
+    prompt: np.ndarray
+    max_new_tokens: int
+    priority: int = 0
+
+
+class ShadowEnd(msgspec.Struct, array_like=True):
+    rid: str
+    output: np.ndarray  # every token it generated (none if it ended before its first)
+
+
+class StepTiming(msgspec.Struct, array_like=True):
+    mode: Literal["extend", "decode"]
+    tokens: int  # new tokens computed
+    batch: int
+    seconds: float  # plan sent to result back
+
+
+class ShadowFeed(msgspec.Struct, tag="shadow_feed"):
+    """What happened since the last feed: requests queued, requests ended, steps timed; and the live state."""
+
+    now: float
+    eviction: str
+    schedule: str
+    capacity: int
+    arrivals: list[ShadowArrival]
+    ends: list[ShadowEnd]
+    steps: list[StepTiming]
+
+
+# -- shadow -> scheduler, shadow -> api ---------------------------------------------------------------------
+class PolicySwitch(msgspec.Struct, tag="policy_switch"):
+    """--auto-policy: switch to these policies; ``reason`` is the evidence, logged and kept with the epoch."""
+
+    eviction: str
+    schedule: str
+    reason: str
+
+
+class ShadowReport(msgspec.Struct, tag="shadow_report"):
+    """Every pair's windowed statistics, the leader, the switches (GET /policies/shadow shows ``body``)."""
+
+    body: dict[str, Any]
+
+
 # -- scheduler -> runner ------------------------------------------------------------------------------------
 class SamplingBatch(msgspec.Struct, frozen=True):
     """How to pick the next token of each request that samples this step (the plan's ``sample`` rows, in batch
@@ -330,9 +379,10 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
 
 
 # What each inbox accepts (decoders are typed by these unions).
-ApiInbox = TextBatch | RequestError | Status | ControlReply
+ApiInbox = TextBatch | RequestError | Status | ControlReply | ShadowReport
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | RequestError
-SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq
+SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq | PolicySwitch
+ShadowInbox = ShadowFeed
 RunnerInbox = ForwardPlan
 LauncherInbox = Ready | Failed
 NodeInbox = NodeReady | NodeDown | Heartbeat

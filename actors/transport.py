@@ -99,6 +99,14 @@ class Channel:
     async def send(self, peer: ActorName, msg: msgspec.Struct) -> None:
         await self.outboxes[peer].send(self._encoder.encode(msg), copy=False)
 
+    async def try_send(self, peer: ActorName, msg: msgspec.Struct) -> bool:
+        """Send unless ``peer``'s queue is full (its high-water mark): False then, and nothing was sent."""
+        try:
+            await self.outboxes[peer].send(self._encoder.encode(msg), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
     def close(self) -> None:
         for sock in (self.inbox, *self.outboxes.values()):
             sock.close()

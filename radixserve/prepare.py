@@ -53,6 +53,10 @@ def prepare(args: ServerArgs) -> Prepared:
         from radixserve.actors.router.policies import load_routing_policy
 
         load_routing_policy(args.routing_policy)
+    if args.shadow_policies:
+        from radixserve.compare.shadow import resolve_pairs
+
+        resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
     cfg = SchedulerConfig(
         context_length=args.context_length,
         vocab_size=model.vocab_size,

@@ -28,6 +28,13 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     eviction_policy: str = "lru"
     disable_radix_cache: bool = False
+    shadow_policies: str | None = None  # "all" or names: every pair replayed on the live trace (a shadow process)
+    shadow_window: float = 60.0  # seconds of trace the shadow statistics cover
+    auto_policy: bool = False  # switch to the shadow leader (hysteresis)
+    auto_policy_metric: str = "ttft_mean_s"
+    auto_policy_margin: float = 0.1
+    auto_policy_hold: float = 10.0
+    auto_policy_cooldown: float = 30.0
     host: str = "127.0.0.1"
     port: int = 30000
     tp: int = 1  # tensor-parallel ranks (runner processes), over torch.distributed
@@ -96,6 +103,27 @@ class ServerArgs:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
         self._check_distributed()
+        self._check_shadow()
+
+    def _check_shadow(self) -> None:
+        from radixserve.compare.auto_policy import METRICS
+
+        if self.auto_policy and not self.shadow_policies:
+            raise ValueError("--auto-policy switches to the best shadow pair: give --shadow-policies all (or the "
+                             "policies to choose among)")
+        if self.auto_policy_metric not in METRICS:
+            raise ValueError(f"--auto-policy-metric {self.auto_policy_metric!r}: choose one of {', '.join(METRICS)}")
+        if not self.shadow_policies:
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--shadow-policies compares cache policies; with --disable-radix-cache there is no "
+                             "cache to compare them on")
+        if self.dp > 1:
+            raise ValueError("--shadow-policies shadows one scheduler; with --dp > 1 it is not implemented yet")
+        if not self.shadow_window > 0:
+            raise ValueError(f"--shadow-window {self.shadow_window} must be > 0 seconds")
+        if min(self.auto_policy_margin, self.auto_policy_hold, self.auto_policy_cooldown) < 0:
+            raise ValueError("--auto-policy-margin, --auto-policy-hold and --auto-policy-cooldown must be >= 0")
 
     def _check_distributed(self) -> None:
         if self.dp < 1:
@@ -233,6 +261,17 @@ HELP = {
     "schedule_policy": "order of the waiting queue (see `radixserve.policies`)",
     "eviction_policy": "which cached prefixes go first when the pool is full",
     "disable_radix_cache": "no prefix reuse: every request computes its whole prompt",
+    "shadow_policies": "replay the live traffic, in a low-priority process of its own, through every listed "
+                       "eviction x schedule pair: `all`, or names (eviction and schedule names are crossed, "
+                       "`lru:lpm` is one pair); GET /policies/shadow, /metrics radixserve_shadow_*",
+    "shadow_window": "seconds of traffic the shadow statistics cover (a sliding window)",
+    "auto_policy": "switch the live policies to the shadow leader once it beats the live pair's shadow by "
+                   "--auto-policy-margin for --auto-policy-hold seconds (at most once per --auto-policy-cooldown)",
+    "auto_policy_metric": "what the leader is best at: ttft_mean_s, ttft_p50_s, ttft_p99_s, cold_ttft_p99_s or "
+                          "hit_rate",
+    "auto_policy_margin": "how much better (relative) the leader must be, e.g. 0.1 = 10%",
+    "auto_policy_hold": "seconds of traffic the leader must stay ahead before a switch",
+    "auto_policy_cooldown": "seconds of traffic between two switches",
     "served_model_name": "the model name clients pass (default: from the file or folder name)",
     "host": "address to listen on",
     "port": "port to listen on",

@@ -49,6 +49,32 @@ class Metrics:
         self.policy_evicted = Gauge("radixserve_policy_evicted_tokens", "tokens evicted under the policies",
                                     labels, registry=r)
 
+    def shadow(self, report: dict) -> None:
+        """--shadow-policies: each shadow pair's windowed figures, labelled by pair."""
+        if not hasattr(self, "shadow_gauges"):
+            r, labels = self.registry, ["eviction", "schedule"]
+            self.shadow_gauges = {
+                key: Gauge(f"radixserve_shadow_{name}", what, labels, registry=r) for key, name, what in (
+                    ("hit_rate", "cache_hit_rate", "hit rate the pair would have had, over the shadow window"),
+                    ("evicted_tokens", "evicted_tokens", "tokens the pair would have evicted in the window"),
+                    ("requests", "requests", "requests the pair finished in the window"),
+                    ("ttft_p50_s", "ttft_p50_seconds", "the pair's estimated TTFT p50 in the window"),
+                    ("ttft_p99_s", "ttft_p99_seconds", "the pair's estimated TTFT p99 in the window"),
+                    ("cold_ttft_p99_s", "cold_ttft_p99_seconds", "estimated TTFT p99 of requests with no hit"),
+                    ("max_queue_wait_s", "max_queue_wait_seconds", "the longest estimated queue wait"),
+                    ("slowest5_ttft_share", "slowest5_ttft_share", "share of all TTFT spent by the slowest 5%"),
+                )}
+            self.shadow_lag = Gauge("radixserve_shadow_lag_seconds", "how far the shadow trails the live trace",
+                                    registry=r)
+            self.shadow_switches = Gauge("radixserve_auto_policy_switches", "switches made by --auto-policy",
+                                         registry=r)
+        for row in report.get("pairs", ()):
+            for key, gauge in self.shadow_gauges.items():
+                if row.get(key) is not None:
+                    gauge.labels(row["eviction"], row["schedule"]).set(row[key])
+        self.shadow_lag.set(report.get("lag_s", 0.0))
+        self.shadow_switches.set(len(report.get("switches", ())))
+
     def replica_status(self, s: Status) -> None:
         """One --dp replica's own numbers beside the totals."""
         if not hasattr(self, "replica_gauges"):

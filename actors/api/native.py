@@ -23,6 +23,7 @@ class NativeRoutes:
         r.add_post("/flush_cache", self.flush_cache)
         r.add_get("/policies", self.get_policies)
         r.add_post("/policies", self.set_policies)
+        r.add_get("/policies/shadow", self.shadow)
         r.add_get("/cache/stats", self.cache_stats)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/server_info", self.server_info)
@@ -78,7 +79,11 @@ class NativeRoutes:
         return json_response(reply.body)
 
     async def cache_stats(self, request: web.Request) -> web.Response:
-        return json_response((await self.server.control("cache_stats")).body)
+        body = (await self.server.control("cache_stats")).body
+        return json_response({**body, "shadow": self.server.shadow_report()})
+
+    async def shadow(self, request: web.Request) -> web.Response:
+        return json_response(self.server.shadow_report())
 
     async def model_info(self, request: web.Request) -> web.Response:
         return json_response(self.server.info["model_info"])

@@ -21,7 +21,8 @@ from aiohttp import web
 from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.metrics import Metrics
 from radixserve.actors.messages import (
-    AbortReq, ApiInbox, ControlReply, ControlReq, Delta, GenerateReq, RequestError, Status, TextBatch,
+    AbortReq, ApiInbox, ControlReply, ControlReq, Delta, GenerateReq, RequestError, ShadowReport, Status,
+    TextBatch,
 )
 from radixserve.actors.transport import Channel, Endpoints
 
@@ -123,6 +124,7 @@ class ApiServer:
         self.pending: dict[str, RequestStream] = {}  # every sequence in flight, by its rid
         self.groups: dict[str, list[str]] = {}  # an HTTP request's rid -> the rids of its sequences
         self.metrics = Metrics()
+        self.shadow: dict[str, Any] | None = None  # the shadow's latest report (--shadow-policies)
         self.status: Status | None = None  # every replica's together
         self.statuses: dict[int, Status] = {}  # by replica
         self.healthy = True
@@ -212,6 +214,9 @@ class ApiServer:
             self.metrics.status(self.status)
             if len(self.schedulers) > 1:
                 self.metrics.replica_status(msg)
+        elif isinstance(msg, ShadowReport):
+            self.shadow = msg.body
+            self.metrics.shadow(msg.body)
         elif isinstance(msg, ControlReply):
             fut = self._replies.pop(msg.reply_id, None)
             if fut is not None and not fut.done():
@@ -245,6 +250,16 @@ class ApiServer:
             self._replies.pop(reply_id, None)
             raise APIError(503, f"the {scheduler} actor did not answer {op} within {timeout:.0f}s",
                            type="service_unavailable") from None
+
+    def shadow_report(self) -> dict[str, Any]:
+        """GET /policies/shadow: every shadow pair's windowed statistics (``enabled`` False without
+        --shadow-policies)."""
+        if self.shadow is not None:
+            return self.shadow
+        if not self.info.get("server_args", {}).get("shadow_policies"):
+            return {"enabled": False, "pairs": [], "message": "shadow policies are off: start the server with "
+                                                              "--shadow-policies all (or policy names)"}
+        return {"enabled": True, "pairs": [], "message": "no report yet: the shadow reports once traffic arrives"}
 
     def server_info(self) -> dict[str, Any]:
         info = dict(self.info)

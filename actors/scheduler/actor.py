@@ -11,13 +11,14 @@ import time
 from typing import Any
 
 from radixserve.actors.messages import (
-    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardResult, RequestError, SchedulerInbox, Status,
-    TokenBatch, array,
+    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardResult, PolicySwitch, RequestError,
+    SchedulerInbox, Status, TokenBatch, array,
 )
 from radixserve.actors.scheduler.inspect import dashboard_view
 from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler import build_scheduler
 from radixserve.actors.scheduler.scheduler import Scheduler
+from radixserve.actors.scheduler.shadow_tap import FEED_INTERVAL_S, ShadowTap
 from radixserve.actors.transport import ActorSpec, Channel, Publisher, run_actor
 from radixserve.errors import InvalidRequest
 
@@ -37,19 +38,23 @@ class SchedulerActor:
         self.inflight = False
         self._last_status = 0.0
         self._dirty = True  # something changed since the last Status
+        self._sent: tuple[float, str, int, int] | None = None  # the plan in flight: sent at, mode, tokens, batch
 
     async def run(self) -> None:
         sched = self.scheduler
         await self.maybe_status()  # the api knows the pool from the start
         while True:
-            if self.inflight or not sched.has_work:
-                await self.guarded(await self.channel.recv())  # nothing to plan: wait
+            if self.inflight or not sched.has_work:  # nothing to plan: wait
+                tap = sched.tap
+                if tap is None or not tap.pending or await self.channel.inbox.poll(FEED_INTERVAL_S * 1000):
+                    await self.guarded(await self.channel.recv())
             for msg in await self.channel.recv_ready():
                 await self.guarded(msg)
             if not self.inflight:
                 await self.launch()
             await self.report_failures()
             await self.maybe_status()
+            await self.maybe_feed_shadow()
 
     async def guarded(self, msg: Any) -> None:
         """Handle one message; a bug on it fails the requests it touched (500), never this actor."""
@@ -79,6 +84,9 @@ class SchedulerActor:
             self.plans.wait_for(self._ranks, self._timeout_s)  # returns at once after the first time
             self.plans.send(plan)
             self.inflight = True
+            if self.scheduler.tap is not None:
+                tokens = int(plan.extend_lens.sum()) if plan.mode == "extend" else plan.batch_size
+                self._sent = (time.monotonic(), plan.mode, tokens, plan.batch_size)
 
     async def report_failures(self) -> None:
         for err in self.scheduler.take_failures():
@@ -89,6 +97,10 @@ class SchedulerActor:
         self._dirty = True
         if isinstance(msg, ForwardResult):
             self.inflight = False
+            if self._sent is not None and sched.tap is not None and msg.error is None:
+                sent_at, mode, tokens, batch = self._sent
+                sched.tap.step(mode, tokens, batch, time.monotonic() - sent_at)
+            self._sent = None
             updated = sched.process(msg)
             await self.launch()  # the runner starts the next step now ...
             if updated:  # ... while the tokenizer turns this step's tokens into text
@@ -103,6 +115,25 @@ class SchedulerActor:
             sched.finish(msg.rid, msg.reason)
         elif isinstance(msg, ControlReq):
             await self.channel.send("api", control(sched, msg))
+        elif isinstance(msg, PolicySwitch):  # --auto-policy: the shadow's leader, with its evidence
+            log.info("auto-policy: switching to eviction %s, schedule %s: %s", msg.eviction, msg.schedule,
+                     msg.reason)
+            try:
+                sched.lab.adopt(msg.eviction, msg.schedule, reason=f"auto-policy: {msg.reason}")
+            except ValueError as exc:
+                log.error("auto-policy: the switch was refused: %s", exc)
+
+    async def maybe_feed_shadow(self) -> None:
+        """--shadow-policies: the trace since the last feed, without ever waiting on the shadow: if its inbox is
+        full the feed is kept and sent, grown, next time."""
+        tap, now = self.scheduler.tap, time.monotonic()
+        if tap is None or not tap.due(now):
+            return
+        lab = self.scheduler.lab
+        feed = tap.feed(self.scheduler.clock(), lab.cache.eviction_policy.name, lab.policy.name,
+                        self.scheduler.cache.capacity)
+        if await self.channel.try_send("shadow", feed):
+            tap.sent(now)
 
     async def maybe_status(self) -> None:
         """Tell the api how things stand: every STATUS_INTERVAL_S while busy, once more when going idle."""
@@ -175,10 +206,13 @@ def status_of(sched: Scheduler, replica: int = 0) -> Status:
 def build(spec: ActorSpec, channel: Channel) -> tuple[SchedulerActor, dict[str, Any]]:
     args = spec.server_args
     scheduler = build_scheduler(args, spec.scheduler_config)
+    if args.shadow_policies:
+        scheduler.tap = ShadowTap()
     plans = Publisher(spec.endpoints.plans_bound(spec.named("plans")))
     actor = SchedulerActor(scheduler, channel, plans, args.tp, args.dist_timeout, spec.replica or 0)
     return actor, {"capacity": scheduler.cache.capacity, "replica": spec.replica or 0}
 
 
 def main(spec: ActorSpec) -> None:
-    run_actor(spec.named("scheduler"), spec, SchedulerInbox, ("tokenizer", "api"), build)
+    peers = ("tokenizer", "api") + (("shadow",) if spec.server_args.shadow_policies else ())
+    run_actor(spec.named("scheduler"), spec, SchedulerInbox, peers, build)

@@ -26,23 +26,31 @@ class PolicyLab:
         self.new_epoch()
 
     # -- switching ---------------------------------------------------------------------------------------
-    def set(self, eviction: EvictionPolicy | None = None, schedule: SchedulePolicy | None = None) -> None:
-        """Swap policies between steps: no cached entry and no request is lost; a new stats epoch starts.
-        ValueError (nothing changed) if the eviction policy fails on the current cache."""
+    def set(self, eviction: EvictionPolicy | None = None, schedule: SchedulePolicy | None = None,
+            reason: str | None = None) -> None:
+        """Swap policies between steps: no cached entry and no request is lost; a new stats epoch starts
+        (``reason``: why, kept with it). ValueError (nothing changed) if the eviction policy fails on the
+        current cache."""
         if eviction is not None:
             self.cache.set_eviction_policy(eviction)
         if schedule is not None:
             self.fallback, self.policy = self.policy, schedule
-        self.new_epoch()
+        self.new_epoch(reason)
 
-    def switch(self, eviction: str | None = None, schedule: str | None = None) -> None:
+    def switch(self, eviction: str | None = None, schedule: str | None = None, reason: str | None = None) -> None:
         """``set`` by registered name (built-in or plugin); ValueError naming the problem."""
         from radixserve.policies import load_eviction_policy, load_schedule_policy
 
         if eviction is None and schedule is None:
             raise ValueError("give an eviction and/or a schedule policy name")
         self.set(load_eviction_policy(eviction) if eviction else None,
-                 load_schedule_policy(schedule) if schedule else None)
+                 load_schedule_policy(schedule) if schedule else None, reason)
+
+    def adopt(self, eviction: str, schedule: str, reason: str) -> None:
+        """Run this pair (--auto-policy): only the policy that differs is replaced, an unchanged one keeps its
+        object and its state (e.g. GDSF's clock)."""
+        self.switch(eviction if eviction != self.cache.eviction_policy.name else None,
+                    schedule if schedule != self.policy.name else None, reason)
 
     def info(self) -> dict[str, Any]:
         """What GET /policies shows: the current policies, the available ones, errors of failed policies."""
@@ -70,7 +78,7 @@ class PolicyLab:
             self.fallback = FCFS()
             self.errors.append(f"schedule policy {bad.name!r} raised {type(exc).__name__}: {exc}; "
                                f"switched to {self.policy.name!r}")
-            self.new_epoch()
+            self.new_epoch(f"fallback: {bad.name!r} raised {type(exc).__name__}")
             if attempt >= 2:  # not even the fallbacks work: arrival order needs no policy at all
                 return window
             return self.order(window, attempt + 1)
@@ -82,12 +90,12 @@ class PolicyLab:
         wait = req.admitted_at - req.arrival if req.admitted_at is not None else None
         self.epochs[-1].finished(len(req.prompt_ids), req.cached_tokens or 0, ttft, wait)
 
-    def new_epoch(self) -> None:
+    def new_epoch(self, reason: str | None = None) -> None:
         now = self.clock()
         if self.epochs:
             self.epochs[-1].close(now, self.cache.evicted_tokens)
         self.epochs.append(PolicyEpoch(self.cache.eviction_policy.name, self.policy.name, now,
-                                       self.cache.evicted_tokens))
+                                       self.cache.evicted_tokens, reason=reason))
 
     def cache_stats(self, stats: SchedulerStats) -> dict[str, Any]:
         """Pool state now, totals since start, and one record per policy epoch (GET /cache/stats)."""

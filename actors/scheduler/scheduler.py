@@ -24,6 +24,7 @@ from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, futu
 from radixserve.actors.scheduler.preempt import pick_victim
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.runner_state import RunnerState
+from radixserve.actors.scheduler.shadow_tap import ShadowTap
 from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
 from radixserve.actors.scheduler.validate import check_request
 from radixserve.cache.invariants import require
@@ -75,6 +76,7 @@ class Scheduler:
         # prefill that admitted nothing
         self._inflight: Step | None = None
         self.runner_state = RunnerState(config.max_running_requests + 1)  # table rows and grammars, per request
+        self.tap: ShadowTap | None = None  # --shadow-policies: the live trace for the shadow process
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -90,18 +92,19 @@ class Scheduler:
 
     # -- requests in and out -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
-                    priority: int = 0, logprob_start: int | None = None) -> Req:
+                    priority: int = 0, logprob_start: int | None = None, arrival: float | None = None) -> Req:
         """Queue a request; InvalidRequest (nothing queued) if it can never run. ``top_logprobs``: None for no
         logprobs, else how many top alternatives to record with each output token's logprob; with it,
         ``logprob_start`` asks for the prompt's logprobs from that position on. ``max_new_tokens`` 0 computes
-        and caches the prompt and ends without a token (a prefill only)."""
+        and caches the prompt and ends without a token (a prefill only). ``arrival``: when it arrived, if
+        earlier than now (a simulator that learns of an arrival only after the step it came during)."""
         if rid in self.live:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="rid")
         max_new = self.validate(prompt_ids, params, top_logprobs, logprob_start)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.config.eos_ids
-        req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock(),
+        req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock() if arrival is None else arrival,
                   top_logprobs=top_logprobs, priority=priority,
                   logprob_start=logprob_start if top_logprobs is not None else None)
         self.stats.requests += 1
@@ -109,6 +112,8 @@ class Scheduler:
         self.live[rid] = req
         self.waiting.append(req)
         self._queue_version += 1
+        if self.tap is not None:
+            self.tap.arrived(req)
         return req
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
@@ -400,6 +405,8 @@ class Scheduler:
             self.running.remove(req)
         if req.finished:
             self.live.pop(req.rid, None)
+            if self.tap is not None:
+                self.tap.ended(req)
             if req.cached_tokens is not None:  # it was admitted: it reused (or not) and computed
                 self.stats.cached_tokens += req.cached_tokens
                 self.lab.finished(req)

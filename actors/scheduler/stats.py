@@ -63,6 +63,7 @@ class PolicyEpoch:
     evicted_at_start: int
     ended: float | None = None
     evicted_at_end: int | None = None
+    reason: str | None = None  # why it started, if not by hand: auto-policy's evidence, a policy's failure
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -97,6 +98,7 @@ class PolicyEpoch:
             "started": self.started,
             "duration_s": end - self.started,
             "current": self.ended is None,
+            "reason": self.reason,
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,

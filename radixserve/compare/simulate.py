@@ -18,10 +18,12 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from radixserve.actors.messages import ForwardPlan, ForwardResult
 from radixserve.actors.router.policies import Worker, load_routing_policy
 from radixserve.actors.scheduler import Req, Scheduler, SchedulerConfig
+from radixserve.actors.scheduler.stats import latency_summary
 from radixserve.cache import CacheManager
 from radixserve.compare.trace import TraceRequest
 from radixserve.policies import load_eviction_policy, load_schedule_policy
@@ -85,12 +87,22 @@ class RunResult:
     retractions: int | None = None
     steps: int | None = None
     wall_s: float | None = None
+    ttft_mean_s: float | None = None
+    cold_ttft_p99_s: float | None = None  # starvation: requests that reused nothing,
+    max_queue_wait_s: float | None = None  # the longest wait for admission (simulated only),
+    slowest5_ttft_share: float | None = None  # the share of all TTFT the slowest 5% carry
     server_epoch: dict | None = None  # live: the server's own record of the run (GET /cache/stats)
     replicas: int = 1
     routing: str | None = None  # the routing policy, with replicas > 1
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def starvation(ttft: list[float], cold: list[float], waits: list[float]) -> dict:
+    """RunResult's starvation fields (and mean TTFT), as the server's epochs compute them."""
+    summary = latency_summary(ttft, cold, waits)
+    return {k: summary[k] for k in ("ttft_mean_s", "cold_ttft_p99_s", "max_queue_wait_s", "slowest5_ttft_share")}
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -115,9 +127,16 @@ class Replica:
         return len(self.sched.running) + len(self.sched.waiting) + (self.sched.chunked is not None)
 
 
+class Observer(Protocol):
+    """Watches a simulation (the auto-policy simulation runs shadows beside it)."""
+
+    def start(self, replicas: list[Replica]) -> None: ...
+    def step(self, replica: Replica, plan: ForwardPlan, seconds: float) -> None: ...
+
+
 def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_tokens: int, cost: CostModel,
              max_running: int = 64, chunk: int = 2048, progress=None, check_invariants: bool = False,
-             replicas: int = 1, routing: str = "cache-aware") -> RunResult:
+             replicas: int = 1, routing: str = "cache-aware", observer: Observer | None = None) -> RunResult:
     """Replay ``trace`` through the real scheduler on a simulated clock (``replicas`` of it, requests routed by
     ``routing``, each with ``cache_tokens``); returns what a client would measure."""
     wall = time.perf_counter()
@@ -128,6 +147,8 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
     outputs = {r.id: r.output or [1] * r.max_tokens for r in trace}
     reps = [Replica(cfg, eviction, schedule, cache_tokens, cost, outputs, i) for i in range(replicas)]
     policy = load_routing_policy(routing) if replicas > 1 else None
+    if observer is not None:
+        observer.start(reps)
 
     order = itertools.count()
     arrivals: list[tuple[float, int, TraceRequest]] = []
@@ -137,7 +158,7 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
             heapq.heappush(arrivals, (r.arrival, next(order), r))
         else:
             children[r.after].append(r)
-    ttft, e2e, rejected, generated = [], [], 0, 0
+    ttft, e2e, cold, waits, rejected, generated = [], [], [], [], 0, 0
     prompt_tokens = cached_tokens = 0
 
     def release(parent_id: str, now: float) -> None:
@@ -160,7 +181,7 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
             rep.clock.now = max(rep.clock.now, at)  # an idle replica waits for it
             params = SamplingParams(max_new_tokens=r.max_tokens, temperature=0, ignore_eos=True)
             try:
-                rep.sched.add_request(r.id, r.prompt, params, priority=r.priority)
+                rep.sched.add_request(r.id, r.prompt, params, priority=r.priority, arrival=at)
             except ValueError:  # longer than this cache can ever hold
                 rejected += 1
                 release(r.id, rep.clock.now)
@@ -176,22 +197,29 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
                 rep.clock.now = max(rep.clock.now, arrivals[0][0])
                 continue
             raise RuntimeError("the scheduler stalled with work left (a bug)")
+        before = rep.clock.now
         for req in rep.sched.process(rep.runner.forward(plan, rep.sched.inflight)):
             generated += 1
             if req.finished:
                 ttft.append(req.first_token_at - req.arrival)
                 e2e.append(rep.clock.now - req.arrival)
+                if not req.cached_tokens:
+                    cold.append(ttft[-1])
+                waits.append(req.admitted_at - req.arrival)
                 prompt_tokens += len(req.prompt_ids)
                 cached_tokens += req.cached_tokens or 0
                 release(req.rid, rep.clock.now)
                 if progress is not None:
                     progress.update()
+        if observer is not None:
+            observer.step(rep, plan, rep.clock.now - before)
     makespan = max(rep.clock.now for rep in reps)
     return RunResult(
         eviction=eviction, schedule=schedule, cache_tokens=cache_tokens, requests=len(ttft), rejected=rejected,
         prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
         hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         ttft_p50_s=quantile(ttft, 50), ttft_p99_s=quantile(ttft, 99), e2e_p50_s=quantile(e2e, 50),
+        **starvation(ttft, cold, waits),
         throughput_tokens_per_s=generated / makespan if makespan else 0.0, makespan_s=makespan,
         evicted_tokens=sum(rep.cache.evicted_tokens for rep in reps),
         retractions=sum(rep.sched.stats.retractions for rep in reps),

@@ -7,6 +7,8 @@
     tree-of-thought G trees of branching reasoning: each branch extends its parent's prompt and answer
     unique          nothing shared: what the cache costs when it cannot help
     mixture         all of the above, interleaved
+    phase-shift     a scan over more prefixes than the cache holds, then a drifting hot prefix among one-offs:
+                    the best eviction policy changes halfway (what --auto-policy is for)
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from radixserve.compare.trace import TraceRequest, validate
 
-KINDS = ("shared-prefix", "multi-turn", "few-shot", "tree-of-thought", "unique", "mixture")
+KINDS = ("shared-prefix", "multi-turn", "few-shot", "tree-of-thought", "unique", "mixture", "phase-shift")
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,30 @@ def unique(spec: WorkloadSpec, tag: str = "unique") -> list[TraceRequest]:
             for i in range(spec.requests)]
 
 
+def phase_shift(spec: WorkloadSpec, tag: str = "shift", repeats: int = 4) -> list[TraceRequest]:
+    """Two halves that want opposite eviction policies. First a scan: requests cycle through ``groups`` prefixes
+    in order, more than the cache holds, so the prefix about to come back is always the least recently used one:
+    LRU hits nothing, MRU and FILO keep a few. Then a drifting hot prefix: each new prefix is used ``repeats``
+    times, every use followed by a one-off prompt of the same size. Recency is right there; MRU and FILO evict
+    the hot prefix to make room for the next one-off, and what LFU counted in the first half squats."""
+    g = _Gen(spec, tag)
+    half = spec.requests // 2
+    cycled = [g.tokens(spec.prefix_tokens) for _ in range(spec.groups)]
+    out = [g.req(f"scan{i % spec.groups}-{i}", cycled[i % spec.groups] + g.tokens(spec.suffix_tokens),
+                 arrival=g.arrival()) for i in range(half)]
+    hot: list[int] = []
+    for i in range(half, spec.requests):
+        j = i - half
+        if j % 2:
+            prompt, rid = g.tokens(spec.prefix_tokens + spec.suffix_tokens), f"once-{i}"
+        else:
+            if j // 2 % repeats == 0:
+                hot = g.tokens(spec.prefix_tokens)
+            prompt, rid = hot + g.tokens(spec.suffix_tokens), f"hot{j // 2 // repeats}-{i}"
+        out.append(g.req(rid, prompt, after=out[-1].id, delay=spec.think_time))  # one at a time
+    return out
+
+
 def mixture(spec: WorkloadSpec) -> list[TraceRequest]:
     parts = [shared_prefix, multi_turn, few_shot, tree_of_thought, unique]
     share = max(1, spec.requests // len(parts))
@@ -149,6 +175,7 @@ GENERATORS: dict[str, Callable[[WorkloadSpec], list[TraceRequest]]] = {
     "tree-of-thought": tree_of_thought,
     "unique": unique,
     "mixture": mixture,
+    "phase-shift": phase_shift,
 }
 
 

@@ -1,0 +1,78 @@
+"""The shadow actor (--shadow-policies): a ShadowLab fed the live trace, simulating every shadow pair in a
+process of its own at the lowest CPU priority, so that it takes only CPU time the serving actors leave idle.
+Every REPORT_INTERVAL_S it sends the api a ShadowReport and, with --auto-policy, may tell the scheduler to switch.
+It never waits on anyone: a lagging shadow reports a larger ``lag_s``, serving goes on at full speed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from radixserve.actors.messages import PolicySwitch, ShadowFeed, ShadowInbox, ShadowReport
+from radixserve.actors.transport import ActorSpec, Channel, run_actor
+from radixserve.compare.auto_policy import AutoPolicy
+from radixserve.compare.shadow import ShadowLab, pair_dict, resolve_pairs
+
+log = logging.getLogger(__name__)
+
+REPORT_INTERVAL_S = 1.0
+SLICE_S = 0.02  # CPU time simulated between two looks at the inbox
+
+
+class ShadowActor:
+    def __init__(self, lab: ShadowLab, channel: Channel, auto: AutoPolicy | None, metric: str) -> None:
+        self.lab, self.channel, self.auto = lab, channel, auto
+        self.ranker = auto or AutoPolicy(metric)  # who leads, by the same measure auto-policy would use
+        self._last_report = 0.0
+
+    async def run(self) -> None:
+        behind = False
+        while True:
+            if not behind:  # nothing to simulate: wait for the trace (or the next report)
+                await self.channel.inbox.poll(REPORT_INTERVAL_S * 1000)
+            try:
+                for msg in await self.channel.recv_ready():
+                    if isinstance(msg, ShadowFeed):
+                        self.lab.feed(msg)
+                behind = self.lab.advance(SLICE_S, wall=time.monotonic())  # the scheduler's clock too
+                if time.monotonic() - self._last_report >= REPORT_INTERVAL_S:
+                    await self.report()
+            except Exception:  # a bug of the shadow's must not end the server it only watches
+                log.exception("internal error in the shadow; it goes on with the next feed")
+                behind = False
+                self._last_report = time.monotonic()
+
+    async def report(self) -> None:
+        self._last_report = time.monotonic()
+        lab = self.lab
+        if lab.live is None:
+            return
+        rows = lab.pair_stats()
+        body = lab.report(rows)
+        leader = self.ranker.leader(rows)
+        body.update(leader=pair_dict((leader["eviction"], leader["schedule"])) if leader else None,
+                    metric=self.ranker.metric, auto_policy=self.auto is not None)
+        if self.auto is not None:
+            switch = self.auto.decide(lab.horizon, lab.live, rows)
+            if switch is not None:
+                log.info("auto-policy: %s/%s -> %s/%s: %s", *switch.old, *switch.new, switch.reason)
+                await self.channel.send("scheduler", PolicySwitch(*switch.new, switch.reason))
+            body.update(margin=self.auto.margin, hold_s=self.auto.hold_s)
+        body["switches"] = [s.to_dict() for s in self.auto.switches] if self.auto else []
+        await self.channel.send("api", ShadowReport(body))
+
+
+def build(spec: ActorSpec, channel: Channel) -> tuple[ShadowActor, dict[str, Any]]:
+    args = spec.server_args
+    os.nice(19)  # only the CPU the serving actors leave idle
+    pairs = resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
+    lab = ShadowLab(pairs, spec.scheduler_config, window_s=args.shadow_window)
+    auto = AutoPolicy(args.auto_policy_metric, args.auto_policy_margin, args.auto_policy_hold,
+                      args.auto_policy_cooldown) if args.auto_policy else None
+    return ShadowActor(lab, channel, auto, args.auto_policy_metric), {"pairs": len(pairs)}
+
+
+def main(spec: ActorSpec) -> None:
+    run_actor("shadow", spec, ShadowInbox, ("api", "scheduler"), build)

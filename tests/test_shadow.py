@@ -1,0 +1,242 @@
+"""Shadow policies and --auto-policy: the ShadowLab on hand-made feeds, its agreement with the simulator, the
+hysteresis of AutoPolicy, auto-switching on a workload whose best policy changes halfway, and the server's
+shadow process end to end."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from radixserve.actors.messages import ShadowArrival, ShadowEnd, ShadowFeed, StepTiming
+from radixserve.actors.scheduler import SchedulerConfig
+from radixserve.compare.auto_policy import AutoPolicy
+from radixserve.compare.auto_sim import simulate_auto
+from radixserve.compare.shadow import MAX_LAG_S, ShadowLab, fit_cost, resolve_pairs
+from radixserve.compare.simulate import CostModel, simulate
+from radixserve.compare.workloads import WorkloadSpec, build
+from radixserve.policies import available
+from radixserve.server_process import ServerProcess
+
+COST = CostModel(prefill_per_token=0.001, decode_per_step=0.012, decode_per_seq=0.001, step_overhead=0.001)
+CONFIG = SchedulerConfig(context_length=4096, vocab_size=50000, eos_ids=frozenset(), chunked_prefill_size=512)
+
+
+def test_resolve_pairs():
+    live = ("lru", "fcfs")
+    assert resolve_pairs("lru,lfu,lpm", live) == [("lru", "fcfs"), ("lru", "lpm"), ("lfu", "lpm")]
+    assert resolve_pairs("mru", live) == [("lru", "fcfs"), ("mru", "fcfs")], "the live schedule stands in"
+    assert resolve_pairs("gdsf:lpm, lru", live) == [("lru", "fcfs"), ("gdsf", "lpm")]
+    assert ("priority", "priority") in resolve_pairs("priority", live), "a name of both kinds counts as both"
+    everything = resolve_pairs("all", live)
+    assert everything[0] == live and len(everything) == len(available("eviction")) * len(available("schedule"))
+    with pytest.raises(ValueError, match="neither an eviction policy"):
+        resolve_pairs("lru,nope", live)
+    with pytest.raises(ValueError, match="unknown schedule policy 'nope'"):
+        resolve_pairs("lru:nope", live)
+
+
+def test_fit_cost_recovers_the_step_costs():
+    rng = np.random.default_rng(0)
+    samples = [("extend", int(t), 1, COST.step_overhead + COST.prefill_per_token * int(t)) for t in
+               rng.integers(16, 2048, 40)]
+    samples += [("decode", int(b), int(b), COST.step_overhead + COST.decode_per_step + COST.decode_per_seq * int(b))
+                for b in rng.integers(1, 32, 40)]
+    fitted = fit_cost(samples, CostModel())
+    for name in ("prefill_per_token", "decode_per_step", "decode_per_seq", "step_overhead"):
+        assert getattr(fitted, name) == pytest.approx(getattr(COST, name), rel=1e-6, abs=1e-9), name
+    assert fit_cost(samples[:3], COST) == COST, "too few samples keep the model it had"
+
+
+def feed(now, arrivals=(), ends=(), steps=(), pair=("lru", "fcfs"), capacity=2000) -> ShadowFeed:
+    return ShadowFeed(now, *pair, capacity, list(arrivals), list(ends), list(steps))
+
+
+def arrival(rid: str, at: float, prompt: list[int], max_new: int = 4) -> ShadowArrival:
+    return ShadowArrival(rid, at, np.asarray(prompt, dtype=np.int32), max_new)
+
+
+def end(rid: str, output: list[int]) -> ShadowEnd:
+    return ShadowEnd(rid, np.asarray(output, dtype=np.int32))
+
+
+def test_the_horizon_waits_for_the_oldest_live_request():
+    lab = ShadowLab([("lru", "fcfs"), ("mru", "fcfs")], CONFIG, window_s=100, cost=COST)
+    system = list(range(100, 400))
+    lab.feed(feed(0.0, [arrival("a", 0.0, system + [1]), arrival("b", 0.5, system + [2])]), wall=0.0)
+    assert lab.horizon == 0.0 and not lab.released, "nothing ended: nothing may be simulated"
+    lab.feed(feed(1.0, ends=[end("b", [7, 7, 7, 7])]), wall=1.0)
+    assert lab.horizon == 0.0 and not lab.released, "b ended, but a (older) is still live"
+    lab.feed(feed(2.0, ends=[end("a", [5, 5, 5, 5])]), wall=2.0)
+    assert [e.rid for e in lab.released] == ["a", "b"] and lab.horizon == 2.0
+    lab.advance(float("inf"))
+    for row in lab.pair_stats():
+        assert row["requests"] == 2 and row["cached_tokens"] == 300, "b reuses a's 300-token system prompt"
+        assert row["live"] == (row["eviction"] == "lru") and row["error"] is None
+    lab.feed(feed(3.0, [arrival("c", 3.0, [9] * 50)]), wall=3.0)
+    lab.feed(feed(4.0), wall=3.0 + MAX_LAG_S + 1)
+    assert lab.released[-1].rid == "c" and lab.released[-1].output == [0] * 4, \
+        "a request live for longer than MAX_LAG_S is released with its budget as its output"
+
+
+def test_a_pair_that_fails_is_stopped_and_the_others_go_on(monkeypatch):
+    lab = ShadowLab([("lru", "fcfs"), ("lfu", "fcfs")], CONFIG, cost=COST)
+    lab.feed(feed(0.0, [arrival("a", 0.0, [5] * 40)]), wall=0.0)
+    monkeypatch.setattr(lab.sims[("lfu", "fcfs")].sched, "schedule", lambda: 1 / 0)
+    lab.feed(feed(1.0, ends=[end("a", [1, 2, 3, 4])]), wall=1.0)
+    lab.advance(float("inf"))
+    rows = {r["eviction"]: r for r in lab.pair_stats()}
+    assert "ZeroDivisionError" in rows["lfu"]["error"] and rows["lru"]["requests"] == 1
+
+
+def test_a_pair_switched_to_by_hand_is_shadowed_from_then_on():
+    lab = ShadowLab([("lru", "fcfs")], CONFIG, cost=COST)
+    lab.feed(feed(0.0, [arrival("a", 0.0, [5] * 40)]), wall=0.0)
+    lab.feed(feed(1.0, ends=[end("a", [1])], pair=("gdsf", "lpm")), wall=1.0)
+    assert ("gdsf", "lpm") in lab.sims and lab.sims[("gdsf", "lpm")].started == 1.0
+    lab.advance(float("inf"))
+    rows = {(r["eviction"], r["schedule"]): r for r in lab.pair_stats()}
+    assert rows[("gdsf", "lpm")]["live"] and rows[("gdsf", "lpm")]["requests"] == 1, \
+        "it starts with the first request not yet released when it joined"
+    assert AutoPolicy(min_requests=0).leader(list(rows.values()))["eviction"] == "lru", \
+        "a pair that joined late is never the leader: its numbers cover less of the trace"
+
+
+def row(ev: str, ttft: float, requests: int = 20) -> dict:
+    return {"eviction": ev, "schedule": "fcfs", "requests": requests, "ttft_mean_s": ttft, "error": None,
+            "started": None}
+
+
+def test_auto_policy_hysteresis():
+    auto = AutoPolicy(margin=0.1, hold_s=5, cooldown_s=20, min_requests=8)
+    live = ("lru", "fcfs")
+    assert auto.decide(0, live, [row("lru", 1.0), row("mru", 0.95)]) is None, "5% better: inside the margin"
+    assert auto.decide(1, live, [row("lru", 1.0), row("mru", 0.5)]) is None, "leads, but not yet for hold_s"
+    assert auto.decide(4, live, [row("lru", 1.0), row("mru", 0.5)]) is None
+    assert auto.decide(5, live, [row("lru", 1.0), row("mru", 0.95)]) is None, "the lead was lost: start again"
+    assert auto.decide(9, live, [row("lru", 1.0), row("mru", 0.5)]) is None
+    assert auto.decide(13, live, [row("lru", 1.0), row("mru", 0.5, requests=3)]) is None, "too few requests"
+    switch = auto.decide(15, live, [row("lru", 1.0), row("mru", 0.5)])
+    assert switch is None, "the lead restarted at 15 (the sample before had too few requests)"
+    switch = auto.decide(20, live, [row("lru", 1.0), row("mru", 0.5)])
+    assert switch is not None and switch.new == ("mru", "fcfs") and switch.old == live
+    assert "ttft_mean_s 0.5 vs live lru/fcfs 1" in switch.reason and "50% better" in switch.reason
+    live = switch.new
+    assert auto.decide(30, live, [row("lru", 0.2), row("mru", 0.5)]) is None
+    assert auto.decide(36, live, [row("lru", 0.2), row("mru", 0.5)]) is None, "inside the cooldown"
+    assert auto.decide(40, live, [row("lru", 0.2), row("mru", 0.5)]).new == ("lru", "fcfs")
+    with pytest.raises(ValueError, match="choose one of"):
+        AutoPolicy(metric="speed")
+
+
+def test_hit_rate_metric_prefers_larger():
+    auto = AutoPolicy(metric="hit_rate", hold_s=0, cooldown_s=0, min_requests=1)
+    rows = [{**row("lru", 1.0), "hit_rate": 0.2}, {**row("mru", 1.0), "hit_rate": 0.6}]
+    assert auto.decide(0, ("lru", "fcfs"), rows).new == ("mru", "fcfs")
+
+
+PHASES = WorkloadSpec(kind="phase-shift", requests=300, groups=5, prefix_tokens=256, suffix_tokens=16,
+                      output_tokens=8, rate=1.5)
+CACHE = 1160
+
+
+def test_the_live_pairs_shadow_agrees_with_the_simulated_server():
+    """The shadow of the pair the (simulated) server runs replays what the server did: same requests, same
+    hits -- the trace, the release rule and the fitted cost model lose nothing."""
+    trace = build(WorkloadSpec(kind="shared-prefix", requests=120, groups=4, rate=4.0))
+    result, switches, obs = simulate_auto(trace, [("lru", "fcfs"), ("mru", "fcfs")], 1500, COST, None, window_s=1e9)
+    obs.lab.advance(float("inf"))
+    rows = {r["eviction"]: r for r in obs.lab.pair_stats()}
+    assert not switches and rows["lru"]["live"]
+    assert rows["lru"]["requests"] == result.requests == 120
+    assert rows["lru"]["cached_tokens"] == result.cached_tokens
+    assert rows["lru"]["ttft_mean_s"] == pytest.approx(result.ttft_mean_s, rel=0.05)
+
+
+def test_auto_policy_beats_every_fixed_policy_when_the_best_one_changes():
+    trace = build(PHASES)
+    pairs = [("lru", "fcfs"), ("mru", "fcfs"), ("filo", "fcfs"), ("lfu", "fcfs")]
+    auto = AutoPolicy(hold_s=3, cooldown_s=10, min_requests=5)
+    result, switches, obs = simulate_auto(trace, pairs, CACHE, COST, auto, window_s=15)
+    fixed = {ev: simulate(trace, ev, sc, CACHE, COST) for ev, sc in pairs}
+    for ev, r in fixed.items():
+        assert result.ttft_mean_s < r.ttft_mean_s, f"auto {result.ttft_mean_s:.3f} vs fixed {ev} {r.ttft_mean_s:.3f}"
+        assert result.hit_rate > r.hit_rate, ev
+    assert switches[0].old == ("lru", "fcfs") and switches[0].new[0] in ("mru", "filo"), "the scan: away from lru"
+    assert switches[-1].new == ("lru", "fcfs"), "the drifting hot prefix: back to recency"
+    epochs = obs.live.lab.epochs
+    assert len(epochs) == len(switches) + 1 and all(e.reason.startswith("auto-policy: ") for e in epochs[1:])
+
+
+# -- the server's shadow process ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shadow_server(tiny_models):
+    server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32",
+                           "--max-total-tokens", "300", "--served-model-name", "tiny",
+                           "--shadow-policies", "lru,mru,lfu", "--auto-policy", "--auto-policy-hold", "0",
+                           "--auto-policy-cooldown", "0", "--auto-policy-margin", "0.05", "--shadow-window", "600")
+    yield server
+    server.stop()
+
+
+def generate(url: str, ids: list[int]) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+    return httpx.post(url + "/generate", json=body, timeout=60).json()
+
+
+def test_shadows_report_and_auto_policy_switches_on_a_scan(shadow_server):
+    """Four 90-token prefixes cycled through a 300-token pool: LRU always evicts the one that comes back next,
+    MRU keeps some; the shadow sees it and --auto-policy switches the server to mru."""
+    url = shadow_server.url
+    prefixes = [[1000 + 100 * p + i for i in range(90)] for p in range(4)]
+    for i in range(32):
+        generate(url, prefixes[i % 4] + [5 + i])
+    report = {}
+    for _ in range(100):  # the shadow reports once a second
+        report = httpx.get(url + "/policies/shadow").json()
+        if report.get("switches") and sum(r["requests"] for r in report["pairs"]) == 3 * 32:
+            break
+        time.sleep(0.2)
+    assert report["enabled"] and report["auto_policy"] and report["window_s"] == 600
+    rows = {r["eviction"]: r for r in report["pairs"]}
+    assert set(rows) == {"lru", "mru", "lfu"} and all(r["schedule"] == "fcfs" for r in rows.values())
+    assert rows["mru"]["hit_rate"] > rows["lru"]["hit_rate"], rows
+    assert report["switches"] and report["switches"][0]["to"]["eviction"] == "mru"
+    assert "better" in report["switches"][0]["reason"]
+    stats = httpx.get(url + "/cache/stats").json()
+    assert stats["shadow"]["pairs"] and stats["epochs"][-1]["eviction"] == "mru"
+    assert stats["epochs"][-1]["reason"].startswith("auto-policy: mru/fcfs")
+    assert httpx.get(url + "/policies").json()["eviction"]["current"] == "mru"
+    metrics = httpx.get(url + "/metrics").text
+    assert 'radixserve_shadow_cache_hit_rate{eviction="mru",schedule="fcfs"}' in metrics
+    assert "radixserve_auto_policy_switches 1.0" in metrics or "radixserve_auto_policy_switches 2.0" in metrics
+    for key in ("cold_ttft_p99_s", "max_queue_wait_s", "slowest5_ttft_share"):
+        assert rows["lru"][key] is not None and stats["epochs"][0][key] is not None, key
+
+
+def test_without_shadows_the_route_says_how_to_turn_them_on(tiny_server):
+    body = httpx.get(tiny_server.url + "/policies/shadow").json()
+    assert body["enabled"] is False and "--shadow-policies" in body["message"]
+    assert httpx.get(tiny_server.url + "/cache/stats").json()["shadow"]["enabled"] is False
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--auto-policy"], "give --shadow-policies"),
+    (["--shadow-policies", "lru,nope"], "neither an eviction policy"),
+    (["--shadow-policies", "all", "--disable-radix-cache"], "no cache to compare"),
+    (["--shadow-policies", "all", "--auto-policy-metric", "speed"], "choose one of"),
+])
+def test_bad_shadow_flags_are_refused(flags, message):
+    from radixserve.server_args import ServerArgs
+
+    kw = {}
+    it = iter(flags)
+    for flag in it:
+        name = flag[2:].replace("-", "_")
+        kw[name] = True if name in ("auto_policy", "disable_radix_cache") else next(it)
+    with pytest.raises(ValueError, match=message):
+        args = ServerArgs(**kw)
+        from radixserve.compare.shadow import resolve_pairs
+
+        resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
