@@ -323,9 +323,9 @@ def test_dashboard_shows_the_live_server_and_switches_policies(browser, tiny_ser
     try:
         assert get_body(url + "/policies")["eviction"]["current"] == "lfu"
         epochs = get_body(url + "/cache/stats")["epochs"]
-        wait_for(browser, lambda: cell(browser, "epochs", "index", "last").text == str(len(epochs)), "the new epoch")
+        wait_for(browser, lambda: cell(browser, "epochs", "index", "last").text == str(len(epochs))
+                 and text(browser, "current-eviction") == "lfu", "the new epoch")
         assert cell(browser, "epochs", "eviction", "last").text == "lfu"
-        assert text(browser, "current-eviction") == "lfu"
         assert browser.find_element("css selector", "#epochs tbody tr:last-child").get_attribute("class") == "current"
         assert severe(browser) == []
     finally:
@@ -395,7 +395,8 @@ SHADOW_ON = {"enabled": True, "window_s": 60.0, "lag_s": 0.5, "live": {"eviction
              "leader": {"eviction": "lfu", "schedule": "lpm"}, "auto_policy": False,
              "switches": [{"at": 12.5, "from": {"eviction": "lru", "schedule": "lpm"},
                            "to": {"eviction": "lru", "schedule": "fcfs"}, "reason": "manual"}],
-             "pairs": [pair("lru", "fcfs", 0.4, live=True), pair("lfu", "lpm", 0.7)]}
+             "pairs": [pair("lru", "fcfs", 0.4, live=True), pair("lfu", "lpm", 0.7)]
+             + [pair(f"plugin-{i}", "fcfs", 0.5) for i in range(24)]}  # more than the page lists
 
 
 def stub_app(shadow: dict):
@@ -453,15 +454,17 @@ def stub():
 def test_dashboard_shows_shadow_pairs(browser, stub):
     url, shadow = stub
     browser.get(url + "/dashboard")
-    wait_for(browser, lambda: len(browser.find_elements("css selector", "#shadow-pairs tbody tr")) == 2, "the pairs")
+    # the best 20 by hit rate (the leader first), and the live pair although it ranks last
+    wait_for(browser, lambda: len(browser.find_elements("css selector", "#shadow-pairs tbody tr")) == 21, "the pairs")
     assert text(browser, "shadow-status").startswith("live lru / fcfs, leader lfu / lpm")
+    assert text(browser, "shadow-shown").startswith("21 of 26 pairs shown")
     rows = browser.find_elements("css selector", "#shadow-pairs tbody tr")
-    assert [r.get_attribute("class") for r in rows] == ["current", "leader"]
-    assert [cell(browser, "shadow-pairs", "mark", i).text for i in (1, 2)] == ["live", "leader"]
-    assert shown_percent(cell(browser, "shadow-pairs", "hit_rate", 2)) == 70.0
+    assert [r.get_attribute("class") for r in rows] == ["leader"] + [""] * 19 + ["current"]
+    assert [cell(browser, "shadow-pairs", "mark", i).text for i in (1, 2, 21)] == ["leader", "", "live"]
+    assert shown_percent(cell(browser, "shadow-pairs", "hit_rate", 1)) == 70.0
     assert "manual" in text(browser, "shadow-switches")
-    assert [e.text for e in browser.find_elements("css selector", "#shadow-legend .legend-item")] == [
-        "lru / fcfs", "lfu / lpm"]
+    legend = [e.text for e in browser.find_elements("css selector", "#shadow-legend .legend-item")]
+    assert legend == ["lfu / lpm"] + [f"plugin-{i} / fcfs" for i in range(7)] + ["lru / fcfs"]
     assert text(browser, "replicas") == "--dp 2: replica 0 shown"
     assert "radix cache is off" in text(browser, "tree-summary")
     assert cell(browser, "waiting", "rid").text == "<b>not markup</b>", "client text stays text"

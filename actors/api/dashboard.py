@@ -17,7 +17,8 @@ from radixserve.actors.api.server import ApiServer
 
 STATIC = Path(__file__).parent / "static"
 # the only files /dashboard/{file} serves, with their content types
-ASSETS = {"dashboard.js": "text/javascript", "chart.js": "text/javascript", "dashboard.css": "text/css"}
+ASSETS = {"dashboard.js": "text/javascript", "page.js": "text/javascript", "chart.js": "text/javascript",
+          "dashboard.css": "text/css"}
 OPEN_PATHS = frozenset({"/dashboard", *(f"/dashboard/{name}" for name in ASSETS)})
 SHADOW_ROUTE = "/policies/shadow"  # optional: the page asks for it only where the server has it
 # the page may load only from this server; no inline script or style (so none can be injected)

@@ -1,107 +1,19 @@
 // The live dashboard: asks this server's JSON routes about once a second (GET /cache/stats, /policies,
 // /dashboard/state, and /policies/shadow where the server has it), renders them, and keeps a short history
-// client-side for the charts. Every value reaches the page as text (request ids come from clients, policy names
-// from plugins), never as markup.
+// client-side for the charts.
 "use strict";
 
 (() => {
+  const {KEY_STORE, NONE, isNum, fmt, HttpError, api, col, fillTable, fillFigures} = Page;
   const REFRESH_MS = 1000;
   const HISTORY = 600;  // samples kept per series: ten minutes at one a second
   const SHOWN_EPOCHS = 20;  // the newest epochs in the tables
   const SHOWN_SWITCHES = 10;
-  const KEY_STORE = "radixserve.apiKey";
+  const SHOWN_PAIRS = 20;  // shadow pairs in the table ("all" pairs are dozens)
+  const CHARTED_PAIRS = 8;  // and in the chart
   const SHADOW_OFF = "shadow policies off (start with --shadow-policies)";
   const $ = (id) => document.getElementById(id);
-  const NONE = "\u2013";
-
-  // -- formatting ----------------------------------------------------------------------------------------
-  const isNum = (v) => typeof v === "number" && Number.isFinite(v);
-  const fmt = {
-    text: (v) => (v === null || v === undefined ? NONE : String(v)),
-    int: (v) => (isNum(v) ? Math.round(v).toLocaleString("en-US") : NONE),
-    pct: (v) => (isNum(v) ? `${(100 * v).toFixed(1)}%` : NONE),
-    secs: (v) => (!isNum(v) ? NONE : v < 1 ? `${(1000 * v).toFixed(1)} ms` : `${v.toFixed(2)} s`),
-    rate: (v) => (isNum(v) ? v.toFixed(1) : NONE),
-    pair: (p) => (p ? `${p.eviction} / ${p.schedule}` : NONE),
-  };
   const preview = (ids, total) => (ids.length ? ids.join(" ") + (total > ids.length ? " \u2026" : "") : NONE);
-
-  // -- talking to the server -----------------------------------------------------------------------------
-  class HttpError extends Error {
-    constructor(status, message) {
-      super(message);
-      this.status = status;
-    }
-  }
-
-  // The JSON answer of `path` (relative: the page may sit behind a prefix), with the API key if one was given;
-  // HttpError with the server's own message otherwise (status 0: no answer at all).
-  async function api(path, init = {}) {
-    const headers = {...(init.headers || {})};
-    const key = sessionStorage.getItem(KEY_STORE);
-    if (key) headers.Authorization = `Bearer ${key}`;
-    let resp;
-    try {
-      resp = await fetch(path, {...init, headers, cache: "no-store"});
-    } catch (err) {
-      throw new HttpError(0, `the server does not answer (${err.message})`);
-    }
-    const text = await resp.text();
-    let body = null;
-    try {
-      body = text ? JSON.parse(text) : null;
-    } catch (_) {
-      body = null;
-    }
-    if (!resp.ok) {
-      const said = body && body.error && body.error.message;
-      throw new HttpError(resp.status, said || `${resp.status} ${resp.statusText}`);
-    }
-    return body;
-  }
-
-  // -- building blocks -----------------------------------------------------------------------------------
-  const col = (key, label, format = fmt.text, value = (row) => row[key]) => ({key, label, format, value});
-
-  // `table` gets a header row of the columns' labels and one row per item; each cell carries its column's key
-  // (data-col) and, for numbers, the raw value (data-value).
-  function fillTable(table, columns, rows, {empty = "none", rowClass = null} = {}) {
-    const header = document.createElement("tr");
-    header.append(...columns.map((c) => Object.assign(document.createElement("th"), {textContent: c.label})));
-    const body = document.createElement("tbody");
-    for (const row of rows) {
-      const tr = document.createElement("tr");
-      if (rowClass) tr.className = rowClass(row);
-      for (const c of columns) {
-        const td = document.createElement("td");
-        const value = c.value(row);
-        td.dataset.col = c.key;
-        if (isNum(value)) td.dataset.value = String(value);
-        td.textContent = c.format(value);
-        tr.append(td);
-      }
-      body.append(tr);
-    }
-    if (!rows.length) {
-      const td = Object.assign(document.createElement("td"), {textContent: empty, className: "empty"});
-      td.colSpan = columns.length;
-      const tr = document.createElement("tr");
-      tr.append(td);
-      body.append(tr);
-    }
-    const head = document.createElement("thead");
-    head.append(header);
-    table.replaceChildren(head, body);
-  }
-
-  // `dl` gets one term and value per item: [key, label, value, format]; the value's element is #<dl id>-<key>.
-  function fillFigures(dl, items) {
-    dl.replaceChildren(...items.flatMap(([key, label, value, format]) => {
-      const dd = Object.assign(document.createElement("dd"), {id: `${dl.id}-${key}`, textContent: format(value)});
-      if (isNum(value)) dd.dataset.value = String(value);
-      return [Object.assign(document.createElement("dt"), {textContent: label}), dd];
-    }));
-  }
 
   function say(text, kind) {
     const box = $("message");
@@ -137,7 +49,9 @@
     ]);
   }
 
-  const policies = {info: null, touched: false};  // touched: the user chose in a select; refreshes keep it
+  // touched: the user chose in a select (refreshes keep the choice); switches: answers to a switch so far (a
+  // refresh that began before one may carry the policies from before it, and must not show them)
+  const policies = {info: null, touched: false, switches: 0};
 
   function renderPolicies(info) {
     policies.info = info;
@@ -178,6 +92,7 @@
       const answer = await api("policies", {method: "POST", headers: {"Content-Type": "application/json"},
                                             body: JSON.stringify(body)});
       policies.touched = false;
+      policies.switches += 1;
       renderPolicies(answer);
       reply.textContent = `the server switched: eviction ${answer.eviction.current}, schedule ` +
                           `${answer.schedule.current} (a new epoch started)`;
@@ -221,7 +136,7 @@
     history.markers = history.markers.filter((m) => m.t >= oldest);
     for (const p of shadow && shadow.enabled ? shadow.pairs || [] : []) {
       const name = pairName(p);
-      if (!history.pairs.has(name)) history.pairs.set(name, new Charts.Series(name, colors.of(name), HISTORY));
+      if (!history.pairs.has(name)) history.pairs.set(name, new Charts.Series(name, null, HISTORY));
       history.pairs.get(name).push(now, p.hit_rate);
     }
   }
@@ -280,6 +195,12 @@
     col("from", "from", fmt.pair), col("to", "to", fmt.pair), col("reason", "why"),
   ];
 
+  // The pairs by hit rate, best first: the first `n`, and the live and the leading pair wherever they rank.
+  function best(pairs, n) {
+    const rate = (p) => (isNum(p.hit_rate) ? p.hit_rate : -1);
+    return [...pairs].sort((a, b) => rate(b) - rate(a)).filter((p, i) => i < n || p.live || p.leader);
+  }
+
   function renderShadow(shadow, now) {
     const on = Boolean(shadow && shadow.enabled);
     $("shadow-body").hidden = !on;
@@ -291,12 +212,16 @@
     $("shadow-status").textContent = `live ${fmt.pair(shadow.live)}, leader ${fmt.pair(shadow.leader)}; ` +
       `window ${fmt.secs(shadow.window_s)}, lag ${fmt.secs(shadow.lag_s)}; automatic switching ` +
       `${shadow.auto_policy ? "on" : "off"}`;
-    const pairs = (shadow.pairs || []).map((p) => ({...p, leader: pairName(p) === leader}));
+    const all = (shadow.pairs || []).map((p) => ({...p, leader: pairName(p) === leader}));
+    const pairs = best(all, SHOWN_PAIRS);
+    $("shadow-shown").textContent = pairs.length < all.length ? `${pairs.length} of ${all.length} pairs shown: ` +
+      `the best ${SHOWN_PAIRS} by hit rate, and the live and the leading one` : "";
     fillTable($("shadow-pairs"), PAIR_COLUMNS, pairs,
               {rowClass: (p) => [p.live ? "current" : "", p.leader ? "leader" : ""].join(" ").trim()});
     fillTable($("shadow-switches"), SWITCH_COLUMNS, (shadow.switches || []).slice(-SHOWN_SWITCHES).reverse(),
               {empty: "no switches yet"});
-    const series = pairs.map((p) => history.pairs.get(pairName(p))).filter(Boolean);
+    const series = best(all, CHARTED_PAIRS).map((p) => history.pairs.get(pairName(p))).filter(Boolean);
+    for (const s of series) s.color = colors.of(s.name);  // only charted pairs take a colour: few, distinct
     Charts.lines($("shadow-chart"), series, {now, yMax: 1, yFormat: fmt.pct});
     Charts.legend($("shadow-legend"), series);
   }
@@ -346,12 +271,13 @@
 
   // -- the loop ------------------------------------------------------------------------------------------
   async function refresh() {
+    const switches = policies.switches;
     const [stats, info, state] = await Promise.all([api("cache/stats"), api("policies"), api("dashboard/state")]);
     const shadow = await shadowState(state);
     const now = Date.now() / 1000;
     renderReplicas(stats);
     renderPool(stats);
-    renderPolicies(info);
+    if (switches === policies.switches) renderPolicies(info);
     sample(now, stats, shadow);
     renderEpochs(stats, now);
     renderShadow(shadow, now);
