@@ -26,22 +26,22 @@ class ShadowActor:
         self.lab, self.channel, self.auto = lab, channel, auto
         self.ranker = auto or AutoPolicy(metric)  # who leads, by the same measure auto-policy would use
         self._last_report = 0.0
+        self.behind = False  # some pair has work left before the horizon
 
     async def run(self) -> None:
-        behind = False
         while True:
-            if not behind:  # nothing to simulate: wait for the trace (or the next report)
+            if not self.behind:  # nothing to simulate: wait for the trace (or the next report)
                 await self.channel.inbox.poll(REPORT_INTERVAL_S * 1000)
             try:
                 for msg in await self.channel.recv_ready():
                     if isinstance(msg, ShadowFeed):
                         self.lab.feed(msg)
-                behind = self.lab.advance(SLICE_S, wall=time.monotonic())  # the scheduler's clock too
+                self.behind = self.lab.advance(SLICE_S, wall=time.monotonic())  # the scheduler's clock too
                 if time.monotonic() - self._last_report >= REPORT_INTERVAL_S:
                     await self.report()
             except Exception:  # a bug of the shadow's must not end the server it only watches
                 log.exception("internal error in the shadow; it goes on with the next feed")
-                behind = False
+                self.behind = False
                 self._last_report = time.monotonic()
 
     async def report(self) -> None:
@@ -52,7 +52,7 @@ class ShadowActor:
         rows = lab.pair_stats()
         body = lab.report(rows)
         leader = self.ranker.leader(rows)
-        body.update(leader=pair_dict((leader["eviction"], leader["schedule"])) if leader else None,
+        body.update(behind=self.behind, leader=pair_dict((leader["eviction"], leader["schedule"])) if leader else None,
                     metric=self.ranker.metric, auto_policy=self.auto is not None)
         if self.auto is not None:
             switch = self.auto.decide(lab.horizon, lab.live, rows)

@@ -26,6 +26,7 @@ import compile_cost  # noqa: E402
 import cpu_peer  # noqa: E402
 import deterministic_cost  # noqa: E402
 import dp_cost  # noqa: E402
+import shadow_cost  # noqa: E402
 import grammar_cost  # noqa: E402
 import llama_cpp  # noqa: E402
 import machine  # noqa: E402
@@ -43,11 +44,12 @@ from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant", "compile",
-          "peer", "radix", "tp", "dp")
+          "peer", "radix", "tp", "dp", "shadow")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
               "deterministic": ("deterministic",), "grammar": ("grammar",), "quant": ("quant",),
-              "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",), "dp": ("dp",)}
+              "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",), "dp": ("dp",),
+              "shadow": ("shadow",)}
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -164,6 +166,9 @@ def main() -> None:
     bar.update()
     if "dp" in only:
         res["dp"] = dp_cost.measure(q, args.model_path)
+    bar.update()
+    if "shadow" in only:
+        res["shadow"] = shadow_cost.measure(q, args.model_path)
     bar.update()
     bar.close()
     res = keep_other_stages(res, only, out / "results.json")

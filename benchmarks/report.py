@@ -239,11 +239,54 @@ def write(res: dict, out: Path) -> None:
         L += tp_section(res["tp"], out)
     if "dp" in res:
         L += dp_section(res["dp"], targets, out)
+    if "shadow" in res:
+        L += shadow_section(res["shadow"], targets, out)
     if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
         L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
+
+
+def shadow_section(s: dict, targets: list[str], out: Path) -> list[str]:
+    o, a = s["overhead"], s["auto"]
+    slow = 1 - o["throughput_ratio"]
+    targets.append(check("shadows (all pairs): serving throughput lost", slow, slow <= 0.02, "<= 2%"))
+    best = a["best_fixed"]
+    targets.append(check(f"auto-policy mean TTFT / best fixed policy's ({best})", a["auto_vs_best_fixed_ttft"],
+                         a["auto_beats_every_fixed"], "< 1 against every fixed policy"))
+    L = ["## Shadow policies and --auto-policy", "",
+         f"**Overhead.** {o['requests']} requests (6 groups sharing a 300-token system prompt) sent at once, "
+         f"{o['max_new']} tokens each, against a server without shadows and one with `--shadow-policies all` "
+         f"({o['shadow_pairs']} pairs), alternating, {o['rounds']} rounds each, the cache flushed before every burst. "
+         f"Medians: throughput {o['median']['plain']['throughput_tok_s']:.1f} vs "
+         f"{o['median']['shadow']['throughput_tok_s']:.1f} tok/s ({o['throughput_ratio']:.3f}x), mean latency "
+         f"{o['e2e_ratio']:.3f}x. The shadow process simulates at nice 19, on CPU time the server leaves idle: "
+         f"after each burst it took {', '.join(f'{c:.1f}' for c in o['catch_up_s'])} s to catch up.", "",
+         "| round | plain tok/s | shadow tok/s |", "|---|---|---|"]
+    L += [f"| {i + 1} | {p['throughput_tok_s']:.1f} | {q['throughput_tok_s']:.1f} |"
+          for i, (p, q) in enumerate(zip(o["runs"]["plain"], o["runs"]["shadow"]))]
+    w = a["workload"]
+    L += ["", f"**Auto-switching.** The `phase-shift` workload ({w['requests']} requests, {w['prefix_tokens']}-token "
+          f"prefixes, pool {a['pool_tokens']} tokens): first a scan over {w['groups']} prefixes at {w['rate']} "
+          "requests/s, more than the pool holds (the next prefix is always the least recently used: LRU keeps "
+          "nothing, MRU and FILO keep some); then, one request at a time, a drifting hot prefix among one-off "
+          "prompts (recency wins; MRU and FILO evict the hot prefix). Each fixed policy on one server (switched, "
+          "flushed); auto on a server with `--shadow-policies " + ",".join(p[0] for p in a["pairs"]) +
+          " --auto-policy` (hold 3 s, cooldown 10 s, window 15 s, margin 10%, by mean TTFT), starting at lru. "
+          "Client-side TTFT. The simulated columns replay the same trace with the cost model the shadow fitted to "
+          "the live server.", "",
+          "| policy | hit rate | TTFT mean | TTFT p99 | simulated hit rate | simulated TTFT mean |",
+          "|---|---|---|---|---|---|"]
+    for lr, sr in zip(a["live"], a["simulated"]):
+        L.append(f"| {lr['policy']} | {pct(lr['hit_rate'])} | {ms(lr['ttft_mean_s'])} | {ms(lr['ttft_p99_s'])} | "
+                 f"{pct(sr['hit_rate'])} | {ms(sr['ttft_mean_s'])} |")
+    L += ["", "Switches on the live server (trace time = the scheduler's clock):", ""]
+    L += [f"- {sw['from']['eviction']} -> {sw['to']['eviction']}: {sw['reason']}" for sw in a["switches"]] or ["- none"]
+    plot_bars([r["policy"] for r in a["live"]], {"TTFT mean ms": [1e3 * r["ttft_mean_s"] for r in a["live"]],
+                                                 "hit rate x 1000": [1e3 * r["hit_rate"] for r in a["live"]]},
+              "", "phase-shift: fixed policies vs --auto-policy", out / "auto_policy.png")
+    return L + ["", "![auto policy](auto_policy.png)", ""]
 
 
 def dp_section(d: dict, targets: list[str], out: Path) -> list[str]:

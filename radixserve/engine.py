@@ -122,18 +122,18 @@ class Engine:
         """Switch the eviction and/or schedule policy by name (built-in or plugin); returns ``policies()``."""
         self._require_open()
         with self._lock:
-            self.scheduler.switch_policies(eviction, schedule)
+            self.scheduler.lab.switch(eviction, schedule)
         return self.policies()
 
     def policies(self) -> dict[str, Any]:
         """``{"eviction": {"current", "available"}, "schedule": {...}, "errors": [...]}``"""
         self._require_open()
-        return self.scheduler.policies_info()
+        return self.scheduler.lab.info()
 
     def cache_stats(self) -> dict[str, Any]:
         """Pool state, totals and one record per policy epoch (as GET /cache/stats)."""
         self._require_open()
-        return self.scheduler.cache_stats()
+        return self.scheduler.lab.cache_stats()
 
     def flush_cache(self) -> int:
         """Drop every cached prefix that no running request holds; returns tokens freed."""

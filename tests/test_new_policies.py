@@ -208,7 +208,7 @@ def test_a_high_priority_arrival_retracts_a_low_priority_running_request_and_out
             assert sched.stats.preemptions == 1 and lo1 in sched.waiting and lo2 in sched.running
             assert (lo1.preemptions, lo2.preemptions) == (1, 0)
             assert lo1.kv is None and sched.cache.match_len(lo1.fill_key) >= 40, "its KV went to the tree"
-            assert sched.cache_stats()["totals"]["preemptions"] == 1
+            assert sched.lab.cache_stats()["totals"]["preemptions"] == 1
             assert sched.stats.retractions == 0, "a preemption is not an out-of-room retraction"
         run_all(sched, runner)
         outputs[name] = {r.rid: r.output_ids for r in (lo1, lo2, hi)}

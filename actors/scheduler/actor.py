@@ -149,14 +149,14 @@ def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
         if msg.op == "flush_cache":
             return ControlReply(msg.reply_id, {"tokens_freed": sched.cache.flush()})
         if msg.op == "cache_stats":
-            return ControlReply(msg.reply_id, sched.cache_stats())
+            return ControlReply(msg.reply_id, sched.lab.cache_stats())
         if msg.op == "dashboard":
             return ControlReply(msg.reply_id, dashboard_view(sched))
         if msg.op == "set_policies":
-            sched.switch_policies(msg.eviction, msg.schedule)
-        return ControlReply(msg.reply_id, sched.policies_info())
+            sched.lab.switch(msg.eviction, msg.schedule)
+        return ControlReply(msg.reply_id, sched.lab.info())
     except ValueError as exc:
-        return ControlReply(msg.reply_id, sched.policies_info(), error=str(exc))
+        return ControlReply(msg.reply_id, sched.lab.info(), error=str(exc))
 
 
 def token_batch(reqs: list[Req]) -> TokenBatch:

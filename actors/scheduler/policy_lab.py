@@ -16,8 +16,10 @@ R = TypeVar("R")
 
 
 class PolicyLab:
-    def __init__(self, cache: CacheManager, policy: SchedulePolicy, clock: Callable[[], float]) -> None:
+    def __init__(self, cache: CacheManager, policy: SchedulePolicy, clock: Callable[[], float],
+                 stats: SchedulerStats) -> None:
         self.cache = cache
+        self.stats = stats  # the scheduler's totals (cache_stats shows them)
         self.policy = policy
         self.fallback: SchedulePolicy = FCFS()  # what a failing schedule policy is replaced by
         self.clock = clock
@@ -97,9 +99,9 @@ class PolicyLab:
         self.epochs.append(PolicyEpoch(self.cache.eviction_policy.name, self.policy.name, now,
                                        self.cache.evicted_tokens, reason=reason))
 
-    def cache_stats(self, stats: SchedulerStats) -> dict[str, Any]:
+    def cache_stats(self) -> dict[str, Any]:
         """Pool state now, totals since start, and one record per policy epoch (GET /cache/stats)."""
-        cache, now = self.cache, self.clock()
+        cache, now, stats = self.cache, self.clock(), self.stats
         prompt = sum(e.prompt_tokens for e in self.epochs)  # of finished requests, like cached
         cached = sum(e.cached_tokens for e in self.epochs)
         return {

@@ -30,7 +30,7 @@ from radixserve.actors.scheduler.validate import check_request
 from radixserve.cache.invariants import require
 from radixserve.cache.manager import CacheManager
 from radixserve.errors import InvalidRequest
-from radixserve.policies.base import EvictionPolicy, SchedulePolicy
+from radixserve.policies.base import SchedulePolicy
 from radixserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Scheduler:
         self.chunked: Req | None = None  # mid-prefill: continues in the next prefill step
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
-        self.lab = PolicyLab(cache, policy, clock)
+        self.lab = PolicyLab(cache, policy, clock, self.stats)  # policies, switching, epochs, GET /cache/stats
         self.failures: list[RequestError] = []  # requests that failed since the caller last took them
         self._step = 0
         self._queue_version = 0  # bumped when requests join the queue (new or retracted)
@@ -85,10 +85,6 @@ class Scheduler:
     @property
     def epochs(self) -> list[PolicyEpoch]:
         return self.lab.epochs
-
-    @property
-    def policy_errors(self) -> list[str]:
-        return list(self.lab.errors)
 
     # -- requests in and out -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
@@ -347,19 +343,6 @@ class Scheduler:
         self.runner_state.sent(reqs, plan)
         self._inflight = Step(plan, reqs, starts)
         return plan
-
-    # -- policies and statistics (policy_lab.py) ----------------------------------------------------------
-    def set_policies(self, eviction: EvictionPolicy | None = None, schedule: SchedulePolicy | None = None) -> None:
-        self.lab.set(eviction, schedule)
-
-    def switch_policies(self, eviction: str | None = None, schedule: str | None = None) -> None:
-        self.lab.switch(eviction, schedule)
-
-    def policies_info(self) -> dict:
-        return self.lab.info()
-
-    def cache_stats(self) -> dict:
-        return self.lab.cache_stats(self.stats)
 
     # -- retraction --------------------------------------------------------------------------------------
     def _retract_one(self) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from radixserve.compare.simulate import CostModel, RunResult, quantile
+from radixserve.compare.simulate import CostModel, RunResult, quantile, starvation
 from radixserve.compare.trace import TraceRequest
 
 
@@ -77,22 +77,30 @@ async def _replay(client: Client, trace: list[TraceRequest], time_scale: float, 
     return {"results": out, "makespan": loop.time() - start}
 
 
-async def run_live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, str]], time_scale: float = 1.0,
-                   progress_factory=None) -> list[RunResult]:
+async def run_live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, str]] | None,
+                   time_scale: float = 1.0, progress_factory=None) -> list[RunResult]:
+    """One replay per pair, each switched to and started cold; ``pairs`` None: one replay with the policies the
+    server runs (e.g. --auto-policy's own choice), named as it reports them."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         client = Client(url, session)
         cache_tokens = (await client.call("GET", "/get_server_info"))["max_total_tokens"]
         results = []
-        for eviction, schedule in pairs:
+        for pair in pairs or [None]:
             await client.call("POST", "/flush_cache", {})  # every pair starts cold, and in an epoch of its own:
-            await client.call("POST", "/policies", {"eviction": eviction, "schedule": schedule})
+            if pair is not None:
+                await client.call("POST", "/policies", {"eviction": pair[0], "schedule": pair[1]})
+            policies = await client.call("GET", "/policies")
+            eviction, schedule = policies["eviction"]["current"], policies["schedule"]["current"]
+            if pair is None:
+                eviction, schedule = f"as served ({eviction} at start)", f"as served ({schedule} at start)"
             bar = progress_factory(f"live {eviction}/{schedule}") if progress_factory else None
             run = await _replay(client, trace, time_scale, bar)
             if bar is not None:
                 bar.close()
             stats = await client.call("GET", "/cache/stats")
             done = [v for v in run["results"].values() if v is not None]
+            ttft = [t for t, _, _ in done]
             prompt = sum(m["prompt_tokens"] for _, _, m in done)
             cached = sum(m["cached_tokens"] for _, _, m in done)
             generated = sum(m["completion_tokens"] for _, _, m in done)
@@ -100,7 +108,8 @@ async def run_live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, s
                 eviction=eviction, schedule=schedule, cache_tokens=cache_tokens, requests=len(done),
                 rejected=len(trace) - len(done), prompt_tokens=prompt, cached_tokens=cached,
                 hit_rate=cached / prompt if prompt else 0.0,
-                ttft_p50_s=quantile([t for t, _, _ in done], 50), ttft_p99_s=quantile([t for t, _, _ in done], 99),
+                ttft_p50_s=quantile(ttft, 50), ttft_p99_s=quantile(ttft, 99),
+                **starvation(ttft, [t for t, _, m in done if not m["cached_tokens"]], []),
                 e2e_p50_s=quantile([e for _, e, _ in done], 50),
                 throughput_tokens_per_s=generated / run["makespan"], makespan_s=run["makespan"],
                 server_epoch=stats["epochs"][-1],
@@ -145,6 +154,6 @@ def calibrate(url: str) -> CostModel:
     return asyncio.run(_calibrate(url))
 
 
-def live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, str]], time_scale: float = 1.0,
+def live(url: str, trace: list[TraceRequest], pairs: list[tuple[str, str]] | None, time_scale: float = 1.0,
          progress_factory=None) -> list[RunResult]:
     return asyncio.run(run_live(url, trace, pairs, time_scale, progress_factory))
