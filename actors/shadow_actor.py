@@ -1,5 +1,6 @@
 """The shadow actor (--shadow-policies): a ShadowLab fed the live trace, simulating every shadow pair in a
-process of its own at the lowest CPU priority, so that it takes only CPU time the serving actors leave idle.
+process of its own at the lowest CPU priority (SCHED_IDLE), so that it takes only CPU time the serving actors
+leave idle.
 Every REPORT_INTERVAL_S it sends the api a ShadowReport and, with --auto-policy, may tell the scheduler to switch.
 It never waits on anyone: a lagging shadow reports a larger ``lag_s``, serving goes on at full speed.
 """
@@ -64,9 +65,17 @@ class ShadowActor:
         await self.channel.send("api", ShadowReport(body))
 
 
+def lowest_cpu_priority() -> None:
+    """Run only on CPU time nothing else wants: Linux's SCHED_IDLE class (below every nice level), else nice 19."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
 def build(spec: ActorSpec, channel: Channel) -> tuple[ShadowActor, dict[str, Any]]:
     args = spec.server_args
-    os.nice(19)  # only the CPU the serving actors leave idle
+    lowest_cpu_priority()
     pairs = resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
     lab = ShadowLab(pairs, spec.scheduler_config, window_s=args.shadow_window)
     auto = AutoPolicy(args.auto_policy_metric, args.auto_policy_margin, args.auto_policy_hold,

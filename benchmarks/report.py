@@ -256,12 +256,14 @@ def shadow_section(s: dict, targets: list[str], out: Path) -> list[str]:
     targets.append(check(f"auto-policy mean TTFT / best fixed policy's ({best})", a["auto_vs_best_fixed_ttft"],
                          a["auto_beats_every_fixed"], "< 1 against every fixed policy"))
     L = ["## Shadow policies and --auto-policy", "",
-         f"**Overhead.** {o['requests']} requests (6 groups sharing a 300-token system prompt) sent at once, "
+         f"**Overhead.** {o['requests']} requests (unique 256-token prompts, so every round does the same work) sent "
+         "at once, "
          f"{o['max_new']} tokens each, against a server without shadows and one with `--shadow-policies all` "
          f"({o['shadow_pairs']} pairs), alternating, {o['rounds']} rounds each, the cache flushed before every burst. "
          f"Medians: throughput {o['median']['plain']['throughput_tok_s']:.1f} vs "
          f"{o['median']['shadow']['throughput_tok_s']:.1f} tok/s ({o['throughput_ratio']:.3f}x), mean latency "
-         f"{o['e2e_ratio']:.3f}x. The shadow process simulates at nice 19, on CPU time the server leaves idle: "
+         f"{o['e2e_ratio']:.3f}x. The shadow process simulates at the lowest CPU priority (SCHED_IDLE), on CPU time "
+         "the server leaves idle: "
          f"after each burst it took {', '.join(f'{c:.1f}' for c in o['catch_up_s'])} s to catch up.", "",
          "| round | plain tok/s | shadow tok/s |", "|---|---|---|"]
     L += [f"| {i + 1} | {p['throughput_tok_s']:.1f} | {q['throughput_tok_s']:.1f} |"

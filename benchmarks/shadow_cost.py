@@ -1,7 +1,7 @@
 """Shadow policies on this machine: what they cost the server, and what --auto-policy gains.
 
-1. Overhead. The same burst (shared-prefix groups, every request sent at once) against a server without shadows
-   and one with ``--shadow-policies all``, alternating, the cache flushed before each burst. Between bursts the
+1. Overhead. The same burst (unique prompts, every request sent at once) against a server without shadows and
+   one with ``--shadow-policies all``, alternating, the cache flushed before each burst. Between bursts the
    shadow catches up (it simulates on idle CPU only); the time it takes is reported too.
 2. Auto-switching. The ``phase-shift`` workload -- a scan over more prefixes than the pool holds (MRU and FILO
    keep some, LRU none), then a drifting hot prefix among one-offs (recency wins, MRU and FILO evict the hot one)
@@ -30,15 +30,14 @@ from radixserve.compare.workloads import WorkloadSpec, build
 from radixserve.server_process import ServerProcess
 
 PAIRS = [("lru", "fcfs"), ("mru", "fcfs"), ("filo", "fcfs"), ("lfu", "fcfs")]
-POOL = 1160  # KV tokens: about four of phase-shift's 272-token prompts
+POOL = 2150  # KV tokens: about four of phase-shift's 528-token prompts
 AUTO_FLAGS = ["--auto-policy-hold", "3", "--auto-policy-cooldown", "10", "--shadow-window", "15"]
 AUTO = dict(hold_s=3.0, cooldown_s=10.0)
 
 
-def burst(rng: random.Random, groups: int, per_group: int) -> list[list[int]]:
-    systems = [[rng.randrange(1000, 30000) for _ in range(300)] for _ in range(groups)]
-    return [systems[g] + [rng.randrange(1000, 30000) for _ in range(24)] for _ in range(per_group)
-            for g in range(groups)]
+def burst(rng: random.Random, n: int, tokens: int = 256) -> list[list[int]]:
+    """Unique prompts: the same work in every round (no hit rate that varies with timing)."""
+    return [[rng.randrange(1000, 30000) for _ in range(tokens)] for _ in range(n)]
 
 
 def wait_caught_up(url: str, timeout: float = 600.0) -> float:
@@ -52,8 +51,8 @@ def wait_caught_up(url: str, timeout: float = 600.0) -> float:
     return float("nan")
 
 
-def overhead(model: list[str], rounds: int, groups: int, per_group: int, max_new: int) -> dict:
-    prompts = burst(random.Random(0), groups, per_group)
+def overhead(model: list[str], rounds: int, n: int, max_new: int) -> dict:
+    prompts = burst(random.Random(0), n)
     plain = ServerProcess(*model)
     shadowed = ServerProcess(*model, "--shadow-policies", "all")
     runs: dict[str, list[dict]] = {"plain": [], "shadow": []}
@@ -118,9 +117,9 @@ def auto_switching(model: list[str], spec: WorkloadSpec) -> dict:
 
 def measure(quick: bool = False, model_path: str | None = None) -> dict:
     model = ["--model-path", model_path] if model_path else []
-    spec = WorkloadSpec(kind="phase-shift", requests=160 if quick else 240, groups=5, prefix_tokens=256,
+    spec = WorkloadSpec(kind="phase-shift", requests=160 if quick else 240, groups=5, prefix_tokens=512,
                         suffix_tokens=16, output_tokens=8, rate=1.5)
-    return {"overhead": overhead(model, 2 if quick else 4, 6, 4 if quick else 8, 16),
+    return {"overhead": overhead(model, 2 if quick else 5, 32 if quick else 64, 32),
             "auto": auto_switching(model, spec)}
 
 
