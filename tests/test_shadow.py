@@ -62,7 +62,7 @@ def end(rid: str, output: list[int]) -> ShadowEnd:
 
 
 def test_the_horizon_waits_for_the_oldest_live_request():
-    lab = ShadowLab([("lru", "fcfs"), ("mru", "fcfs")], CONFIG, window_s=100, cost=COST)
+    lab = ShadowLab([("lru", "fcfs"), ("mru", "fcfs")], CONFIG, window_s=100, cost=COST, calibrated=True)
     system = list(range(100, 400))
     lab.feed(feed(0.0, [arrival("a", 0.0, system + [1]), arrival("b", 0.5, system + [2])]), wall=0.0)
     assert lab.horizon == 0.0 and not lab.released, "nothing ended: nothing may be simulated"
@@ -80,8 +80,24 @@ def test_the_horizon_waits_for_the_oldest_live_request():
         "a request live for longer than MAX_LAG_S is released with its budget as its output"
 
 
+def test_nothing_is_simulated_before_the_cost_model_is_fitted():
+    lab = ShadowLab([("lru", "fcfs")], CONFIG)  # starts from the default cost model, not this server's
+    lab.feed(feed(0.0, [arrival("a", 0.0, [5] * 40)]), wall=0.0)
+    lab.feed(feed(1.0, ends=[end("a", [1, 2, 3, 4])], steps=[StepTiming("extend", 40, 1, 0.05)]), wall=1.0)
+    assert not lab.advance(float("inf"), wall=1.0) and lab.sims[("lru", "fcfs")].cursor == 0
+    steps = [StepTiming("extend", 16 * (i + 1), 1, 0.001 * (i + 1)) for i in range(8)]
+    steps += [StepTiming("decode", i + 1, i + 1, 0.01 + 0.001 * i) for i in range(8)]
+    lab.feed(feed(2.0, steps=steps), wall=2.0)
+    lab.advance(float("inf"), wall=2.0)
+    assert lab.calibrated and lab.cost.decode_per_seq == pytest.approx(0.001)
+    assert lab.pair_stats()[0]["requests"] == 1
+    late = ShadowLab([("lru", "fcfs")], CONFIG)
+    late.feed(feed(0.0), wall=0.0)
+    assert not late.ready(1.0) and late.ready(MAX_LAG_S + 1), "traffic that never decodes waits MAX_LAG_S at most"
+
+
 def test_a_pair_that_fails_is_stopped_and_the_others_go_on(monkeypatch):
-    lab = ShadowLab([("lru", "fcfs"), ("lfu", "fcfs")], CONFIG, cost=COST)
+    lab = ShadowLab([("lru", "fcfs"), ("lfu", "fcfs")], CONFIG, cost=COST, calibrated=True)
     lab.feed(feed(0.0, [arrival("a", 0.0, [5] * 40)]), wall=0.0)
     monkeypatch.setattr(lab.sims[("lfu", "fcfs")].sched, "schedule", lambda: 1 / 0)
     lab.feed(feed(1.0, ends=[end("a", [1, 2, 3, 4])]), wall=1.0)
@@ -91,7 +107,7 @@ def test_a_pair_that_fails_is_stopped_and_the_others_go_on(monkeypatch):
 
 
 def test_a_pair_switched_to_by_hand_is_shadowed_from_then_on():
-    lab = ShadowLab([("lru", "fcfs")], CONFIG, cost=COST)
+    lab = ShadowLab([("lru", "fcfs")], CONFIG, cost=COST, calibrated=True)
     lab.feed(feed(0.0, [arrival("a", 0.0, [5] * 40)]), wall=0.0)
     lab.feed(feed(1.0, ends=[end("a", [1])], pair=("gdsf", "lpm")), wall=1.0)
     assert ("gdsf", "lpm") in lab.sims and lab.sims[("gdsf", "lpm")].started == 1.0
@@ -240,3 +256,50 @@ def test_bad_shadow_flags_are_refused(flags, message):
         from radixserve.compare.shadow import resolve_pairs
 
         resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
+
+
+# -- starvation numbers ---------------------------------------------------------------------------------------
+def test_latency_summary_by_hand():
+    from radixserve.actors.scheduler.stats import latency_summary
+
+    ttft = [1.0] * 19 + [81.0]  # one request in twenty carries 81 of the 100 seconds
+    s = latency_summary(ttft, cold_ttft=[1.0, 81.0], waits=[0.5, 7.0, 2.0])
+    assert s["slowest5_ttft_share"] == pytest.approx(0.81) and s["ttft_mean_s"] == pytest.approx(5.0)
+    assert s["cold_requests"] == 2 and s["cold_ttft_p99_s"] == 81.0 and s["max_queue_wait_s"] == 7.0
+    assert s["ttft_p50_s"] == 1.0
+    even = latency_summary([2.0] * 40, [], [])
+    assert even["slowest5_ttft_share"] == pytest.approx(0.05) and even["cold_ttft_p99_s"] is None
+    assert latency_summary([], [], [])["slowest5_ttft_share"] is None
+
+
+def test_lpm_concentrates_ttft_on_few_requests():
+    """What SGLang users report of LPM under load, in the simulator's numbers: its slowest 5% carry a far larger
+    share of all TTFT than FCFS's do."""
+    trace = build(WorkloadSpec(kind="few-shot", requests=400, rate=8, groups=4, prefix_tokens=256, noise=0.3))
+    fcfs, lpm = (simulate(trace, "lru", sc, 4096, CostModel()) for sc in ("fcfs", "lpm"))
+    assert lpm.slowest5_ttft_share > 1.4 * fcfs.slowest5_ttft_share
+    assert fcfs.max_queue_wait_s > 0 and lpm.cold_ttft_p99_s is not None
+
+
+def test_epochs_record_cold_requests_and_queue_waits():
+    from radixserve.actors.scheduler import Scheduler
+    from radixserve.cache import CacheManager
+    from radixserve.compare.simulate import CostModelRunner, SimClock
+    from radixserve.policies import load_eviction_policy, load_schedule_policy
+    from radixserve.sampling_params import SamplingParams
+
+    clock = SimClock()
+    sched = Scheduler(CONFIG, CacheManager(4000, load_eviction_policy("lru"), clock=clock),
+                      load_schedule_policy("lpm"), clock=clock)
+    outputs = {f"r{i}": [1, 2] for i in range(3)}
+    runner = CostModelRunner(COST, clock, outputs)
+    system = list(range(100, 400))
+    for i in range(3):
+        sched.add_request(f"r{i}", system + [i], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
+    while sched.has_work:
+        sched.process(runner.forward(sched.schedule(), sched.inflight))
+    epoch = sched.lab.cache_stats()["epochs"][-1]
+    assert epoch["requests"] == 3 and epoch["cold_requests"] == 1, "the first computes the system prompt ..."
+    first_step = COST.step_overhead + COST.prefill_per_token * 301
+    assert epoch["max_queue_wait_s"] == pytest.approx(first_step), "... the others wait one step and reuse it"
+    assert 0.05 < epoch["slowest5_ttft_share"] <= 1.0 and epoch["cold_ttft_p99_s"] > 0

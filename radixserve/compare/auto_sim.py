@@ -34,7 +34,8 @@ class ShadowObserver:
             raise ValueError("shadow policies simulate one replica")
         sched = self.live = replicas[0].sched
         sched.tap = ShadowTap()
-        self.lab = ShadowLab(list(self.pairs), sched.config, window_s=self.window_s, cost=replicas[0].runner.cost)
+        self.lab = ShadowLab(list(self.pairs), sched.config, window_s=self.window_s, cost=replicas[0].runner.cost,
+                             calibrated=True)
 
     def step(self, replica: Replica, plan: ForwardPlan, seconds: float) -> None:
         sched, now, lab = replica.sched, replica.clock.now, self.lab

@@ -203,6 +203,7 @@ class ShadowLab:
     horizon: float = 0.0
     live_now: float = 0.0
     requests_seen: int = 0
+    calibrated: bool = False  # ``cost`` already fits the server; else nothing is simulated before a fit (``ready``)
 
     def __post_init__(self) -> None:
         self.config = dataclasses.replace(self.config, eos_ids=frozenset(), queue_timeout_s=None,
@@ -212,10 +213,12 @@ class ShadowLab:
         self.released: list[TraceEntry] = []
         self.offset = 0  # entries before released[0] were added by every pair and dropped
         self.timings: deque[tuple[str, int, int, float]] = deque(maxlen=1024)
+        self.first_fed: float | None = None
 
     # -- the trace in -----------------------------------------------------------------------------------
     def feed(self, msg: ShadowFeed, wall: float | None = None) -> None:
         wall = time.monotonic() if wall is None else wall
+        self.first_fed = wall if self.first_fed is None else self.first_fed
         self.live, self.live_now = (msg.eviction, msg.schedule), msg.now
         if self.capacity is None:
             self.capacity = msg.capacity
@@ -236,6 +239,16 @@ class ShadowLab:
             self.timings.extend((t.mode, t.tokens, t.batch, t.seconds) for t in msg.steps)
             self.refit()
         self._release(wall)
+
+    def ready(self, wall: float) -> bool:
+        """Whether simulating may start: a cost model that was never fitted would make every pair's first
+        minutes wrong (queues that the server never had), so the first steps wait for MIN_FIT_SAMPLES timings
+        of each step kind -- or MAX_LAG_S, for traffic that never decodes."""
+        if not self.calibrated:
+            kinds = [m for m, *_ in self.timings]
+            self.calibrated = min(kinds.count("extend"), kinds.count("decode")) >= MIN_FIT_SAMPLES or (
+                self.first_fed is not None and wall - self.first_fed > MAX_LAG_S)
+        return self.calibrated
 
     def _add_pair(self, pair: Pair) -> PairSim:
         sim = self.sims[pair] = PairSim(pair, self.capacity, self.config, self.cost)
@@ -259,6 +272,8 @@ class ShadowLab:
         than the server catches up while it idles). A pair whose simulation raises is stopped and says why."""
         if wall is not None and not self.pending:
             self.horizon = max(self.horizon, wall - ARRIVAL_SLACK_S)
+        if not self.ready(time.monotonic() if wall is None else wall):
+            return False
         deadline = time.process_time() + budget_s
         behind = [s for s in self.sims.values() if s.error is None]
         while behind and time.process_time() < deadline:
