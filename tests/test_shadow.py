@@ -276,7 +276,8 @@ def test_lpm_concentrates_ttft_on_few_requests():
     """What SGLang users report of LPM under load, in the simulator's numbers: its slowest 5% carry a far larger
     share of all TTFT than FCFS's do."""
     trace = build(WorkloadSpec(kind="few-shot", requests=400, rate=8, groups=4, prefix_tokens=256, noise=0.3))
-    fcfs, lpm = (simulate(trace, "lru", sc, 4096, CostModel()) for sc in ("fcfs", "lpm"))
+    slow = CostModel(prefill_per_token=0.002, decode_per_step=0.035, decode_per_seq=0.003)  # more than it serves
+    fcfs, lpm = (simulate(trace, "lru", sc, 4096, slow) for sc in ("fcfs", "lpm"))
     assert lpm.slowest5_ttft_share > 1.4 * fcfs.slowest5_ttft_share
     assert fcfs.max_queue_wait_s > 0 and lpm.cold_ttft_p99_s is not None
 
@@ -303,3 +304,22 @@ def test_epochs_record_cold_requests_and_queue_waits():
     first_step = COST.step_overhead + COST.prefill_per_token * 301
     assert epoch["max_queue_wait_s"] == pytest.approx(first_step), "... the others wait one step and reuse it"
     assert 0.05 < epoch["slowest5_ttft_share"] <= 1.0 and epoch["cold_ttft_p99_s"] > 0
+
+
+def test_compare_cli_simulates_auto_policy(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "radixserve", "compare", "--workload", "phase-shift", "--requests",
+                           "240", "--groups", "5", "--prefix-tokens", "256", "--suffix-tokens", "16",
+                           "--output-tokens", "8", "--rate", "1.5", "--eviction", "lru,mru,filo", "--schedule", "fcfs",
+                           "--simulate", "--cache-sizes", "1160", "--auto-policy", "--auto-policy-hold", "3",
+                           "--auto-policy-cooldown", "10", "--shadow-window", "15", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "auto             auto" in proc.stdout and "cold p99" in proc.stdout
+    rows = json.loads((tmp_path / "compare.json").read_text())["results"]
+    auto = next(r for r in rows if r["eviction"] == "auto")
+    assert auto["switches"] and auto["switches"][0]["to"]["eviction"] in ("mru", "filo")
+    assert all(auto["hit_rate"] > r["hit_rate"] for r in rows if r is not auto)

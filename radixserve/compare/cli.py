@@ -4,6 +4,7 @@
         --simulate --cache-sizes 1024,2048,4096,8192
     radixserve compare --trace my.jsonl --live http://127.0.0.1:30000 --simulate   # side by side, same trace
     radixserve compare --workload few-shot --save-trace few-shot.jsonl            # just write the trace
+    radixserve compare --workload phase-shift --eviction lru,mru,filo --schedule fcfs --simulate --auto-policy
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from radixserve.compare import report, trace as trace_io
+from radixserve.compare.auto_policy import METRICS, AutoPolicy
+from radixserve.compare.auto_sim import simulate_auto
 from radixserve.compare.simulate import CostModel, simulate
 from radixserve.compare.workloads import KINDS, WorkloadSpec, build
 
@@ -39,6 +42,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="simulate this many --dp replicas (each with the cache size), requests routed by --routing")
     s.add_argument("--routing", default="cache-aware,round-robin",
                    help="comma-separated routing policies to compare, with --replicas > 1")
+    s.add_argument("--auto-policy", action="store_true",
+                   help="also simulate a server that starts with the first pair and switches among all the pairs "
+                        "with --auto-policy (shadows replaying the trace beside it); its rows read auto/auto")
+    s.add_argument("--auto-policy-metric", default="ttft_mean_s", choices=sorted(METRICS))
+    s.add_argument("--auto-policy-margin", type=float, default=0.1)
+    s.add_argument("--auto-policy-hold", type=float, default=10.0, help="seconds of trace")
+    s.add_argument("--auto-policy-cooldown", type=float, default=30.0, help="seconds of trace")
+    s.add_argument("--shadow-window", type=float, default=60.0, help="seconds of trace the shadows' statistics cover")
     cost = CostModel()
     s.add_argument("--prefill-cost", type=float, default=cost.prefill_per_token, help="seconds per prompt token")
     s.add_argument("--decode-step-cost", type=float, default=cost.decode_per_step, help="seconds per decode step")
@@ -49,6 +60,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     live.add_argument("--live", metavar="URL", help="replay against a running server, once per policy pair")
     live.add_argument("--time-scale", type=float, default=1.0, help="stretch (>1) or squeeze arrival times")
     p.add_argument("--out", default="compare-results", help="folder for the JSON and PNG files")
+
+
+def simulate_auto_row(args: argparse.Namespace, requests, pairs, size: int, cost: CostModel, bar) -> dict:
+    """The simulated --auto-policy server's result, with the switches it made."""
+    if args.replicas > 1:
+        raise SystemExit("--auto-policy simulates one replica: drop --replicas")
+    auto = AutoPolicy(args.auto_policy_metric, args.auto_policy_margin, args.auto_policy_hold,
+                      args.auto_policy_cooldown)
+    result, switches, _ = simulate_auto(requests, pairs, size, cost, auto, args.shadow_window,
+                                        max_running=args.max_running, chunk=args.chunk, progress=bar)
+    return {**result.to_dict(), "switches": [s.to_dict() for s in switches]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,11 +120,14 @@ def run(args: argparse.Namespace) -> int:
             for name in routings:  # fail fast on a typo
                 load_routing_policy(name)
         jobs = [(ev, sc, size, routing) for size in sizes for ev, sc in pairs for routing in routings]
-        with tqdm(total=len(jobs) * len(requests), desc="simulating", unit="req") as bar:
+        autos = sizes if args.auto_policy else []
+        with tqdm(total=(len(jobs) + len(autos)) * len(requests), desc="simulating", unit="req") as bar:
             for ev, sc, size, routing in jobs:
                 result = simulate(requests, ev, sc, size, cost, args.max_running, args.chunk, progress=bar,
                                   replicas=args.replicas, routing=routing)
                 rows.append({"mode": "sim", **result.to_dict()})
+            for size in autos:
+                rows.append({"mode": "sim", **simulate_auto_row(args, requests, pairs, size, cost, bar)})
     payload["results"] = rows
     print(report.table(rows))
     if live_results:

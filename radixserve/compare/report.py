@@ -18,15 +18,20 @@ def label(r: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'mode':5} {'eviction':10} {'schedule':11} {'routing':>16} {'cache':>7} {'reqs':>6} {'hit rate':>8} {'TTFT p50':>9} " \
-           f"{'TTFT p99':>9} {'tok/s':>8} {'evicted':>8}"
+    """One line per run; the starvation columns: cold requests' TTFT p99 and the share of all TTFT the slowest
+    5% carry."""
+    head = f"{'mode':5} {'eviction':16} {'schedule':16} {'routing':>16} {'cache':>7} {'reqs':>6} {'hit rate':>8} " \
+           f"{'TTFT p50':>9} {'mean':>9} {'TTFT p99':>9} {'cold p99':>9} {'slow 5%':>7} {'tok/s':>8} {'evicted':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         routing = f"{r['routing']} x{r['replicas']}" if r.get("replicas", 1) > 1 else "-"
-        lines.append(f"{r['mode']:5} {r['eviction']:10} {r['schedule']:11} {routing:>16} {r['cache_tokens']:>7} "
-                     f"{r['requests']:>6} "
-                     f"{r['hit_rate']:>8.3f} {fmt_s(r['ttft_p50_s']):>9} {fmt_s(r['ttft_p99_s']):>9} "
-                     f"{r['throughput_tokens_per_s']:>8.1f} {r.get('evicted_tokens', '-')!s:>8}")
+        cold, share, avg = r.get("cold_ttft_p99_s"), r.get("slowest5_ttft_share"), r.get("ttft_mean_s")
+        lines.append(f"{r['mode']:5} {r['eviction']:16} {r['schedule']:16} {routing:>16} {r['cache_tokens']:>7} "
+                     f"{r['requests']:>6} {r['hit_rate']:>8.3f} {fmt_s(r['ttft_p50_s']):>9} "
+                     f"{fmt_s(avg if avg is not None else float('nan')):>9} "
+                     f"{fmt_s(r['ttft_p99_s']):>9} {fmt_s(cold if cold is not None else float('nan')):>9} "
+                     f"{'-' if share is None else f'{share:.0%}':>7} {r['throughput_tokens_per_s']:>8.1f} "
+                     f"{r.get('evicted_tokens', '-')!s:>8}")
     return "\n".join(lines)
 
 

@@ -32,12 +32,14 @@ from radixserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds. Defaults: SmolLM2-135M bf16 on 2 CPU cores, as calibrated in this project's benchmarks."""
+    """Seconds. Defaults: SmolLM2-135M bf16 on 2 CPU cores with the native decode step, as the shadow fitted
+    them to a live server in this project's benchmarks (``make bench``, stage shadow); ``--calibrate URL`` fits
+    them to yours."""
 
-    prefill_per_token: float = 0.002
-    decode_per_step: float = 0.035
-    decode_per_seq: float = 0.003
-    step_overhead: float = 0.001
+    prefill_per_token: float = 0.0003
+    decode_per_step: float = 0.002
+    decode_per_seq: float = 0.0016
+    step_overhead: float = 0.016
 
     def step(self, plan: ForwardPlan) -> float:
         if plan.mode == "decode":
