@@ -34,6 +34,7 @@ ACTOR_MODULES = {
     "runner": "radixserve.actors.runner_actor",
     "shadow": "radixserve.actors.shadow_actor",
 }
+OPTIONAL_ACTORS = {"shadow"}  # actors the server can serve without (their death is logged, not fatal)
 READY_TIMEOUT_S = 600.0
 NODE_SILENCE_S = 10.0  # a node not heard from for this long (or --dist-timeout, if shorter) is taken for dead
 
@@ -80,6 +81,7 @@ class Launcher:
         self.link = (NodeLink(self.endpoints.node_link(), args.node_rank, args.nnodes,
                               min(args.dist_timeout, NODE_SILENCE_S)) if args.nnodes > 1 else None)
         self.processes: dict[str, mp.process.BaseProcess] = {}
+        self.lost: set[str] = set()  # optional actors that have died
         self.info: dict[str, dict] = {}
 
     def start(self) -> None:
@@ -146,8 +148,19 @@ class Launcher:
                 "intermediate_size": m.intermediate_size}
 
     def dead(self) -> list[tuple[str, int]]:
-        """(name, exit code) of every actor that is no longer running."""
-        return [(n, p.exitcode) for n, p in self.processes.items() if p.exitcode is not None]
+        """(name, exit code) of every actor that is no longer running and that serving needs: the shadow only
+        watches, so its death is logged (once) and the server goes on without it."""
+        out = []
+        for name, proc in self.processes.items():
+            if proc.exitcode is None:
+                continue
+            if name in OPTIONAL_ACTORS:
+                if name not in self.lost:
+                    self.lost.add(name)
+                    log.error("the %s actor exited with code %d; serving goes on without it", name, proc.exitcode)
+                continue
+            out.append((name, proc.exitcode))
+        return out
 
     def failure(self) -> str | None:
         """Why the server must end (an actor here died, another node ended or fell silent), or None."""

@@ -233,7 +233,9 @@ class ShadowArrival(msgspec.Struct, array_like=True):
 
 class ShadowEnd(msgspec.Struct, array_like=True):
     rid: str
+    at: float  # its arrival (with the rid, names the request: a client may reuse a rid)
     output: np.ndarray  # every token it generated (none if it ended before its first)
+    admitted: bool  # False: it ended (aborted, timed out) before it ever ran
 
 
 class StepTiming(msgspec.Struct, array_like=True):
@@ -253,6 +255,7 @@ class ShadowFeed(msgspec.Struct, tag="shadow_feed"):
     arrivals: list[ShadowArrival]
     ends: list[ShadowEnd]
     steps: list[StepTiming]
+    dropped: int = 0  # events the scheduler dropped since the last feed (the shadow's inbox stayed full)
 
 
 # -- shadow -> scheduler, shadow -> api ---------------------------------------------------------------------

@@ -2,7 +2,8 @@
 process of its own at the lowest CPU priority (SCHED_IDLE), so that it takes only CPU time the serving actors
 leave idle.
 Every REPORT_INTERVAL_S it sends the api a ShadowReport and, with --auto-policy, may tell the scheduler to switch.
-It never waits on anyone: a lagging shadow reports a larger ``lag_s``, serving goes on at full speed.
+It never waits on anyone: a pair short of CPU reports a larger ``behind_s``, serving goes on at full speed; if
+this process dies the server serves on without it.
 """
 from __future__ import annotations
 
@@ -33,10 +34,13 @@ class ShadowActor:
         while True:
             if not self.behind:  # nothing to simulate: wait for the trace (or the next report)
                 await self.channel.inbox.poll(REPORT_INTERVAL_S * 1000)
-            try:
-                for msg in await self.channel.recv_ready():
+            for msg in await self.channel.recv_ready():
+                try:
                     if isinstance(msg, ShadowFeed):
                         self.lab.feed(msg)
+                except Exception:  # one bad feed must not lose the others
+                    log.exception("internal error on a shadow feed; going on with the next")
+            try:
                 self.behind = self.lab.advance(SLICE_S, wall=time.monotonic())  # the scheduler's clock too
                 if time.monotonic() - self._last_report >= REPORT_INTERVAL_S:
                     await self.report()
@@ -60,6 +64,7 @@ class ShadowActor:
             if switch is not None:
                 log.info("auto-policy: %s/%s -> %s/%s: %s", *switch.old, *switch.new, switch.reason)
                 await self.channel.send("scheduler", PolicySwitch(*switch.new, switch.reason))
+                lab.live = switch.new  # the scheduler's next feed confirms it (or, if it refused, undoes it)
             body.update(margin=self.auto.margin, hold_s=self.auto.hold_s)
         body["switches"] = [s.to_dict() for s in self.auto.switches] if self.auto else []
         await self.channel.send("api", ShadowReport(body))
@@ -75,7 +80,6 @@ def lowest_cpu_priority() -> None:
 
 def build(spec: ActorSpec, channel: Channel) -> tuple[ShadowActor, dict[str, Any]]:
     args = spec.server_args
-    lowest_cpu_priority()
     pairs = resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
     lab = ShadowLab(pairs, spec.scheduler_config, window_s=args.shadow_window)
     auto = AutoPolicy(args.auto_policy_metric, args.auto_policy_margin, args.auto_policy_hold,
@@ -84,4 +88,5 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[ShadowActor, dict[str, Any
 
 
 def main(spec: ActorSpec) -> None:
+    lowest_cpu_priority()  # before any thread starts (ZeroMQ's I/O threads inherit it)
     run_actor("shadow", spec, ShadowInbox, ("api", "scheduler"), build)

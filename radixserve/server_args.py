@@ -270,8 +270,8 @@ HELP = {
     "auto_policy_metric": "what the leader is best at: ttft_mean_s, ttft_p50_s, ttft_p99_s, cold_ttft_p99_s or "
                           "hit_rate",
     "auto_policy_margin": "how much better (relative) the leader must be, e.g. 0.1 = 10%",
-    "auto_policy_hold": "seconds of traffic the leader must stay ahead before a switch",
-    "auto_policy_cooldown": "seconds of traffic between two switches",
+    "auto_policy_hold": "seconds the leader must stay ahead before a switch",
+    "auto_policy_cooldown": "seconds after any change of the live policies (by hand too) before a switch",
     "served_model_name": "the model name clients pass (default: from the file or folder name)",
     "host": "address to listen on",
     "port": "port to listen on",

@@ -277,3 +277,33 @@ def test_the_simulator_runs_the_new_policies(schedule):
         assert res.cached_tokens > 0, "the shared prefixes were reused"
     assert simulate(trace, "hit-density", schedule, **kw).to_dict() | {"wall_s": None} == \
         results[1].to_dict() | {"wall_s": None}, "deterministic"
+
+
+def test_priority_preempt_retracts_nobody_when_even_all_victims_would_not_make_room():
+    """A high-priority H holds most of a 200-slot pool; A (priority 3) could not fit even if L (priority 0)
+    left, so L keeps running."""
+    from radixserve.actors.scheduler import Scheduler, SchedulerConfig
+    from radixserve.cache import CacheManager
+    from radixserve.compare.simulate import CostModel, CostModelRunner, SimClock
+    from radixserve.policies import load_eviction_policy, load_schedule_policy
+    from radixserve.sampling_params import SamplingParams
+
+    cfg = SchedulerConfig(context_length=4096, vocab_size=50000, eos_ids=frozenset(), chunked_prefill_size=0,
+                          check_invariants=True)
+    clock = SimClock()
+    sched = Scheduler(cfg, CacheManager(200, load_eviction_policy("lru"), clock=clock),
+                      load_schedule_policy("priority-preempt"), clock=clock)
+    runner = CostModelRunner(CostModel(), clock, {"H": [1] * 20, "L": [2] * 20, "A": [3] * 4})
+
+    def params(n):
+        return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+    sched.add_request("H", list(range(1000, 1130)), params(20), priority=5)
+    sched.add_request("L", list(range(2000, 2020)), params(20), priority=0)
+    sched.process(runner.forward(sched.schedule(), sched.inflight))
+    sched.add_request("A", list(range(3000, 3100)), params(4), priority=3)
+    sched.process(runner.forward(sched.schedule(), sched.inflight))
+    assert sched.stats.preemptions == 0 and {r.rid for r in sched.running} == {"H", "L"}
+    while sched.has_work:
+        sched.process(runner.forward(sched.schedule(), sched.inflight))
+    assert sched.stats.preemptions == 0

@@ -1,11 +1,10 @@
 """Shadow policies and --auto-policy: the ShadowLab on hand-made feeds, its agreement with the simulator, the
-hysteresis of AutoPolicy, auto-switching on a workload whose best policy changes halfway, and the server's
-shadow process end to end."""
+hysteresis of AutoPolicy, auto-switching on a workload whose best policy changes halfway, the starvation numbers
+(the server's shadow process: test_shadow_server.py)."""
 from __future__ import annotations
 
-import time
+import json
 
-import httpx
 import numpy as np
 import pytest
 
@@ -17,7 +16,6 @@ from radixserve.compare.shadow import MAX_LAG_S, ShadowLab, fit_cost, resolve_pa
 from radixserve.compare.simulate import CostModel, simulate
 from radixserve.compare.workloads import WorkloadSpec, build
 from radixserve.policies import available
-from radixserve.server_process import ServerProcess
 
 COST = CostModel(prefill_per_token=0.001, decode_per_step=0.012, decode_per_seq=0.001, step_overhead=0.001)
 CONFIG = SchedulerConfig(context_length=4096, vocab_size=50000, eos_ids=frozenset(), chunked_prefill_size=512)
@@ -57,8 +55,8 @@ def arrival(rid: str, at: float, prompt: list[int], max_new: int = 4) -> ShadowA
     return ShadowArrival(rid, at, np.asarray(prompt, dtype=np.int32), max_new)
 
 
-def end(rid: str, output: list[int]) -> ShadowEnd:
-    return ShadowEnd(rid, np.asarray(output, dtype=np.int32))
+def end(rid: str, output: list[int], at: float = 0.0, admitted: bool = True) -> ShadowEnd:
+    return ShadowEnd(rid, at, np.asarray(output, dtype=np.int32), admitted)
 
 
 def test_the_horizon_waits_for_the_oldest_live_request():
@@ -66,7 +64,7 @@ def test_the_horizon_waits_for_the_oldest_live_request():
     system = list(range(100, 400))
     lab.feed(feed(0.0, [arrival("a", 0.0, system + [1]), arrival("b", 0.5, system + [2])]), wall=0.0)
     assert lab.horizon == 0.0 and not lab.released, "nothing ended: nothing may be simulated"
-    lab.feed(feed(1.0, ends=[end("b", [7, 7, 7, 7])]), wall=1.0)
+    lab.feed(feed(1.0, ends=[end("b", [7, 7, 7, 7], at=0.5)]), wall=1.0)
     assert lab.horizon == 0.0 and not lab.released, "b ended, but a (older) is still live"
     lab.feed(feed(2.0, ends=[end("a", [5, 5, 5, 5])]), wall=2.0)
     assert [e.rid for e in lab.released] == ["a", "b"] and lab.horizon == 2.0
@@ -117,6 +115,97 @@ def test_a_pair_switched_to_by_hand_is_shadowed_from_then_on():
         "it starts with the first request not yet released when it joined"
     assert AutoPolicy(min_requests=0).leader(list(rows.values()))["eviction"] == "lru", \
         "a pair that joined late is never the leader: its numbers cover less of the trace"
+
+
+def test_a_policy_that_cannot_load_or_raises_stops_its_pair_only(monkeypatch):
+    import radixserve.compare.shadow as shadow
+
+    class Boom:
+        name = "boom"
+
+        def key(self, node, now):
+            raise RuntimeError("boom")
+
+    real = shadow.load_eviction_policy
+
+    def load(name):
+        if name == "nope":
+            raise ValueError("eviction policy 'nope' failed to load")
+        return Boom() if name == "boom" else real(name)
+
+    monkeypatch.setattr(shadow, "load_eviction_policy", load)
+    lab = ShadowLab([("lru", "fcfs"), ("nope", "fcfs"), ("boom", "fcfs")], CONFIG, cost=COST, calibrated=True)
+    system = list(range(100, 400))
+    lab.feed(feed(0.0, [arrival(f"r{i}", i, system + [i]) for i in range(6)]), wall=0.0)
+    lab.feed(feed(9.0, ends=[end(f"r{i}", [1, 2, 3, 4], at=i) for i in range(6)], capacity=400), wall=9.0)
+    lab.feed(feed(10.0, pair=("nope", "fcfs")), wall=10.0)  # switched by hand to it: still refused, never fatal
+    lab.advance(float("inf"))
+    report = lab.report()
+    assert [p["eviction"] for p in report["failed_pairs"]] == ["nope"] and ("nope", "fcfs") not in lab.sims
+    rows = {r["eviction"]: r for r in report["pairs"]}
+    assert rows["lru"]["requests"] == 6 and rows["lru"]["error"] is None
+    assert "boom" in rows["boom"]["error"], "its numbers are the fallback's: marked, so it is never the leader"
+    assert AutoPolicy(min_requests=1).leader(report["pairs"])["eviction"] == "lru"
+
+
+def test_a_reused_rid_and_requests_that_never_ran():
+    lab = ShadowLab([("lru", "fcfs")], CONFIG, cost=COST, calibrated=True)
+    lab.feed(feed(0.0, [arrival("x", 0.0, [5] * 40)]), wall=0.0)
+    lab.feed(feed(1.0, [arrival("x", 1.0, [6] * 40), arrival("gone", 1.0, [7] * 40)],
+                  ends=[end("x", [1, 1], at=0.0)]), wall=1.0)
+    lab.feed(feed(2.0, ends=[end("x", [2, 2, 2], at=1.0), end("gone", [], at=1.0, admitted=False)]), wall=2.0)
+    assert [(e.rid, e.output) for e in lab.released] == [("x", [1, 1]), ("x", [2, 2, 2])], \
+        "each x keeps its own answer; the one aborted before it ran is not replayed"
+    assert not lab.pending and not lab.by_rid and lab.horizon == 2.0
+
+
+def test_the_tap_is_bounded_and_a_gap_restarts_the_pending_trace(monkeypatch):
+    import radixserve.actors.scheduler.shadow_tap as tap_module
+    from radixserve.actors.scheduler.shadow_tap import ShadowTap
+
+    monkeypatch.setattr(tap_module, "MAX_KEPT", 10)
+
+    class FakeReq:
+        def __init__(self, i):
+            self.rid, self.arrival, self.prompt_ids, self.max_new_tokens, self.priority = f"r{i}", i, [1, 2], 2, 0
+            self.output_ids, self.cached_tokens = [3], 0
+
+    tap = ShadowTap()
+    for i in range(25):
+        tap.arrived(FakeReq(i))
+    assert len(tap.arrivals) <= 10 and tap.dropped > 0
+    msg = tap.feed(30.0, "lru", "fcfs", 2000)
+    lab = ShadowLab([("lru", "fcfs")], CONFIG, cost=COST, calibrated=True)
+    lab.feed(feed(0.0, [arrival("old", 0.0, [5] * 40)]), wall=0.0)
+    lab.feed(msg, wall=30.0)
+    assert lab.gaps == 1 and all(e.rid != "old" for e in lab.pending), "what was pending before the gap is gone"
+    tap.sent(30.0)
+    assert not tap.pending and tap.dropped == 0
+
+
+def test_adopting_the_running_pair_changes_nothing():
+    from radixserve.actors.scheduler import Scheduler
+    from radixserve.cache import CacheManager
+    from radixserve.policies import load_eviction_policy, load_schedule_policy
+
+    sched = Scheduler(CONFIG, CacheManager(100, load_eviction_policy("gdsf")), load_schedule_policy("fcfs"))
+    policy = sched.cache.eviction_policy
+    sched.lab.adopt("gdsf", "fcfs", reason="auto-policy: test")
+    assert len(sched.lab.epochs) == 1
+    sched.lab.adopt("gdsf", "lpm", reason="auto-policy: test")
+    assert sched.cache.eviction_policy is policy and sched.lab.policy.name == "lpm", "gdsf keeps its clock"
+    assert sched.lab.epochs[-1].reason == "auto-policy: test"
+
+
+def test_auto_policy_respects_a_hand_switch_for_a_cooldown():
+    auto = AutoPolicy(margin=0.1, hold_s=0, cooldown_s=20, min_requests=1)
+    assert auto.decide(0, ("lru", "fcfs"), [row("lru", 1.0), row("mru", 1.0)]) is None
+    assert auto.decide(5, ("lfu", "fcfs"), [row("lfu", 1.0), row("mru", 0.5)]) is None, "switched by hand at 5"
+    assert auto.decide(24, ("lfu", "fcfs"), [row("lfu", 1.0), row("mru", 0.5)]) is None
+    assert auto.decide(25, ("lfu", "fcfs"), [row("lfu", 1.0), row("mru", 0.5)]).new == ("mru", "fcfs")
+    late = {**row("gdsf", 1.0), "started": 30.0}
+    assert auto.decide(60, ("gdsf", "fcfs"), [late, row("mru", 0.5)]) is None, \
+        "a live pair shadowed only since a hand switch is no fair baseline"
 
 
 def row(ev: str, ttft: float, requests: int = 20) -> dict:
@@ -183,79 +272,6 @@ def test_auto_policy_beats_every_fixed_policy_when_the_best_one_changes():
     assert switches[-1].new == ("lru", "fcfs"), "the drifting hot prefix: back to recency"
     epochs = obs.live.lab.epochs
     assert len(epochs) == len(switches) + 1 and all(e.reason.startswith("auto-policy: ") for e in epochs[1:])
-
-
-# -- the server's shadow process ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def shadow_server(tiny_models):
-    server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32",
-                           "--max-total-tokens", "300", "--served-model-name", "tiny",
-                           "--shadow-policies", "lru,mru,lfu", "--auto-policy", "--auto-policy-hold", "0",
-                           "--auto-policy-cooldown", "0", "--auto-policy-margin", "0.05", "--shadow-window", "600")
-    yield server
-    server.stop()
-
-
-def generate(url: str, ids: list[int]) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
-    return httpx.post(url + "/generate", json=body, timeout=60).json()
-
-
-def test_shadows_report_and_auto_policy_switches_on_a_scan(shadow_server):
-    """Four 90-token prefixes cycled through a 300-token pool: LRU always evicts the one that comes back next,
-    MRU keeps some; the shadow sees it and --auto-policy switches the server to mru."""
-    url = shadow_server.url
-    prefixes = [[1000 + 100 * p + i for i in range(90)] for p in range(4)]
-    for i in range(32):
-        generate(url, prefixes[i % 4] + [5 + i])
-    report = {}
-    for _ in range(100):  # the shadow reports once a second
-        report = httpx.get(url + "/policies/shadow").json()
-        if report.get("switches") and sum(r["requests"] for r in report["pairs"]) == 3 * 32:
-            break
-        time.sleep(0.2)
-    assert report["enabled"] and report["auto_policy"] and report["window_s"] == 600
-    rows = {r["eviction"]: r for r in report["pairs"]}
-    assert set(rows) == {"lru", "mru", "lfu"} and all(r["schedule"] == "fcfs" for r in rows.values())
-    assert rows["mru"]["hit_rate"] > rows["lru"]["hit_rate"], rows
-    assert report["switches"] and report["switches"][0]["to"]["eviction"] == "mru"
-    assert "better" in report["switches"][0]["reason"]
-    stats = httpx.get(url + "/cache/stats").json()
-    assert stats["shadow"]["pairs"] and stats["epochs"][-1]["eviction"] == "mru"
-    assert stats["epochs"][-1]["reason"].startswith("auto-policy: mru/fcfs")
-    assert httpx.get(url + "/policies").json()["eviction"]["current"] == "mru"
-    metrics = httpx.get(url + "/metrics").text
-    assert 'radixserve_shadow_cache_hit_rate{eviction="mru",schedule="fcfs"}' in metrics
-    assert "radixserve_auto_policy_switches 1.0" in metrics or "radixserve_auto_policy_switches 2.0" in metrics
-    for key in ("cold_ttft_p99_s", "max_queue_wait_s", "slowest5_ttft_share"):
-        assert rows["lru"][key] is not None and stats["epochs"][0][key] is not None, key
-
-
-def test_without_shadows_the_route_says_how_to_turn_them_on(tiny_server):
-    body = httpx.get(tiny_server.url + "/policies/shadow").json()
-    assert body["enabled"] is False and "--shadow-policies" in body["message"]
-    assert httpx.get(tiny_server.url + "/cache/stats").json()["shadow"]["enabled"] is False
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--auto-policy"], "give --shadow-policies"),
-    (["--shadow-policies", "lru,nope"], "neither an eviction policy"),
-    (["--shadow-policies", "all", "--disable-radix-cache"], "no cache to compare"),
-    (["--shadow-policies", "all", "--auto-policy-metric", "speed"], "choose one of"),
-])
-def test_bad_shadow_flags_are_refused(flags, message):
-    from radixserve.server_args import ServerArgs
-
-    kw = {}
-    it = iter(flags)
-    for flag in it:
-        name = flag[2:].replace("-", "_")
-        kw[name] = True if name in ("auto_policy", "disable_radix_cache") else next(it)
-    with pytest.raises(ValueError, match=message):
-        args = ServerArgs(**kw)
-        from radixserve.compare.shadow import resolve_pairs
-
-        resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
 
 
 # -- starvation numbers ---------------------------------------------------------------------------------------

@@ -69,9 +69,9 @@ class Metrics:
             self.shadow_switches = Gauge("radixserve_auto_policy_switches", "switches made by --auto-policy",
                                          registry=r)
         for row in report.get("pairs", ()):
-            for key, gauge in self.shadow_gauges.items():
-                if row.get(key) is not None:
-                    gauge.labels(row["eviction"], row["schedule"]).set(row[key])
+            for key, gauge in self.shadow_gauges.items():  # NaN: nothing to measure in the window now
+                value = row.get(key)
+                gauge.labels(row["eviction"], row["schedule"]).set(float("nan") if value is None else value)
         self.shadow_lag.set(report.get("lag_s", 0.0))
         self.shadow_switches.set(len(report.get("switches", ())))
 

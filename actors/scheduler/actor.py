@@ -120,6 +120,8 @@ class SchedulerActor:
                      msg.reason)
             try:
                 sched.lab.adopt(msg.eviction, msg.schedule, reason=f"auto-policy: {msg.reason}")
+                if sched.tap is not None:
+                    sched.tap.force = True  # the shadow learns the live pair now, not with the next request
             except ValueError as exc:
                 log.error("auto-policy: the switch was refused: %s", exc)
 

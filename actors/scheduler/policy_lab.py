@@ -51,8 +51,10 @@ class PolicyLab:
     def adopt(self, eviction: str, schedule: str, reason: str) -> None:
         """Run this pair (--auto-policy): only the policy that differs is replaced, an unchanged one keeps its
         object and its state (e.g. GDSF's clock)."""
-        self.switch(eviction if eviction != self.cache.eviction_policy.name else None,
-                    schedule if schedule != self.policy.name else None, reason)
+        eviction = eviction if eviction != self.cache.eviction_policy.name else None
+        schedule = schedule if schedule != self.policy.name else None
+        if eviction or schedule:  # already running it: nothing to do
+            self.switch(eviction, schedule, reason)
 
     def info(self) -> dict[str, Any]:
         """What GET /policies shows: the current policies, the available ones, errors of failed policies."""

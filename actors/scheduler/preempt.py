@@ -10,13 +10,19 @@ from radixserve.policies.base import SchedulePolicy
 DEFAULT_MAX_PREEMPTIONS = 2  # a preempting policy's ``max_preemptions``, when it has none
 
 
+def victims(policy: SchedulePolicy, running: list[Req], req: Req) -> list[Req]:
+    """The running requests ``req`` may take the place of: strictly lower priority, preempted fewer than the
+    policy's ``max_preemptions`` times; none if the policy does not preempt."""
+    if not getattr(policy, "preempt", False):
+        return []
+    limit = getattr(policy, "max_preemptions", DEFAULT_MAX_PREEMPTIONS)
+    return [r for r in running if r.priority < req.priority and r.preemptions < limit]
+
+
 def pick_victim(policy: SchedulePolicy, running: list[Req], req: Req) -> Req | None:
     """The running request to retract so that ``req`` fits: one of strictly lower priority, retracted so fewer
     than the policy's ``max_preemptions`` times (after that it runs to the end, so nothing starves); the lowest
     priority first, then the fewest generated tokens (it loses least), then the longest (it frees most). None if
     the policy does not preempt or no running request may be retracted for ``req``."""
-    if not getattr(policy, "preempt", False):
-        return None
-    limit = getattr(policy, "max_preemptions", DEFAULT_MAX_PREEMPTIONS)
-    candidates = [r for r in running if r.priority < req.priority and r.preemptions < limit]
-    return min(candidates, key=lambda r: (r.priority, len(r.output_ids), -r.seq_len), default=None)
+    return min(victims(policy, running, req), key=lambda r: (r.priority, len(r.output_ids), -r.seq_len),
+               default=None)

@@ -21,7 +21,7 @@ from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError
 from radixserve.actors.scheduler.plan import Step, build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
-from radixserve.actors.scheduler.preempt import pick_victim
+from radixserve.actors.scheduler.preempt import pick_victim, victims
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.runner_state import RunnerState
 from radixserve.actors.scheduler.shadow_tap import ShadowTap
@@ -360,7 +360,13 @@ class Scheduler:
 
     def _preempt_for(self, req: Req, adder: PrefillAdder) -> bool:
         """A preempting policy's first choice ``req`` found no KV room: retract lower-priority running requests
-        (preempt.pick_victim) until it is admitted (True) or none may go (False)."""
+        (preempt.pick_victim) until it is admitted (True) or none may go (False). Nobody is retracted when even
+        all of them together would not make room: their KV (counted whole, though part of it may stay shared
+        with others) and the decode room kept for them."""
+        could_free = sum(v.kv_len + adder.future_tokens(v) for v in victims(self.policy, self.running, req))
+        need = min(req.extend_len, adder.tokens_left) + adder.future_tokens(req)
+        if self.cache.available - adder.reserved + could_free < need:
+            return False
         while adder.short_of_kv and (victim := pick_victim(self.policy, self.running, req)) is not None:
             adder.unreserve(victim)
             victim.preemptions += 1

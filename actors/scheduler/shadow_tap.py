@@ -8,6 +8,8 @@ from radixserve.actors.messages import ShadowArrival, ShadowEnd, ShadowFeed, Ste
 from radixserve.actors.scheduler.req import Req
 
 FEED_INTERVAL_S = 0.2
+MAX_KEPT = 50000  # arrivals + ends kept for a shadow that takes no feed
+MAX_STEPS = 1024  # step timings per feed (the shadow fits its cost model to the newest 1024)
 
 
 class ShadowTap:
@@ -16,20 +18,33 @@ class ShadowTap:
         self.ends: list[ShadowEnd] = []
         self.steps: list[StepTiming] = []
         self.last_sent = float("-inf")
+        self.dropped = 0
+        self.force = False  # feed at the next chance even with nothing new (the policies just changed)
 
     def arrived(self, req: Req) -> None:
         self.arrivals.append(ShadowArrival(req.rid, req.arrival, array(req.prompt_ids), req.max_new_tokens,
                                            req.priority))
+        self._bound()
+
+    def _bound(self) -> None:
+        """A shadow that takes no feeds for long (stuck, or far behind) must not grow the scheduler: past
+        MAX_KEPT events the trace so far is dropped, and the next feed says so (the shadow starts over)."""
+        if len(self.arrivals) + len(self.ends) > MAX_KEPT:
+            self.dropped += len(self.arrivals) + len(self.ends)
+            self.arrivals, self.ends = [], []
 
     def ended(self, req: Req) -> None:
-        self.ends.append(ShadowEnd(req.rid, array(req.output_ids)))
+        self.ends.append(ShadowEnd(req.rid, req.arrival, array(req.output_ids), req.cached_tokens is not None))
+        self._bound()
 
     def step(self, mode: str, tokens: int, batch: int, seconds: float) -> None:
         self.steps.append(StepTiming(mode, tokens, batch, seconds))
+        if len(self.steps) >= 2 * MAX_STEPS:  # only the newest are ever sent
+            del self.steps[:MAX_STEPS]
 
     @property
     def pending(self) -> bool:
-        return bool(self.arrivals or self.ends or self.steps)
+        return bool(self.arrivals or self.ends or self.steps or self.dropped or self.force)
 
     def due(self, now: float) -> bool:
         return self.pending and now - self.last_sent >= FEED_INTERVAL_S
@@ -37,8 +52,9 @@ class ShadowTap:
     def feed(self, now: float, eviction: str, schedule: str, capacity: int) -> ShadowFeed:
         """Everything collected since the last feed the shadow took (``sent`` clears it; a feed its full inbox
         refused is sent again, grown, the next time: the trace never has holes)."""
-        return ShadowFeed(now, eviction, schedule, capacity, self.arrivals, self.ends, self.steps)
+        return ShadowFeed(now, eviction, schedule, capacity, self.arrivals, self.ends, self.steps[-MAX_STEPS:],
+                          self.dropped)
 
     def sent(self, now: float) -> None:
         self.arrivals, self.ends, self.steps = [], [], []
-        self.last_sent = now
+        self.last_sent, self.dropped, self.force = now, 0, False

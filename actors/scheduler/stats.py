@@ -68,14 +68,20 @@ class PolicyEpoch:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
-    ttft: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)  # the first MAX_TTFT_SAMPLES (percentiles come from them)
     cold_ttft: list[float] = field(default_factory=list)  # of requests that reused nothing
     waits: list[float] = field(default_factory=list)  # arrival to admission
+    cold_requests: int = 0  # all of them, past the samples too
+    max_wait: float | None = None
+    summary: dict[str, Any] | None = None  # a closed epoch's latency figures, computed once at close
 
     def finished(self, prompt_tokens: int, cached_tokens: int, ttft: float | None, wait: float | None) -> None:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
+        self.cold_requests += cached_tokens == 0
+        if wait is not None and (self.max_wait is None or wait > self.max_wait):
+            self.max_wait = wait
         if len(self.ttft) >= MAX_TTFT_SAMPLES:
             return
         if ttft is not None:
@@ -86,7 +92,17 @@ class PolicyEpoch:
             self.waits.append(wait)
 
     def close(self, now: float, evicted_total: int) -> None:
+        """The epoch is over: its figures are final, so they are computed once and its samples let go (a
+        server that switches often keeps many epochs)."""
         self.ended, self.evicted_at_end = now, evicted_total
+        self.summary = self.latency()
+        self.ttft, self.cold_ttft, self.waits = [], [], []
+
+    def latency(self) -> dict[str, Any]:
+        if self.summary is not None:
+            return self.summary
+        return {**latency_summary(self.ttft, self.cold_ttft, self.waits), "cold_requests": self.cold_requests,
+                "max_queue_wait_s": self.max_wait}
 
     def to_dict(self, now: float, evicted_total: int) -> dict[str, Any]:
         end = self.ended if self.ended is not None else now
@@ -106,5 +122,5 @@ class PolicyEpoch:
             "evicted_tokens": evicted,
             "generated_tokens": self.generated_tokens,
             "throughput_tokens_per_s": self.generated_tokens / duration,
-            **latency_summary(self.ttft, self.cold_ttft, self.waits),
+            **self.latency(),
         }

@@ -38,6 +38,8 @@ class AutoPolicy:
     min_requests: int = 8
     switches: list[Switch] = field(default_factory=list)
     _leading: tuple[Pair, float] | None = None  # the challenger and since when it has led by the margin
+    _live: Pair | None = None  # the live pair at the last evaluation
+    _changed: float = float("-inf")  # when the live pair last changed (by us or by hand): the cooldown's start
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -58,9 +60,13 @@ class AutoPolicy:
 
     def decide(self, now: float, live: Pair, rows: list[dict]) -> Switch | None:
         """Called at each evaluation with the shadow rows; the switch to make now, if any (recorded)."""
+        if live != self._live:  # a switch (ours, or by hand: that one is respected for a cooldown too)
+            self._live, self._changed = live, now if self._live is not None else self._changed
+            self._leading = None
         best = self.leader(rows)
         mine = next((r for r in rows if (r["eviction"], r["schedule"]) == live), None)
-        if best is None or mine is None or self.score(mine) is None:
+        if best is None or mine is None or mine.get("started") is not None or self.score(mine) is None:
+            # (a live pair shadowed only since a hand switch has a colder cache: no fair baseline)
             self._leading = None
             return None
         pair = (best["eviction"], best["schedule"])
@@ -72,7 +78,7 @@ class AutoPolicy:
         if self._leading is None or self._leading[0] != pair:
             self._leading = (pair, now)
         held = now - self._leading[1]
-        cooled = not self.switches or now - self.switches[-1].at >= self.cooldown_s
+        cooled = now - self._changed >= self.cooldown_s
         if held < self.hold_s or not cooled:
             return None
         reason = (f"{pair[0]}/{pair[1]} {self.metric} {best[self.metric]:.4g} vs live {live[0]}/{live[1]} "
@@ -80,5 +86,5 @@ class AutoPolicy:
                   f"({best['requests']} vs {mine['requests']} requests), leading for {held:.1f}s")
         switch = Switch(now, live, pair, reason)
         self.switches.append(switch)
-        self._leading = None
+        self._leading, self._live, self._changed = None, pair, now
         return switch

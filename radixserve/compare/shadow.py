@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 Pair = tuple[str, str]  # (eviction, schedule)
 MAX_LAG_S = 60.0  # a live request older than this is released with its output budget as a stand-in output
 MIN_FIT_SAMPLES = 8
+MAX_BACKLOG = 20000  # released requests a pair may be behind before it is stopped
 ARRIVAL_SLACK_S = 1.0  # an arrival reaches the shadow within this long (the scheduler feeds it every 0.2 s)
 
 
@@ -81,8 +82,8 @@ def fit_cost(samples: Iterable[tuple[str, int, int, float]], base: CostModel) ->
     if len(ext) >= MIN_FIT_SAMPLES:
         if np.ptp(ext[:, 0]) > 0:
             per_token, overhead = map(float, np.polyfit(ext[:, 0], ext[:, 1], 1))
-        else:  # every step the same size: the overhead cannot be told apart, keep it
-            overhead = cost.step_overhead
+        else:  # every step the same size: the overhead cannot be told apart; at most half the step is overhead
+            overhead = min(cost.step_overhead, float(ext[:, 1].mean()) / 2)
             per_token = float((ext[:, 1].mean() - overhead) / max(ext[0, 0], 1))
         cost = dataclasses.replace(cost, prefill_per_token=max(per_token, 1e-7), step_overhead=max(overhead, 0.0))
     if len(dec) >= MIN_FIT_SAMPLES:
@@ -99,10 +100,11 @@ def fit_cost(samples: Iterable[tuple[str, int, int, float]], base: CostModel) ->
 class TraceEntry:
     rid: str
     at: float  # the live scheduler's arrival time
-    prompt: list[int]
+    prompt: np.ndarray  # int32: a long backlog stays 4 bytes a token
     max_new_tokens: int
     priority: int
     output: list[int] | None = None  # known once the live request has ended
+    admitted: bool = True  # False: it ended live before it was ever admitted
     seen: float = 0.0  # wall time the shadow heard of it
 
 
@@ -164,10 +166,11 @@ class PairSim:
     def add(self, entry: TraceEntry) -> None:
         self.cursor += 1
         output = entry.output or []
-        self.outputs[entry.rid] = output
+        self.outputs[entry.rid] = output  # a client may reuse a rid, but never while it is live
         params = SamplingParams(max_new_tokens=len(output), temperature=0, ignore_eos=True)
         try:
-            self.sched.add_request(entry.rid, entry.prompt, params, priority=entry.priority, arrival=entry.at)
+            self.sched.add_request(entry.rid, entry.prompt.tolist(), params, priority=entry.priority,
+                                   arrival=entry.at)
         except InvalidRequest:  # cannot happen with the live server's own limits; counted, never fatal
             self.rejected += 1
             del self.outputs[entry.rid]
@@ -185,8 +188,15 @@ class PairSim:
             "evicted_tokens": (recent[-1].evicted_total if recent else self.cache.evicted_tokens) - self.evicted_before,
             **latency_summary(ttft, [d.ttft for d in recent if d.cached == 0],
                               [d.wait for d in recent if d.wait is not None]),
-            "simulated_to": self.clock.now, "rejected": self.rejected, "error": self.error,
+            "simulated_to": self.clock.now, "behind_s": max(now - self.clock.now, 0.0) if self.sched.has_work else 0.0,
+            "rejected": self.rejected, "error": self.failure(),
         }
+
+    def failure(self) -> str | None:
+        """Why the pair's numbers are not its own: its simulation raised, or one of its policies did and was
+        replaced by a fallback (so the numbers are the fallback's)."""
+        errors = list(self.sched.lab.errors) + (list(self.cache.tree.policy_errors) if self.cache.tree else [])
+        return self.error or (errors[0] if errors else None)
 
 
 @dataclass
@@ -209,11 +219,13 @@ class ShadowLab:
         self.config = dataclasses.replace(self.config, eos_ids=frozenset(), queue_timeout_s=None,
                                           check_invariants=False)
         self.pending: deque[TraceEntry] = deque()  # arrived, in arrival order, not yet released
-        self.by_rid: dict[str, TraceEntry] = {}
+        self.by_rid: dict[tuple[str, float], TraceEntry] = {}  # (rid, arrival): a client may reuse a rid
         self.released: list[TraceEntry] = []
         self.offset = 0  # entries before released[0] were added by every pair and dropped
         self.timings: deque[tuple[str, int, int, float]] = deque(maxlen=1024)
         self.first_fed: float | None = None
+        self.broken: dict[Pair, str] = {}  # pairs whose policies failed to load, and why
+        self.gaps = 0  # times the scheduler dropped trace the shadow could not take
 
     # -- the trace in -----------------------------------------------------------------------------------
     def feed(self, msg: ShadowFeed, wall: float | None = None) -> None:
@@ -224,17 +236,23 @@ class ShadowLab:
             self.capacity = msg.capacity
             for pair in self.pairs:
                 self._add_pair(pair)
-        if self.live not in self.sims:  # switched by hand to a pair that was not shadowed: shadow it from now
-            self.pairs.append(self.live)
-            self._add_pair(self.live).started = msg.now
+        if self.live not in self.sims and self.live not in self.broken:  # switched by hand to a pair that was not
+            if self._add_pair(self.live) is not None:                     # shadowed: shadow it from now on
+                self.pairs.append(self.live)
+                self.sims[self.live].started = msg.now
+        if msg.dropped:  # the scheduler dropped trace it could not send: what is pending will never end
+            self.gaps += 1
+            self.pending.clear()
+            self.by_rid.clear()
         for a in msg.arrivals:
-            entry = TraceEntry(a.rid, a.at, a.prompt.tolist(), a.max_new_tokens, a.priority, seen=wall)
+            entry = TraceEntry(a.rid, a.at, a.prompt, a.max_new_tokens, a.priority, seen=wall)
             self.pending.append(entry)
-            self.by_rid[a.rid] = entry
+            self.by_rid[(a.rid, a.at)] = entry
             self.requests_seen += 1
         for e in msg.ends:
-            if (entry := self.by_rid.pop(e.rid, None)) is not None:
+            if (entry := self.by_rid.pop((e.rid, e.at), None)) is not None:
                 entry.output = e.output.tolist()
+                entry.admitted = e.admitted
         if msg.steps:  # refitted before anything is simulated with them: simulated time is live time
             self.timings.extend((t.mode, t.tokens, t.batch, t.seconds) for t in msg.steps)
             self.refit()
@@ -250,18 +268,27 @@ class ShadowLab:
                 self.first_fed is not None and wall - self.first_fed > MAX_LAG_S)
         return self.calibrated
 
-    def _add_pair(self, pair: Pair) -> PairSim:
-        sim = self.sims[pair] = PairSim(pair, self.capacity, self.config, self.cost)
+    def _add_pair(self, pair: Pair) -> PairSim | None:
+        """Start shadowing ``pair``; None (kept in ``broken`` with the reason) if one of its policies fails to
+        load -- a plugin's bug stops that pair, never the shadow."""
+        try:
+            sim = PairSim(pair, self.capacity, self.config, self.cost)
+        except Exception as exc:
+            log.error("shadow pair %s/%s cannot run: %s", *pair, exc)
+            self.broken[pair] = f"{type(exc).__name__}: {exc}"
+            return None
         sim.cursor = self.offset + len(self.released)  # a pair joining late starts with the next request
+        self.sims[pair] = sim
         return sim
 
     def _release(self, wall: float) -> None:
         while self.pending and (self.pending[0].output is not None or wall - self.pending[0].seen > MAX_LAG_S):
             entry = self.pending.popleft()
             if entry.output is None:  # still running live after MAX_LAG_S: its budget stands in for its output
-                self.by_rid.pop(entry.rid, None)
+                self.by_rid.pop((entry.rid, entry.at), None)  # (those tokens, not its real answer, get cached)
                 entry.output = [0] * entry.max_new_tokens
-            self.released.append(entry)
+            if entry.admitted:  # one that ended before it ever ran (aborted, timed out) computed nothing live
+                self.released.append(entry)
         self.horizon = self.pending[0].at if self.pending else self.live_now
 
     # -- simulating --------------------------------------------------------------------------------------
@@ -289,7 +316,14 @@ class ShadowLab:
         return bool(behind)
 
     def _compact(self) -> None:
-        low = min((s.cursor for s in self.sims.values() if s.error is None), default=self.offset + len(self.released))
+        """Drop the released requests every pair has added; a pair more than MAX_BACKLOG requests behind the
+        newest is stopped (it could never catch up, and its backlog would grow without bound)."""
+        newest = self.offset + len(self.released)
+        for sim in self.sims.values():
+            if sim.error is None and newest - sim.cursor > MAX_BACKLOG:
+                sim.error = f"fell more than {MAX_BACKLOG} requests behind the live traffic; stopped"
+                log.error("shadow pair %s/%s %s", *sim.pair, sim.error)
+        low = min((s.cursor for s in self.sims.values() if s.error is None), default=newest)
         if low - self.offset > 1024:
             del self.released[:low - self.offset]
             self.offset = low
@@ -314,7 +348,8 @@ class ShadowLab:
         return {
             "enabled": True, "window_s": self.window_s, "live": pair_dict(self.live) if self.live else None,
             "lag_s": max(self.live_now - self.horizon, 0.0), "requests_seen": self.requests_seen,
-            "pending": len(self.pending), "cost_model": dataclasses.asdict(self.cost),
+            "pending": len(self.pending), "cost_model": dataclasses.asdict(self.cost), "gaps": self.gaps,
+            "failed_pairs": [{**pair_dict(p), "error": e} for p, e in self.broken.items()],
             "pairs": rows if rows is not None else self.pair_stats(),
         }
 
