@@ -61,8 +61,9 @@ def overhead(model: list[str], rounds: int, n: int, max_new: int) -> dict:
         for server in (plain, shadowed):  # the first requests pay oneDNN's kernel set-up
             radix_run("warm-up", server.url, prompts[:4], 4)
         wait_caught_up(shadowed.url)
-        for _ in tqdm(range(rounds), desc="shadow overhead", leave=False):
-            for name, server in (("plain", plain), ("shadow", shadowed)):
+        for i in tqdm(range(rounds), desc="shadow overhead", leave=False):
+            order = (("plain", plain), ("shadow", shadowed))
+            for name, server in order if i % 2 == 0 else order[::-1]:  # ABBA: neither always goes first
                 httpx.post(server.url + "/flush_cache", json={}, timeout=60)
                 runs[name].append(radix_run(name, server.url, prompts, max_new).summary())
                 if name == "shadow":
@@ -73,9 +74,12 @@ def overhead(model: list[str], rounds: int, n: int, max_new: int) -> dict:
         shadowed.stop()
     med = {name: {k: statistics.median(r[k] for r in rs) for k in ("throughput_tok_s", "ttft_p50_s", "e2e_mean_s")}
            for name, rs in runs.items()}
+    paired = [q["throughput_tok_s"] / p["throughput_tok_s"] for p, q in zip(runs["plain"], runs["shadow"])]
     return {"requests": len(prompts), "max_new": max_new, "rounds": rounds, "shadow_pairs": pairs, "runs": runs,
-            "median": med, "throughput_ratio": med["shadow"]["throughput_tok_s"] / med["plain"]["throughput_tok_s"],
-            "e2e_ratio": med["shadow"]["e2e_mean_s"] / med["plain"]["e2e_mean_s"],
+            "median": med, "round_ratios": paired,
+            "throughput_ratio": statistics.median(paired),  # each round's pair side by side: drift cancels
+            "e2e_ratio": statistics.median(q["e2e_mean_s"] / p["e2e_mean_s"]
+                                           for p, q in zip(runs["plain"], runs["shadow"])),
             "catch_up_s": catch_up}
 
 
@@ -119,7 +123,7 @@ def measure(quick: bool = False, model_path: str | None = None) -> dict:
     model = ["--model-path", model_path] if model_path else []
     spec = WorkloadSpec(kind="phase-shift", requests=160 if quick else 240, groups=5, prefix_tokens=512,
                         suffix_tokens=16, output_tokens=8, rate=1.5)
-    return {"overhead": overhead(model, 2 if quick else 5, 32 if quick else 64, 32),
+    return {"overhead": overhead(model, 2 if quick else 6, 32 if quick else 64, 32),
             "auto": auto_switching(model, spec)}
 
 
