@@ -21,7 +21,7 @@ CASES = [
     ("body is a list", "POST", CHAT, b"[1, 2]", 400, None),
     ("messages not a list", "POST", CHAT, {"model": "tiny", "messages": "hi"}, 400, "messages"),
     ("missing messages", "POST", CHAT, {"model": "tiny"}, 400, "messages"),
-    ("missing model", "POST", CHAT, {"messages": MSG}, 400, "model"),
+    ("model not a string", "POST", CHAT, {"model": 3, "messages": MSG}, 400, "model"),
     ("empty messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
     ("unknown role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
     ("content a number", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),

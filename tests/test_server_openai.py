@@ -80,3 +80,18 @@ def test_chat_logprobs(client):
         assert item.top_logprobs[0].token == item.token, "greedy picks the most likely token"
     c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
     assert len(c.choices[0].logprobs.tokens) == 3 and all(len(t) == 2 for t in c.choices[0].logprobs.top_logprobs)
+
+
+def test_model_is_optional_and_a_wrong_one_is_404(smol_server):
+    import httpx
+
+    url = smol_server.url + "/v1"
+    chat = httpx.post(url + "/chat/completions", json={"messages": FRANCE, "temperature": 0, "max_tokens": 20},
+                      timeout=120)
+    assert chat.status_code == 200 and chat.json()["model"] == MODEL and "Paris" in \
+        chat.json()["choices"][0]["message"]["content"]
+    comp = httpx.post(url + "/completions", json={"prompt": "The capital of France is", "max_tokens": 3},
+                      timeout=120)
+    assert comp.status_code == 200 and comp.json()["model"] == MODEL
+    wrong = httpx.post(url + "/chat/completions", json={"model": "gpt-4", "messages": FRANCE}, timeout=60)
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"

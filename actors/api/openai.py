@@ -80,8 +80,9 @@ class OpenAIRoutes:
     def model_name(self) -> str:
         return self.server.info["model"]
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve; no name at all means the served one."""
+        if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 

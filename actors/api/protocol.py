@@ -76,7 +76,7 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str
+    model: str | None = None  # None: the served model (as SGLang, vLLM and llama.cpp do)
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
