@@ -33,3 +33,13 @@ def test_actor_death_answers_waiting_requests_503_and_health_503():
         await server.close()
 
     asyncio.run(main())
+
+
+def test_openai_finish_reasons_are_openais_own():
+    from radixserve.actors.api.openai import finish_reason
+    from radixserve.actors.messages import FinishReason
+
+    assert finish_reason(None) is None
+    assert finish_reason(FinishReason("length")) == "length"
+    assert finish_reason(FinishReason("stop", matched=2)) == "stop"
+    assert finish_reason(FinishReason("abort", message="aborted by /abort_request")) == "stop"

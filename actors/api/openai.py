@@ -38,7 +38,12 @@ class Choice:
 
 
 def finish_reason(f: FinishReason | None) -> str | None:
-    return None if f is None else f.type
+    """OpenAI's value: ``stop`` or ``length`` only (its clients know no other). A request aborted part-way (by
+    /abort_request, or because its group failed) stopped early: ``stop``; SGLang's native /generate keeps
+    ``abort``, and ``matched_stop`` says what matched."""
+    if f is None:
+        return None
+    return "length" if f.type == "length" else "stop"
 
 
 def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
