@@ -95,3 +95,12 @@ def test_model_is_optional_and_a_wrong_one_is_404(smol_server):
     assert comp.status_code == 200 and comp.json()["model"] == MODEL
     wrong = httpx.post(url + "/chat/completions", json={"model": "gpt-4", "messages": FRANCE}, timeout=60)
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
+def test_health_generate_runs_a_token_through_the_model(smol_server):
+    import httpx
+
+    r = httpx.get(smol_server.url + "/health_generate", timeout=60)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    stats = httpx.get(smol_server.url + "/cache/stats", timeout=60).json()
+    assert stats["totals"]["requests_finished"] >= 1

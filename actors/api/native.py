@@ -1,6 +1,10 @@
 """SGLang-native and operational routes: /generate, /get_model_info, /get_server_info, /abort_request,
-/flush_cache, /health, /metrics -- the contract SGLang's own frontend (``sglang.RuntimeEndpoint``) relies on."""
+/flush_cache, /health, /health_generate, /metrics -- the contract SGLang's own frontend
+(``sglang.RuntimeEndpoint``) relies on."""
 from __future__ import annotations
+
+import asyncio
+import uuid
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -10,6 +14,10 @@ from radixserve.actors.api.io import decode_body, first_deltas, json_response, m
 from radixserve.actors.api.native_output import native_batch
 from radixserve.actors.api.protocol import AbortBody, NativeGenerateRequest, PoliciesBody
 from radixserve.actors.api.server import ApiServer
+from radixserve.actors.messages import GenerateReq
+from radixserve.sampling_params import SamplingParams
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 class NativeRoutes:
@@ -30,6 +38,7 @@ class NativeRoutes:
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/model_info", self.model_info)
         r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
         r.add_get("/metrics", self.metrics)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -97,6 +106,22 @@ class NativeRoutes:
         if self.server.draining:
             return json_response({"status": "draining"}, 503)
         return json_response({"status": "ok", "tp_ranks": self.server.info.get("tp_ranks", 1)})
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's deeper check: one token through the whole stack (tokenizer, scheduler, model); 200 once it
+        comes back, 503 if it fails or takes longer than HEALTH_GENERATE_TIMEOUT_S."""
+        if not self.server.healthy or self.server.draining:
+            return await self.health(request)
+        rid = f"health-{uuid.uuid4().hex}"
+        gen = GenerateReq(rid, SamplingParams(max_new_tokens=1, temperature=0.0), input_ids=[0])
+        try:
+            async with self.server.open(rid, [gen]) as group:
+                async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+                    async for _ in group.streams[0]:
+                        pass
+        except (APIError, TimeoutError) as exc:
+            return json_response({"status": "unhealthy", "reason": str(exc) or "no token in time"}, 503)
+        return json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.server.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
