@@ -38,10 +38,10 @@ def test_switching_every_few_steps_keeps_outputs_and_accounting_exact():
         step += 1
     for req in reqs:
         assert req.output_ids == reference(req.prompt_ids, req.max_new_tokens)
-    assert len(sched.epochs) > 20 and sched.stats.retractions + sched.cache.evicted_tokens > 0
-    assert sum(e.requests for e in sched.epochs) == 30
+    assert len(sched.lab.epochs) > 20 and sched.stats.retractions + sched.cache.evicted_tokens > 0
+    assert sum(e.requests for e in sched.lab.epochs) == 30
     stats = sched.lab.cache_stats()
-    assert stats["pool"]["capacity"] == 160 and len(stats["epochs"]) == len(sched.epochs)
+    assert stats["pool"]["capacity"] == 160 and len(stats["epochs"]) == len(sched.lab.epochs)
     assert list(sched.lab.errors) == []
 
 

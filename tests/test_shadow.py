@@ -174,7 +174,10 @@ def test_the_tap_is_bounded_and_a_gap_restarts_the_pending_trace(monkeypatch):
     for i in range(25):
         tap.arrived(FakeReq(i))
     assert len(tap.arrivals) <= 10 and tap.dropped > 0
-    msg = tap.feed(30.0, "lru", "fcfs", 2000)
+    from types import SimpleNamespace as Ns
+
+    live = Ns(clock=lambda: 30.0, policy=Ns(name="fcfs"), cache=Ns(eviction_policy=Ns(name="lru"), capacity=2000))
+    msg = tap.feed(live)
     lab = ShadowLab([("lru", "fcfs")], CONFIG, cost=COST, calibrated=True)
     lab.feed(feed(0.0, [arrival("old", 0.0, [5] * 40)]), wall=0.0)
     lab.feed(msg, wall=30.0)

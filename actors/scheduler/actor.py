@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from radixserve.actors.messages import (
-    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardResult, PolicySwitch, RequestError,
+    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardPlan, ForwardResult, PolicySwitch, RequestError,
     SchedulerInbox, Status, TokenBatch, array,
 )
 from radixserve.actors.scheduler.inspect import dashboard_view
@@ -38,7 +38,7 @@ class SchedulerActor:
         self.inflight = False
         self._last_status = 0.0
         self._dirty = True  # something changed since the last Status
-        self._sent: tuple[float, str, int, int] | None = None  # the plan in flight: sent at, mode, tokens, batch
+        self._sent: tuple[float, ForwardPlan] | None = None  # the plan in flight, and when it was sent
 
     async def run(self) -> None:
         sched = self.scheduler
@@ -85,8 +85,7 @@ class SchedulerActor:
             self.plans.send(plan)
             self.inflight = True
             if self.scheduler.tap is not None:
-                tokens = int(plan.extend_lens.sum()) if plan.mode == "extend" else plan.batch_size
-                self._sent = (time.monotonic(), plan.mode, tokens, plan.batch_size)
+                self._sent = (time.monotonic(), plan)
 
     async def report_failures(self) -> None:
         for err in self.scheduler.take_failures():
@@ -98,8 +97,8 @@ class SchedulerActor:
         if isinstance(msg, ForwardResult):
             self.inflight = False
             if self._sent is not None and sched.tap is not None and msg.error is None:
-                sent_at, mode, tokens, batch = self._sent
-                sched.tap.step(mode, tokens, batch, time.monotonic() - sent_at)
+                sent_at, plan = self._sent
+                sched.tap.step(plan, time.monotonic() - sent_at)
             self._sent = None
             updated = sched.process(msg)
             await self.launch()  # the runner starts the next step now ...
@@ -131,10 +130,7 @@ class SchedulerActor:
         tap, now = self.scheduler.tap, time.monotonic()
         if tap is None or not tap.due(now):
             return
-        lab = self.scheduler.lab
-        feed = tap.feed(self.scheduler.clock(), lab.cache.eviction_policy.name, lab.policy.name,
-                        self.scheduler.cache.capacity)
-        if await self.channel.try_send("shadow", feed):
+        if await self.channel.try_send("shadow", tap.feed(self.scheduler)):
             tap.sent(now)
 
     async def maybe_status(self) -> None:
@@ -182,7 +178,7 @@ def token_batch(reqs: list[Req]) -> TokenBatch:
 
 
 def status_of(sched: Scheduler, replica: int = 0) -> Status:
-    cache, epoch = sched.cache, sched.epochs[-1]
+    cache, epoch = sched.cache, sched.lab.epochs[-1]
     return Status(
         running=len(sched.running) + (sched.chunked is not None),
         waiting=len(sched.waiting),

@@ -90,9 +90,7 @@ class PolicyLab:
     # -- statistics --------------------------------------------------------------------------------------
     def finished(self, req: Req) -> None:
         """An admitted request ended: it counts in the epoch in charge now."""
-        ttft = req.first_token_at - req.arrival if req.first_token_at is not None else None
-        wait = req.admitted_at - req.arrival if req.admitted_at is not None else None
-        self.epochs[-1].finished(len(req.prompt_ids), req.cached_tokens or 0, ttft, wait)
+        self.epochs[-1].finished(len(req.prompt_ids), req.cached_tokens or 0, req.ttft, req.queue_wait)
 
     def new_epoch(self, reason: str | None = None) -> None:
         now = self.clock()

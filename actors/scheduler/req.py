@@ -42,6 +42,16 @@ class Req:
         self._key = array("i", self.prompt_ids)
 
     @property
+    def ttft(self) -> float | None:
+        """Arrival to first token (None before it); a prefill-only request's ends when its prompt is cached."""
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def queue_wait(self) -> float | None:
+        """Arrival to first admission (None while it has never run)."""
+        return None if self.admitted_at is None else self.admitted_at - self.arrival
+
+    @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

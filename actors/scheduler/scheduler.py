@@ -21,11 +21,11 @@ from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError
 from radixserve.actors.scheduler.plan import Step, build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
-from radixserve.actors.scheduler.preempt import pick_victim, victims
+from radixserve.actors.scheduler.preempt import preempt_for
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.runner_state import RunnerState
 from radixserve.actors.scheduler.shadow_tap import ShadowTap
-from radixserve.actors.scheduler.stats import PolicyEpoch, SchedulerStats
+from radixserve.actors.scheduler.stats import SchedulerStats
 from radixserve.actors.scheduler.validate import check_request
 from radixserve.cache.invariants import require
 from radixserve.cache.manager import CacheManager
@@ -82,10 +82,6 @@ class Scheduler:
     def policy(self) -> SchedulePolicy:
         return self.lab.policy
 
-    @property
-    def epochs(self) -> list[PolicyEpoch]:
-        return self.lab.epochs
-
     # -- requests in and out -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
                     priority: int = 0, logprob_start: int | None = None, arrival: float | None = None) -> Req:
@@ -100,8 +96,8 @@ class Scheduler:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.config.eos_ids
-        req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids), arrival=self.clock() if arrival is None else arrival,
-                  top_logprobs=top_logprobs, priority=priority,
+        req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids),
+                  arrival=self.clock() if arrival is None else arrival, top_logprobs=top_logprobs, priority=priority,
                   logprob_start=logprob_start if top_logprobs is not None else None)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
@@ -225,7 +221,7 @@ class Scheduler:
             if req.top_logprobs is not None:
                 req.output_logprobs.append(result.logprobs[j])
             self.stats.generated_tokens += 1
-            self.epochs[-1].generated_tokens += 1
+            self.lab.epochs[-1].generated_tokens += 1
             updated.append(req)
             req.finish_reason = req.check_finished() or (
                 FinishReason("stop", matched=req.output_ids[-1]) if grammar_done else None)  # the grammar ended it
@@ -359,22 +355,10 @@ class Scheduler:
         return True
 
     def _preempt_for(self, req: Req, adder: PrefillAdder) -> bool:
-        """A preempting policy's first choice ``req`` found no KV room: retract lower-priority running requests
-        (preempt.pick_victim) until it is admitted (True) or none may go (False). Nobody is retracted when even
-        all of them together would not make room: their KV (counted whole, though part of it may stay shared
-        with others) and the decode room kept for them."""
-        could_free = sum(v.kv_len + adder.future_tokens(v) for v in victims(self.policy, self.running, req))
-        need = min(req.extend_len, adder.tokens_left) + adder.future_tokens(req)
-        if self.cache.available - adder.reserved + could_free < need:
-            return False
-        while adder.short_of_kv and (victim := pick_victim(self.policy, self.running, req)) is not None:
-            adder.unreserve(victim)
-            victim.preemptions += 1
-            self.stats.preemptions += 1
-            self._requeue(victim)  # new_token_ratio stays: the estimate was right, a more important request came
-            if adder.add(req):
-                return True
-        return False
+        """priority-preempt (preempt.py): lower-priority running requests make room for ``req``."""
+        admitted, retracted = preempt_for(self.policy, self.running, req, adder, self.cache, self._requeue)
+        self.stats.preemptions += retracted
+        return admitted
 
     def _requeue(self, req: Req) -> None:
         """Retract ``req``: its KV goes to the tree, its output is kept, it rejoins the queue where it arrived."""

@@ -4,8 +4,13 @@ step; everything else (simulating every pair) happens in the shadow's own proces
 """
 from __future__ import annotations
 
-from radixserve.actors.messages import ShadowArrival, ShadowEnd, ShadowFeed, StepTiming, array
+from typing import TYPE_CHECKING
+
+from radixserve.actors.messages import ForwardPlan, ShadowArrival, ShadowEnd, ShadowFeed, StepTiming, array
 from radixserve.actors.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from radixserve.actors.scheduler.scheduler import Scheduler
 
 FEED_INTERVAL_S = 0.2
 MAX_KEPT = 50000  # arrivals + ends kept for a shadow that takes no feed
@@ -37,8 +42,10 @@ class ShadowTap:
         self.ends.append(ShadowEnd(req.rid, req.arrival, array(req.output_ids), req.cached_tokens is not None))
         self._bound()
 
-    def step(self, mode: str, tokens: int, batch: int, seconds: float) -> None:
-        self.steps.append(StepTiming(mode, tokens, batch, seconds))
+    def step(self, plan: ForwardPlan, seconds: float) -> None:
+        """``plan`` took ``seconds`` from sent to answered."""
+        tokens = int(plan.extend_lens.sum()) if plan.mode == "extend" else plan.batch_size
+        self.steps.append(StepTiming(plan.mode, tokens, plan.batch_size, seconds))
         if len(self.steps) >= 2 * MAX_STEPS:  # only the newest are ever sent
             del self.steps[:MAX_STEPS]
 
@@ -49,11 +56,11 @@ class ShadowTap:
     def due(self, now: float) -> bool:
         return self.pending and now - self.last_sent >= FEED_INTERVAL_S
 
-    def feed(self, now: float, eviction: str, schedule: str, capacity: int) -> ShadowFeed:
+    def feed(self, sched: Scheduler) -> ShadowFeed:
         """Everything collected since the last feed the shadow took (``sent`` clears it; a feed its full inbox
         refused is sent again, grown, the next time: the trace never has holes)."""
-        return ShadowFeed(now, eviction, schedule, capacity, self.arrivals, self.ends, self.steps[-MAX_STEPS:],
-                          self.dropped)
+        return ShadowFeed(sched.clock(), sched.cache.eviction_policy.name, sched.policy.name, sched.cache.capacity,
+                          self.arrivals, self.ends, self.steps[-MAX_STEPS:], self.dropped)
 
     def sent(self, now: float) -> None:
         self.arrivals, self.ends, self.steps = [], [], []

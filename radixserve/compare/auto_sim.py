@@ -39,10 +39,8 @@ class ShadowObserver:
 
     def step(self, replica: Replica, plan: ForwardPlan, seconds: float) -> None:
         sched, now, lab = replica.sched, replica.clock.now, self.lab
-        tokens = int(plan.extend_lens.sum()) if plan.mode == "extend" else plan.batch_size
-        sched.tap.step(plan.mode, tokens, plan.batch_size, seconds)
-        lab.feed(sched.tap.feed(now, sched.cache.eviction_policy.name, sched.policy.name, sched.cache.capacity),
-                 wall=now)
+        sched.tap.step(plan, seconds)
+        lab.feed(sched.tap.feed(sched), wall=now)
         sched.tap.sent(now)
         if now < self._next:
             return

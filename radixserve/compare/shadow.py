@@ -157,9 +157,8 @@ class PairSim:
             for req in sched.process(self.runner.forward(plan, sched.inflight)):
                 if req.finished:
                     self.outputs.pop(req.rid, None)
-                    first = req.first_token_at if req.first_token_at is not None else clock.now
-                    wait = req.admitted_at - req.arrival if req.admitted_at is not None else None
-                    self.done.append(Done(clock.now, first - req.arrival, wait, len(req.prompt_ids),
+                    ttft = req.ttft if req.ttft is not None else clock.now - req.arrival
+                    self.done.append(Done(clock.now, ttft, req.queue_wait, len(req.prompt_ids),
                                           req.cached_tokens or 0, self.cache.evicted_tokens))
         return True
 

@@ -203,11 +203,11 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
         for req in rep.sched.process(rep.runner.forward(plan, rep.sched.inflight)):
             generated += 1
             if req.finished:
-                ttft.append(req.first_token_at - req.arrival)
+                ttft.append(req.ttft)
                 e2e.append(rep.clock.now - req.arrival)
                 if not req.cached_tokens:
-                    cold.append(ttft[-1])
-                waits.append(req.admitted_at - req.arrival)
+                    cold.append(req.ttft)
+                waits.append(req.queue_wait)
                 prompt_tokens += len(req.prompt_ids)
                 cached_tokens += req.cached_tokens or 0
                 release(req.rid, rep.clock.now)
