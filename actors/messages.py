@@ -193,6 +193,20 @@ class ControlReq(msgspec.Struct, tag="control"):
     schedule: str | None = None
 
 
+class TextReq(msgspec.Struct, tag="text_req"):
+    """api -> tokenizer, for /tokenize and /detokenize (the tokenizer actor holds the only tokenizer); answered
+    with a ControlReply: ``{"tokens": [[ids]...]}`` or ``{"texts": [...]}``, or ``error`` for a bad input."""
+
+    reply_id: int
+    op: Literal["tokenize", "detokenize"]
+    texts: list[str] = []  # tokenize: each encoded
+    messages: list[dict[str, Any]] | None = None  # tokenize: one chat, rendered with the chat template
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    token_ids: list[list[int]] = []  # detokenize: each decoded
+    skip_special_tokens: bool = True
+
+
 class ControlReply(msgspec.Struct, tag="reply"):
     reply_id: int
     body: dict[str, Any]
@@ -287,6 +301,7 @@ class SamplingBatch(msgspec.Struct, frozen=True):
     top_logprobs: list[int | None]  # [S] None: no logprobs; else how many alternatives to return
     all_greedy: bool = False
     constraints: list[str | None] = []  # [S] the request id of a row under a grammar (None: free); empty: none
+    penalized: list[str | None] = []  # [S] the request id of a row whose logits are adjusted (PenaltySpec)
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
@@ -303,6 +318,19 @@ class GrammarSpec(msgspec.Struct, array_like=True, frozen=True):
 
     kind: Literal["regex", "json_schema"]
     source: str
+
+
+class PenaltySpec(msgspec.Struct, array_like=True, frozen=True):
+    """A request's logit adjustments, sent to the runner once, with the request's first sampling step; from then
+    on the runner counts the request's output tokens itself (one increment per sampled token)."""
+
+    frequency: float
+    presence: float
+    repetition: float
+    min_new_tokens: int
+    suppressed: list[int]  # banned while the output is shorter than min_new_tokens: EOS and stop_token_ids
+    bias_ids: list[int]
+    bias_values: list[float]
 
 
 class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
@@ -328,7 +356,8 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     sampling: SamplingBatch
     prompt_logprobs: dict[int, PromptLogprobs] = {}  # batch index -> the prompt logprobs it wants this step
     new_grammars: dict[str, GrammarSpec] = {}  # rid -> its constraint, from this step on
-    released_grammars: list[str] = []  # rids whose constraints are over (the requests ended)
+    new_penalties: dict[str, PenaltySpec] = {}  # rid -> its logit adjustments, from this step on
+    released: list[str] = []  # requests that ended: the runner drops their grammars and penalty counts
 
     @property
     def batch_size(self) -> int:
@@ -383,7 +412,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
 
 # What each inbox accepts (decoders are typed by these unions).
 ApiInbox = TextBatch | RequestError | Status | ControlReply | ShadowReport
-TokenizerInbox = GenerateReq | AbortReq | TokenBatch | RequestError
+TokenizerInbox = GenerateReq | AbortReq | TokenBatch | RequestError | TextReq
 SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq | PolicySwitch
 ShadowInbox = ShadowFeed
 RunnerInbox = ForwardPlan

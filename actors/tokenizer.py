@@ -118,7 +118,7 @@ class TokenizerCore:
 
     def detokenizer(self, params: SamplingParams) -> Detokenizer:
         return Detokenizer(self, params.skip_special_tokens, params.stop_strings,
-                           [re.compile(p) for p in params.stop_patterns_source])
+                           [re.compile(p) for p in params.stop_patterns_source], params.min_new_tokens)
 
     def output(self, params: SamplingParams) -> OutputText:
         return OutputText(self.detokenizer(params))
@@ -172,11 +172,13 @@ class Detokenizer:
     skip_special_tokens: bool
     stop_strings: list[str]
     stop_regexes: list[re.Pattern] = field(default_factory=list)  # searched over the whole text each time
+    min_tokens: int = 0  # min_new_tokens: before the output holds this many tokens, no stop string ends it
     ids: list[int] = field(default_factory=list)
     text: str = ""
     stopped_by: str | None = None
     _prefix_offset: int = 0  # window start: decoded for context only
     _read_offset: int = 0  # tokens before this are already in `text`
+    _floor: int = 0  # a stop match must end after this (the text written before min_tokens was reached)
 
     def add(self, new_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears (``text`` is cut before it)."""
@@ -190,16 +192,19 @@ class Detokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):  # an incomplete character waits
             self.text += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        if len(self.ids) < self.min_tokens:
+            self._floor = len(self.text)
+            return None
         return self._find_stop(before)
 
     def _find_stop(self, before: int) -> str | None:
         if not self.stop_strings and not self.stop_regexes:
             return None
-        longest = max(map(len, self.stop_strings), default=0)
-        start = max(0, before - longest + 1)  # a stop string may straddle the old and new text
-        hits = [(self.text.find(s, start), s) for s in self.stop_strings]
+        before = max(before, self._floor)
+        # a stop string may straddle the old and new text: each is searched where it would end in the new
+        hits = [(self.text.find(s, max(0, before - len(s) + 1)), s) for s in self.stop_strings]
         hits = [(i, s) for i, s in hits if i >= 0]
-        hits += [(m.start(), r.pattern) for r in self.stop_regexes if (m := r.search(self.text))]
+        hits += [(m.start(), r.pattern) for r in self.stop_regexes if (m := r.search(self.text, self._floor))]
         if not hits:
             return None
         pos, s = min(hits)

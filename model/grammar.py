@@ -9,7 +9,7 @@ Ownership of a matcher's state (the scheduler decides, the runner follows, as wi
 
     plan.new_grammars[rid]       the request's first sampling step: compile (cached by source) and start
     rows of sampling.constraints mask, sample, consume -- consumed tokens == the request's output tokens
-    plan.released_grammars       the request ended (finished, aborted, failed): drop the matcher
+    plan.released                the request ended (finished, aborted, failed): drop the matcher
 
 ``consumed`` is checked against the row's ``output_index`` every step: a matcher that ever disagrees with the
 scheduler about a request's output fails that request alone instead of constraining it wrongly.

@@ -21,6 +21,7 @@ from radixserve.model.compiled import CompiledDecode
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.grammar import Constraints, Masks
+from radixserve.model.penalties import Penalties
 from radixserve.model.llama import CausalLM
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.loader import cache_root
@@ -119,6 +120,7 @@ class ModelRunner:
         self.attn = get_backend(attention_backend, self.device, deterministic)
         self.table = SlotTable()
         self.constraints = Constraints(path, cfg.vocab_size)
+        self.penalties = Penalties(cfg.vocab_size, self.device)
         log.info("model loaded in %.1fs (%s, %s%s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, f", rank {tp.rank} of {tp.size}" if tp.size > 1 else "", num_slots,
                  self.kv.nbytes / 2**20)
@@ -178,7 +180,8 @@ class ModelRunner:
         A rank other than 0 computes its share of the step and returns None: rank 0 samples and answers."""
         if not self.tp.samples:
             return self._share(plan)
-        start_errors = self.constraints.update(plan.new_grammars, plan.released_grammars)  # even if the step fails
+        start_errors = self.constraints.update(plan.new_grammars, plan.released)  # even if the step fails
+        self.penalties.update(plan.new_penalties, plan.released)
         try:
             batch = self._batch(plan)
             sampling = SamplingInputs.from_batch(plan.sampling, self.device)
@@ -199,27 +202,40 @@ class ModelRunner:
         if len(sampling) == 0:
             return ForwardResult(step=plan.step, prompt_logprobs=prompt)
         raw = logits[: len(sampling)]
-        if not rows:
+        penalized = plan.sampling.penalized
+        if not rows and not penalized:
             next_ids, logprobs, errors = sample_rows(raw, sampling)
             return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
                                  errors=errors)
-        masked = raw.clone()  # logprobs stay the model's own; only the choice is constrained
-        try:
-            filled = masks.result()
-        except Exception as exc:  # a bug around the grammars: the constrained rows fail, the others go on
-            log.exception("filling the grammar masks failed")
-            filled = Masks(errors={j: f"{type(exc).__name__}: {exc}" for j, rid in enumerate(rows) if rid})
-        self.constraints.apply(masked, filled)
-        refused = dict(filled.errors)
-        refused.update({j: start_errors[rid] for j, rid in enumerate(rows) if rid in start_errors})
-        next_ids, logprobs, errors = sample_rows(masked, sampling, logprob_logits=raw)
-        for j in refused:  # a row that could not be constrained is not sampled: that request fails alone
+        adjusted = raw.clone()  # logprobs stay the model's own; only the choice is penalized / constrained
+        refused = self._penalize(adjusted, penalized, sampling.output_index) if penalized else {}
+        if rows:
+            try:
+                filled = masks.result()
+            except Exception as exc:  # a bug around the grammars: the constrained rows fail, the others go on
+                log.exception("filling the grammar masks failed")
+                filled = Masks(errors={j: f"{type(exc).__name__}: {exc}" for j, rid in enumerate(rows) if rid})
+            self.constraints.apply(adjusted, filled)
+            refused.update(filled.errors)
+            refused.update({j: start_errors[rid] for j, rid in enumerate(rows) if rid in start_errors})
+        next_ids, logprobs, errors = sample_rows(adjusted, sampling, logprob_logits=raw)
+        for j in refused:  # a row that could not be penalized / constrained is not sampled: it fails alone
             next_ids[j] = None
             logprobs.pop(j, None)
-        done, refused_tokens = self.constraints.advance(rows, next_ids)
+        done, refused_tokens = self.constraints.advance(rows, next_ids) if rows else ([], {})
+        if penalized:
+            self.penalties.count(penalized, next_ids)
         errors.update({**refused, **refused_tokens})
         return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
                              grammar_done=done, errors=errors)
+
+    def _penalize(self, logits: torch.Tensor, rows: list[str | None], output_index: list[int]) -> dict[int, str]:
+        """The penalties, in place; a bug in them fails the penalized rows, never the step."""
+        try:
+            return self.penalties.apply(logits, rows, output_index)
+        except Exception as exc:
+            log.exception("applying the penalties failed")
+            return {j: f"{type(exc).__name__}: {exc}" for j, rid in enumerate(rows) if rid}
 
     def _share(self, plan: ForwardPlan) -> None:
         """A rank other than 0: the step's forward, for the collectives rank 0 takes part in. The plan is the

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from radixserve.actors.api.native_output import LogprobOptions, NativeBatch, NativeOutput, native_batch
+from radixserve.actors.api.native_output import LogprobOptions, NativeBatch, NativeOutput, native_batch, sequences
 from radixserve.actors.api.protocol import NativeGenerateRequest
 from radixserve.actors.messages import Delta, FinishReason, GenerateReq
 from radixserve.actors.scheduler.actor import token_batch
@@ -87,22 +87,19 @@ class Engine:
         params = self._params_per_prompt(sampling_params, len(prompts.items))
         start = None if logprob_start_len is None or logprob_start_len < 0 else logprob_start_len
         logprobs = LogprobOptions(top_logprobs_num, return_text_in_logprobs, start) if return_logprob else None
-        gens = [GenerateReq(f"engine-{next(self._ids)}", sp, top_logprobs=logprobs.top if logprobs else None,
-                            priority=priority, logprob_start=start if logprobs else None,
-                            **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-                for p, sp in zip(prompts.items, params)]
-        return self._answer(gens, logprobs, prompts.single, stream)
+        _, gens, single = sequences(prompts, params, f"engine-{next(self._ids)}", logprobs, priority)
+        return self._answer(gens, logprobs, single, stream)
 
     def native_generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang's ``POST /generate`` body in, its response out (``stream`` in the payload is ignored)."""
         batch = self._native(payload)
-        return self._answer(batch.gens, batch.logprobs, batch.prompts.single, stream=False)
+        return self._answer(batch.gens, batch.logprobs, batch.single, stream=False)
 
     def native_generate_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """SGLang's streaming ``/generate``: results so far (cumulative text) with ``index``, as the server's
         events."""
         batch = self._native(payload)
-        return self._answer(batch.gens, batch.logprobs, batch.prompts.single, stream=True)
+        return self._answer(batch.gens, batch.logprobs, batch.single, stream=True)
 
     def model_info(self) -> dict[str, Any]:
         """What ``GET /get_model_info`` answers (model path, the chat template's role markers, ...)."""

@@ -17,6 +17,8 @@ SEED_MODULUS = 2**63  # any integer seed is reduced into [0, 2**63): seeds are n
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
+PENALTY_RANGE = 2.0  # frequency / presence penalties lie in [-2, 2] (OpenAI's range)
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing logits by it would overflow float32
 
 
@@ -34,11 +36,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     stop_regex: str | list[str] | None = None  # the output ends where one of these matches (cut before it)
     regex: str | None = None  # structured output: the whole output matches this regular expression
     json_schema: str | dict[str, Any] | None = None  # structured output: JSON valid under this schema
-    # Sent by SGLang's clients with these defaults; other values are refused until they are implemented.
-    min_new_tokens: int = 0
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    # Penalties count the request's own output tokens (not the prompt's), as SGLang's do.
+    frequency_penalty: float = 0.0  # subtracted once per time the token appeared: [-2, 2]
+    presence_penalty: float = 0.0  # subtracted once if the token appeared: [-2, 2]
+    repetition_penalty: float = 1.0  # a token that appeared: logit / p if positive, logit * p if not: (0, 2]
+    min_new_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> added to its logit
+    n: int = 1  # choices per prompt (prompt-major in the results); a seeded request's choice j gets seed + j
     spaces_between_special_tokens: bool = True  # a slow-tokenizer option: the fast tokenizers used here ignore it
     ebnf: str | None = None
 
@@ -91,13 +95,28 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             grammar(spec[0], spec[1])  # InvalidRequest naming the field if the regex / schema is not valid
         if self.ebnf is not None:
             bad("ebnf", "grammars are not supported; constrain the output with regex or json_schema")
-        if self.min_new_tokens != 0:
-            bad("min_new_tokens", "is not supported yet; send 0")
-        if self.n != 1:
-            bad("n", "other than 1 is not supported in sampling_params yet; send the prompt n times in a list")
         for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) != 0:
-                bad(name, "is not supported yet; send 0")
+            if not (math.isfinite(getattr(self, name)) and abs(getattr(self, name)) <= PENALTY_RANGE):
+                bad(name, f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]")
+        if not 0 < self.repetition_penalty <= 2:
+            bad("repetition_penalty", "must be in (0, 2] (1 means none)")
+        if not 0 <= self.min_new_tokens <= INT32_MAX:
+            bad("min_new_tokens", "must be >= 0")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", f"must not exceed max_new_tokens={self.max_new_tokens}")
+        if not 1 <= self.n <= INT32_MAX:
+            bad("n", "must be >= 1")
+        if self.logit_bias is not None:
+            self._check_logit_bias(bad)
+
+    def _check_logit_bias(self, bad) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                bad("logit_bias", f"has the key {key!r}; keys are token ids (\"1234\")")
+            if not (math.isfinite(value) and -100 <= value <= 100):
+                bad("logit_bias", f"gives token {key} the bias {value}; biases lie in [-100, 100]")
 
     def check_model(self, vocab_size: int) -> None:
         """The ranges that depend on the model: InvalidRequest naming the field if one is out of them."""
@@ -108,6 +127,28 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if bad:
             raise InvalidRequest(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
                                  param="stop_token_ids")
+        bad = [t for t in self.bias_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                                 param="logit_bias")
+
+    def choice(self, j: int) -> SamplingParams:
+        """Choice ``j`` of the ``n`` this asks for, as one sequence: n 1, and seed + j if seeded (reproducible,
+        yet the choices differ)."""
+        if self.n == 1 and j == 0:
+            return self
+        seed = None if self.seed is None else (self.seed + j) % SEED_MODULUS
+        return msgspec.structs.replace(self, n=1, seed=seed)
+
+    @property
+    def penalized(self) -> bool:
+        """Do the logits need adjusting before this request samples (penalties, min_new_tokens, logit_bias)?"""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.min_new_tokens or self.logit_bias)
+
+    @property
+    def bias_ids(self) -> list[int]:
+        return [int(k) for k in self.logit_bias or ()]
 
     @property
     def greedy(self) -> bool:

@@ -157,7 +157,7 @@ def test_native_payloads_and_streams(engine):
     assert events[-1]["text"] == outs[0]["text"] and all(e["index"] == 0 for e in events)
     assert [len(e["output_ids"]) for e in events] == [1, 2, 3], "one event per token, cumulative"
     with pytest.raises(ValueError, match="min_new_tokens"):
-        engine.native_generate({"text": "x", "sampling_params": {"min_new_tokens": 2}})
+        engine.native_generate({"text": "x", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}})
     info = engine.model_info()
     assert info["is_generation"] and info["model_path"].endswith("llama")
 

@@ -92,6 +92,12 @@ SAMPLING = {
     "stop_token_ids": st.one_of(st.lists(TOKEN_IDS, max_size=4), st.just(list(range(1025)))),
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "presence_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2.5, 3.0, 1e308])),
+    "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-3.0, 2.01])),
+    "repetition_penalty": st.one_of(st.floats(0.01, 2), st.sampled_from([0, -1, 2.5, 1e-300])),
+    "logit_bias": st.one_of(st.just({}), st.dictionaries(TEXTS, FLOATS, max_size=3),
+                            st.dictionaries(st.one_of(TOKEN_IDS.map(str), st.just("-1")),
+                                            st.one_of(st.floats(-100, 100), FLOATS), max_size=4)),
 }
 PART = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": TEXTS}),
                  st.just({"type": "image_url", "image_url": {"url": "x"}}), st.dictionaries(TEXTS, JSON_VALUES))
@@ -109,9 +115,7 @@ OPENAI = {
                                                           "continuous_usage_stats": st.booleans()}),
     "priority": PRIORITIES,
     "user": TEXTS,
-    "presence_penalty": st.sampled_from([0, 0.0, 1.0]),
-    "frequency_penalty": st.sampled_from([0, -2.0]),
-    "logit_bias": st.one_of(st.just({}), st.dictionaries(TEXTS, FLOATS, max_size=3)),
+    "min_tokens": st.one_of(st.integers(-1, 12), st.just(10**30)),
     "rid": RIDS,
 }
 FIELDS: dict[str, dict[str, st.SearchStrategy]] = {
@@ -147,6 +151,11 @@ VALID_SAMPLING = {  # in range, so that they reach the scheduler and the sampler
     "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
     "ignore_eos": st.booleans(),
+    "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.05, 2),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3),
+    "n": st.integers(1, MAX_VALID_N),
 }
 VALID_OPENAI = {**VALID_SAMPLING, "stream": st.booleans(), "n": st.integers(1, MAX_VALID_N), "priority": VALID_PRIORITY}
 VALID_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),

@@ -98,8 +98,8 @@ def test_a_matcher_out_of_step_fails_only_its_request(engine):
     ({"regex": "a", "json_schema": "{}"}, "regex", "cannot both"),
     ({"ebnf": "root ::= x"}, "ebnf", "not supported"),
     ({"stop_regex": ["("]}, "stop_regex", "regular expression"),
-    ({"min_new_tokens": 3}, "min_new_tokens", "not supported yet"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty", "not supported yet"),
+    ({"min_new_tokens": 3, "max_new_tokens": 2}, "min_new_tokens", "must not exceed"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "must be in"),
 ])
 def test_bad_constraints_name_the_field(params, field, message):
     with pytest.raises(InvalidRequest, match=message) as exc:

@@ -45,14 +45,14 @@ class NativeRoutes:
         body = await decode_body(request, NativeGenerateRequest)
         self.server.check_size(body.num_sequences())  # refused before a single sequence is built
         batch = native_batch(body, self.server.limits.vocab_size)
-        outputs, prompts = batch.outputs(), batch.prompts
+        outputs = batch.outputs()
         async with self.server.open(batch.rid, batch.gens) as group:
             firsts = await first_deltas(group)
             if not body.stream:
                 async for i, delta in merged(group, firsts):
                     outputs[i].add(delta)
                 bodies = [o.body() for o in outputs]
-                return json_response(bodies[0] if prompts.single else bodies)
+                return json_response(bodies[0] if batch.single else bodies)
 
             async def events():
                 async for i, delta in merged(group, firsts):

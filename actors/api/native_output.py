@@ -33,11 +33,24 @@ class NativeBatch:
 
     rid: str
     gens: list[GenerateReq]
-    prompts: Prompts
+    single: bool  # one prompt, one choice: the result is a dict, not a list
     logprobs: LogprobOptions | None
 
     def outputs(self) -> list[NativeOutput]:
         return [NativeOutput(g.rid, self.logprobs) for g in self.gens]
+
+
+def sequences(prompts: Prompts, params: list[SamplingParams], rid: str | list[str] | None,
+              logprobs: LogprobOptions | None, priority: int) -> tuple[str, list[GenerateReq], bool]:
+    """Every prompt's ``n`` choices as sequences, prompt-major (SGLang's order): the request's id, a GenerateReq
+    per sequence, and whether the result is one dict (one prompt, one choice). The HTTP route and the Engine
+    both build their requests here."""
+    base, rids = sequence_rids(rid, len(prompts.items), prompts.single)
+    gens = [GenerateReq(r if p.n == 1 else f"{r}-{j}", p.choice(j), top_logprobs=logprobs.top if logprobs else None,
+                        priority=priority, logprob_start=logprobs.start if logprobs else None,
+                        **({"text": item} if isinstance(item, str) else {"input_ids": item}))
+            for r, item, p in zip(rids, prompts.items, params) for j in range(p.n)]
+    return base, gens, prompts.single and params[0].n == 1
 
 
 def native_batch(body: NativeGenerateRequest, vocab_size: int | None) -> NativeBatch:
@@ -60,12 +73,7 @@ def native_batch(body: NativeGenerateRequest, vocab_size: int | None) -> NativeB
     if body.return_logprob:
         logprobs = LogprobOptions(body.top_logprobs_num or 0, body.return_text_in_logprobs,
                                   None if start is None or start < 0 else start)
-    rid, rids = sequence_rids(body.rid, len(prompts.items), prompts.single)
-    gens = [GenerateReq(r, sp, top_logprobs=logprobs.top if logprobs else None, priority=body.priority,
-                        logprob_start=logprobs.start if logprobs else None,
-                        **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-            for r, p, sp in zip(rids, prompts.items, params)]
-    return NativeBatch(rid, gens, prompts, logprobs)
+    return NativeBatch(*sequences(prompts, params, body.rid, logprobs, body.priority), logprobs)
 
 
 def sequence_rids(rid: str | list[str] | None, n: int, single: bool) -> tuple[str, list[str]]:

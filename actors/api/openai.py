@@ -103,8 +103,9 @@ class OpenAIRoutes:
         messages = body.template_messages()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         vocab = self.server.limits.vocab_size
-        gens = [GenerateReq(f"{rid}-{i}", body.sampling_params(body.max_new_tokens, i, vocab), messages=messages,
-                            top_logprobs=body.top_logprobs_count, priority=body.priority) for i in range(body.n)]
+        params = body.sampling_params(body.max_new_tokens, vocab)
+        gens = [GenerateReq(f"{rid}-{i}", params.choice(i), messages=messages, top_logprobs=body.top_logprobs_count,
+                            priority=body.priority) for i in range(body.n)]
         return await self.respond(request, "chat", rid, body, gens)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -114,7 +115,7 @@ class OpenAIRoutes:
         self.check_model(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
         self.server.check_size(len(prompts) * body.n)  # refused before a single sequence is built
-        params = [body.sampling_params(body.max_new_tokens, j, vocab) for j in range(body.n)]
+        params = [body.sampling_params(body.max_new_tokens, vocab).choice(j) for j in range(body.n)]
         gens = []
         for p, prompt in enumerate(prompts):
             for j in range(body.n):

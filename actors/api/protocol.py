@@ -20,7 +20,6 @@ from radixserve.sampling_params import SamplingParams
 PositiveInt = Annotated[int, Meta(ge=1)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # larger = more important
 RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
-MAX_LOGIT_BIAS = 300  # OpenAI's bound on the map
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -87,11 +86,14 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
     user: str | None = None
     # SGLang / vLLM extras
     top_k: int | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None  # vLLM's name (SGLang's: min_new_tokens)
+    min_new_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -102,24 +104,26 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     json_schema: str | None = None
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported by radixserve; leave it unset or 0", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by radixserve", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int | None, choice: int, vocab_size: int | None) -> SamplingParams:
-        """Choice i of n gets seed + i: a seeded request is reproducible, its n choices still differ.
-        InvalidRequest (a 400 naming the field) if a value is out of its range."""
+    def sampling_params(self, max_tokens: int | None, vocab_size: int | None) -> SamplingParams:
+        """One choice's parameters (choice i of n: ``.choice(i)``, seed + i). InvalidRequest (a 400 naming the
+        field) if a value is out of its range."""
+        if self.min_tokens is not None and self.min_new_tokens is not None and self.min_tokens != self.min_new_tokens:
+            raise APIError(400, "min_tokens and min_new_tokens are the same setting; give one", param="min_tokens")
         params = SamplingParams(
             max_new_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k in (None, 0) else self.top_k,
             min_p=self.min_p or 0.0,
-            seed=None if self.seed is None else self.seed + choice,
+            seed=self.seed,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_new_tokens=self.min_tokens or self.min_new_tokens or 0,
+            logit_bias=self.logit_bias,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
@@ -225,11 +229,16 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     image_data: None = None
 
     def num_sequences(self) -> int:
+        """Prompts x n (a list of sampling_params that does not match the prompts is refused later)."""
+        prompts = 1
         if isinstance(self.text, list):
-            return len(self.text)
-        if self.text is None and self.input_ids and isinstance(self.input_ids[0], list):
-            return len(self.input_ids)
-        return 1
+            prompts = len(self.text)
+        elif self.text is None and self.input_ids and isinstance(self.input_ids[0], list):
+            prompts = len(self.input_ids)
+        params = self.sampling_params
+        if isinstance(params, list):
+            return sum(p.n for p in params) if len(params) == prompts else prompts
+        return prompts * (params.n if params is not None else 1)
 
 
 class AbortBody(msgspec.Struct, forbid_unknown_fields=True):

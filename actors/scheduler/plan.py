@@ -6,7 +6,7 @@ from typing import Literal
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan, GrammarSpec, PromptLogprobs, SamplingBatch
+from radixserve.actors.messages import ForwardPlan, GrammarSpec, PenaltySpec, PromptLogprobs, SamplingBatch
 from radixserve.actors.scheduler.req import Req
 
 
@@ -26,12 +26,13 @@ class Step:
 
 
 def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int],
-               vocab_size: int, released_grammars: list[str] | None = None) -> ForwardPlan:
+               vocab_size: int, released: list[str] | None = None) -> ForwardPlan:
     """``starts[i]``: how many of reqs[i]'s tokens were in the pool before this step (the rest are new).
 
     Every request's KV handle must already hold slots for all the tokens it computes now, and a runner table row
     (``table_row``); the runner holds each row up to ``kv.synced``. A constrained request
-    that samples for the first time brings its grammar along (the caller marks it started once the plan is sent).
+    or penalized request that samples for the first time brings its grammar / penalties along (the caller marks
+    its sampling state started once the plan is sent).
     """
     kv_lens = [r.kv_len for r in reqs]
     if mode == "decode":
@@ -39,6 +40,7 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
     else:
         input_ids = [t for r, s, e in zip(reqs, starts, kv_lens) for t in r.tokens(s, e)]
     sample = [e == r.seq_len and not r.prefill_only for r, e in zip(reqs, kv_lens)]
+    starting = [r for r, s in zip(reqs, sample) if s and not r.sampler_state]
     return ForwardPlan(
         step=step,
         mode=mode,
@@ -52,9 +54,9 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
         sample=np.asarray(sample, dtype=np.uint8),
         sampling=sampling_batch([r for r, s in zip(reqs, sample) if s], vocab_size),
         prompt_logprobs=prompt_logprobs(mode, reqs, starts, kv_lens),
-        new_grammars={r.rid: GrammarSpec(*r.params.constraint) for r, s in zip(reqs, sample)
-                      if s and r.params.constraint is not None and not r.grammar_started},
-        released_grammars=released_grammars or [],
+        new_grammars={r.rid: GrammarSpec(*r.params.constraint) for r in starting if r.params.constraint is not None},
+        new_penalties={r.rid: penalty_spec(r) for r in starting if r.params.penalized},
+        released=released or [],
     )
 
 
@@ -85,7 +87,16 @@ def sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
         all_greedy=all(p.greedy for p in params),
         constraints=[r.rid if p.constraint is not None else None for r, p in zip(reqs, params)]
         if any(p.constraint is not None for p in params) else [],
+        penalized=[r.rid if p.penalized else None for r, p in zip(reqs, params)]
+        if any(p.penalized for p in params) else [],
     )
+
+
+def penalty_spec(req: Req) -> PenaltySpec:
+    p = req.params
+    return PenaltySpec(p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.min_new_tokens,
+                       sorted(req.stop_ids) if p.min_new_tokens else [], p.bias_ids,
+                       [float(v) for v in (p.logit_bias or {}).values()])
 
 
 def plannable(mode: Literal["extend", "decode"], req: Req, start: int, vocab_size: int) -> bool:

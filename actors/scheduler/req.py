@@ -30,7 +30,7 @@ class Req:
     kv: KVHandle | None = None  # set while the request holds KV (running or mid-prefill)
     cached_tokens: int | None = None  # prefix reused from the cache when first admitted
     finish_reason: FinishReason | None = None
-    grammar_started: bool = False  # the runner holds a matcher for this request's constraint
+    sampler_state: bool = False  # the runner holds this request's grammar matcher and/or penalty counts
     table_row: int | None = None  # the runner's row of this request's slot indices, while it holds KV
     preemptions: int = 0  # times it was retracted for a higher-priority arrival (priority-preempt)
     _key: array = field(init=False, repr=False)  # fill_ids packed (fill_key), extended as the output grows

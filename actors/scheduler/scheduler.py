@@ -321,7 +321,7 @@ class Scheduler:
             self.runner_state.take_row(req)
         try:
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size,
-                              self.runner_state.released_grammars())
+                              self.runner_state.released())
         except Exception:
             log.exception("could not plan step %d; finding the request(s) that break it", self._step)
             bad = [r for r, s in zip(reqs, starts) if not plannable(mode, r, s, self.config.vocab_size)] or reqs
@@ -335,7 +335,7 @@ class Scheduler:
                 return None
             reqs, starts = [r for r, _ in keep], [s for _, s in keep]
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size,
-                              self.runner_state.released_grammars())  # with the requests that just failed
+                              self.runner_state.released())  # with the requests that just failed
         self.runner_state.sent(reqs, plan)
         self._inflight = Step(plan, reqs, starts)
         return plan
