@@ -89,7 +89,7 @@ class Launcher:
         the one that was not."""
         p = self.prepared
         spec = ActorSpec(self.endpoints, p.args, str(p.files.path), p.scheduler_config, p.args.log_level,
-                         str(p.files.source))
+                         str(p.files.source), str(p.tokenizer_dir))
         ctx = zmq.Context()
         inbox = ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.LINGER, 0)

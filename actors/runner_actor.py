@@ -35,6 +35,16 @@ class RunnerActor:
                 await self.channel.send(self.scheduler, result)
 
 
+def seed_sampling(seed: int | None) -> None:
+    """``--random-seed``: requests without a seed of their own draw their sampling noise from torch's default
+    generators; seeded once the model is built (whatever its warm-up drew), two servers started alike answer the
+    same sequence of requests with the same tokens. None: torch's own fresh seed."""
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(seed)  # the CPU's and every CUDA device's generator
+
+
 def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, dict[str, Any]]:
     import dataclasses
 
@@ -59,6 +69,7 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     cfg = ModelConfig.from_hf(*load_configs(Path(spec.model_dir)))
     source = Path(spec.model_source) if spec.model_source else None
     runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp)
+    seed_sampling(args.random_seed)
     return RunnerActor(runner, channel, spec.named("scheduler")), {
                                           "rank": rank, "node": args.node_rank, "replica": spec.replica or 0,
                                           "dtype": args.dtype,

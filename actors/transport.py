@@ -161,6 +161,7 @@ class ActorSpec:
     scheduler_config: Any  # SchedulerConfig
     log_level: str = "info"
     model_source: str | None = None  # the file or folder the user gave (a GGUF file's own quantized weights)
+    tokenizer_dir: str | None = None  # the tokenizer's HF folder (--tokenizer-path); None: model_dir
     dist_addr: str | None = None  # HOST:PORT where the tensor-parallel ranks meet (torch.distributed's store)
     replica: int | None = None  # with --dp > 1: the data-parallel replica this actor belongs to
 

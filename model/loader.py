@@ -1,4 +1,5 @@
-"""Finding a model: a HF checkpoint folder, a GGUF file, or (no path) the bundled SmolLM2-135M-Instruct.
+"""Finding a model: a HF checkpoint folder, a GGUF file, a hub id in the local Hugging Face cache (model/hub.py),
+or (no path) the bundled SmolLM2-135M-Instruct.
 
 GGUF files are dequantized once through transformers' GGUF reader and cached as a HF folder (safetensors +
 tokenizer), so every later start loads in seconds.
@@ -7,11 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from radixserve.model.hub import cached_snapshot, parse_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +42,45 @@ def bundled_model_path() -> Path:
 @dataclass(frozen=True)
 class ModelFiles:
     path: Path  # a HF-format folder: config.json, *.safetensors, tokenizer files
-    source: Path  # what the user gave (or the bundled GGUF)
+    source: Path  # what the user gave (or the bundled GGUF); for a hub id, its cached snapshot (or the GGUF in it)
+    hub_id: str | None = None  # the Hugging Face id it was found by in the local cache; None: a local path
+
+    @property
+    def given(self) -> str:
+        """What the user named: the hub id, else the path (SGLang reports ``model_path`` as given)."""
+        return self.hub_id or str(self.source)
 
 
-def resolve_model(model_path: str | os.PathLike | None) -> ModelFiles:
-    """A HF-format folder for ``model_path``; converts (once) if it is a GGUF file."""
-    source = Path(model_path).expanduser() if model_path is not None else bundled_model_path()
-    if not source.exists():
+def locate(name: str | os.PathLike, revision: str | None = None, what: str = "model path") -> tuple[Path, str | None]:
+    """``(path, hub id)``: an existing local path as it is (a path always wins over a hub id of the same
+    spelling), else a hub id's snapshot in the local Hugging Face cache (``org/name@revision`` or ``revision``)."""
+    local = Path(name).expanduser()
+    if local.exists():
+        return local, None
+    hub = parse_hub_id(str(name))
+    if hub is None:
         raise FileNotFoundError(
-            f"model path {str(source)!r} does not exist; radixserve loads local checkpoints "
-            "(a folder with config.json and *.safetensors, or a .gguf file) -- nothing is downloaded"
+            f"{what} {str(local)!r} does not exist; radixserve loads local checkpoints (a folder with config.json "
+            "and *.safetensors, or a .gguf file) or a hub id (org/name) already in the local Hugging Face cache "
+            "-- nothing is downloaded"
         )
+    repo_id, at = hub
+    if at and revision and at != revision:
+        raise ValueError(f"{name!r} names revision {at!r} but --revision says {revision!r}; give one")
+    return cached_snapshot(repo_id, at or revision), repo_id
+
+
+def resolve_model(model_path: str | os.PathLike | None, revision: str | None = None) -> ModelFiles:
+    """A HF-format folder for ``model_path`` (a folder, a .gguf file, a hub id in the local HF cache, or None:
+    the bundled model); converts (once) if it is a GGUF file."""
+    source, hub_id = locate(model_path, revision) if model_path is not None else (bundled_model_path(), None)
     if source.is_dir():
         ggufs = sorted(source.glob("*.gguf"))
         if (source / "config.json").exists():
             if not list(source.glob("*.safetensors")):
                 raise FileNotFoundError(f"{source} has a config.json but no *.safetensors weights")
-            return ModelFiles(source, source)
+            refuse_remote_code(source)
+            return ModelFiles(source, source, hub_id)
         if len(ggufs) == 1:
             source = ggufs[0]
         else:
@@ -63,7 +89,47 @@ def resolve_model(model_path: str | os.PathLike | None) -> ModelFiles:
             )
     if source.suffix != ".gguf":
         raise ValueError(f"{source} is neither a checkpoint folder nor a .gguf file")
-    return ModelFiles(convert_gguf(source), source)
+    return ModelFiles(convert_gguf(source), source, hub_id)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_tokenizer(tokenizer_path: str | None, model: ModelFiles, revision: str | None = None) -> Path:
+    """The folder the tokenizer and its chat template load from: the model's own (None), or ``--tokenizer-path``'s
+    (a folder with tokenizer files, a hub id in the local HF cache, or a .gguf file's converted folder)."""
+    if tokenizer_path is None:
+        return model.path
+    source, _ = locate(tokenizer_path, revision, what="tokenizer path")
+    if source.is_file() and source.suffix == ".gguf":
+        return convert_gguf(source)
+    if not source.is_dir() or not any((source / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"tokenizer path {str(source)!r} is not a folder with tokenizer files "
+                                f"({', '.join(TOKENIZER_FILES)})")
+    return source
+
+
+def refuse_remote_code(folder: Path) -> None:
+    """ValueError when config.json asks for code shipped with the checkpoint (``auto_map``) for an architecture
+    radixserve does not implement: such code is never run (and transformers would stop to ask whether to)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder / 'config.json'} cannot be read as JSON: {exc}") from None
+    model_type = config.get("model_type")
+    supported = supported_model_types()
+    if config.get("auto_map") and model_type not in supported:
+        raise ValueError(
+            f"{folder} is a {model_type or 'custom'} model whose config.json asks for its own code "
+            f"(auto_map: {', '.join(config['auto_map'])}); radixserve runs only the architectures it implements "
+            f"({', '.join(supported)}) and never executes a checkpoint's code")
+
+
+def supported_model_types() -> list[str]:
+    """The config.json ``model_type`` values radixserve has a model for."""
+    from radixserve.model.config import FAMILIES
+
+    return sorted(FAMILIES)
 
 
 def convert_gguf(gguf: Path) -> Path:

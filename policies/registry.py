@@ -8,6 +8,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any, Literal
 
+from radixserve.errors import did_you_mean
 from radixserve.policies.base import EvictionPolicy, SchedulePolicy
 
 Kind = Literal["eviction", "schedule"]
@@ -25,7 +26,9 @@ def available(kind: Kind) -> list[str]:
 def _load(kind: Kind, name: str) -> Any:
     matches = [ep for ep in entry_points(group=GROUPS[kind]) if ep.name == name]
     if not matches:
-        raise ValueError(f"unknown {kind} policy {name!r}; available: {', '.join(available(kind)) or 'none'}")
+        names = available(kind)
+        raise ValueError(f"unknown {kind} policy {name!r}; available: {', '.join(names) or 'none'}"
+                         f"{did_you_mean(name, names)}")
     ep = matches[0]
     try:
         factory = ep.load()

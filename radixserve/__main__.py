@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 
-from radixserve.server_args import add_cli_args, from_cli
+from radixserve.cli_args import SERVE, ArgParser, add_cli_args, from_cli
 
 SCRIPT = ["What is the capital of France?", "And what is it famous for?", "Say that again in one sentence."]
 
@@ -45,9 +45,9 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixserve", description="A readable LLM serving engine (RadixAttention)")
+    parser = ArgParser(prog="radixserve", description="A readable LLM serving engine (RadixAttention)")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    p_serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", **SERVE)
     add_cli_args(p_serve)
     p_compare = sub.add_parser("compare", help="compare eviction/schedule policies (simulated and/or live)",
                                description="Compare policy pairs on one workload; see radixserve.compare.cli")
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_router_args(p_router)
     p_demo = sub.add_parser("demo", help="chat with the offline Engine in the terminal")
+    p_demo.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: 128)")
     add_cli_args(p_demo)
-    p_demo.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     if args.command == "serve":
         from radixserve.launch_server import run_cli

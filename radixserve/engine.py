@@ -37,6 +37,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
+        from radixserve.actors.runner_actor import seed_sampling
 
         args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         if args.dp > 1:
@@ -49,13 +50,14 @@ class Engine:
         self.args = args = prepared.args
         self.model_config = prepared.model
         self.model_files = prepared.files
-        self.tokenizer = TokenizerCore(prepared.files.path)
+        self.tokenizer = TokenizerCore(prepared.tokenizer_dir, args.chat_template)
         if args.tp > 1:  # the ranks as processes (the server's runner actors), this scheduler publishing to them
             from radixserve.actors.ranks import Ranks
 
             self.runner = Ranks(prepared)
         else:
             self.runner = ModelRunner.from_args(prepared.model, prepared.files.path, args, prepared.files.source)
+            seed_sampling(args.random_seed)  # the ranks' processes seed their own
         self.scheduler = build_scheduler(args, prepared.scheduler_config)
         self._ids = itertools.count()
         self._closed = False

@@ -16,7 +16,8 @@ import sys
 import time
 
 from radixserve import __version__
-from radixserve.server_args import ServerArgs, add_cli_args, from_cli
+from radixserve.cli_args import from_cli, server_parser
+from radixserve.server_args import ServerArgs
 
 log = logging.getLogger("radixserve")
 SUPERVISE_INTERVAL_S = 0.25
@@ -71,7 +72,8 @@ async def _serve(prepared, launcher) -> int:
     info = {
         "version": __version__,
         "model": prepared.model_name,
-        "model_path": str(prepared.files.source),
+        "served_model_names": list(prepared.model_names),  # any of them is served; "model" (the first) is named
+        "model_path": prepared.files.given,
         "context_length": args.context_length,
         "vocab_size": prepared.model.vocab_size,
         "max_total_tokens": args.max_total_tokens,
@@ -143,9 +145,7 @@ async def _supervise(launcher, server, stop: asyncio.Event, info: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixserve serve", description="Start the OpenAI-compatible server")
-    add_cli_args(parser)
-    return run_cli(parser.parse_args(argv))
+    return run_cli(server_parser().parse_args(argv))
 
 
 def run_cli(namespace: argparse.Namespace) -> int:

@@ -2,12 +2,15 @@
 server arguments and the scheduler's config. Shared by the server's launcher and the offline Engine."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from radixserve.actors.chat_templates import load_chat_template
 from radixserve.actors.scheduler.scheduler import SchedulerConfig
 from radixserve.model.config import ModelConfig
-from radixserve.model.loader import ModelFiles, load_configs, resolve_model
+from radixserve.model.loader import ModelFiles, load_configs, resolve_model, resolve_tokenizer
 from radixserve.model.parallel import check_divisible, kv_heads_per_rank
 from radixserve.policies import load_eviction_policy, load_schedule_policy
 from radixserve.server_args import ServerArgs
@@ -19,15 +22,20 @@ class Prepared:
     files: ModelFiles
     model: ModelConfig
     scheduler_config: SchedulerConfig
-    model_name: str  # what /v1/models lists and clients pass as "model"
+    model_names: tuple[str, ...]  # what /v1/models lists and clients pass as "model"; the first is the primary
+    tokenizer_dir: Path  # the tokenizer's HF folder (--tokenizer-path, else the model's)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     def model_info(self, chat_template: dict[str, Any] | None) -> dict[str, Any]:
         """``GET /get_model_info`` (SGLang's fields). ``model_path`` is the path the model was loaded from, as
         given: SGLang's frontend picks its chat template by matching it, and that match must see the truth.
         ``chat_template``: the role markers of the model's own template (radixserve.lang reads them)."""
         return {
-            "model_path": str(self.files.source),
-            "tokenizer_path": str(self.files.path),
+            "model_path": self.files.given,
+            "tokenizer_path": self.args.tokenizer_path or self.files.given,
             "served_model_name": self.model_name,
             "is_generation": True,
             "model_type": self.model.model_type,
@@ -43,11 +51,19 @@ class Prepared:
 
 def prepare(args: ServerArgs) -> Prepared:
     """Resolve ``args`` against the model; fails fast (ValueError / FileNotFoundError) on bad names or paths."""
-    files = resolve_model(args.model_path)
+    files = resolve_model(args.model_path, args.revision)
+    tokenizer_dir = resolve_tokenizer(args.tokenizer_path, files, args.revision)
+    if args.chat_template is not None:
+        load_chat_template(args.chat_template)  # fail fast on a bad name or file: the tokenizer loads it again
     model = ModelConfig.from_hf(*load_configs(files.path))
     check_divisible(args.tp, model.num_heads, model.num_kv_heads, model.intermediate_size)
     per_rank = 2 * model.num_layers * kv_heads_per_rank(args.tp, model.num_kv_heads) * model.head_dim
+    requested = args.decode_kernel
     args = args.resolved(model.kv_values_per_token, model.max_position_embeddings, model.num_parameters, per_rank)
+    if args.decode_kernel == "native" and model.native_refusal:  # what this machine allows, this model may not
+        if requested == "native":
+            raise ValueError(f"--decode-kernel native: {model.native_refusal}; use --decode-kernel compiled or eager")
+        args = dataclasses.replace(args, decode_kernel="compiled")
     load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
     if args.dp > 1:
         from radixserve.actors.router.policies import load_routing_policy
@@ -67,6 +83,6 @@ def prepare(args: ServerArgs) -> Prepared:
         queue_timeout_s=args.queue_timeout,
         check_invariants=args.check_invariants,
     )
-    name = args.served_model_name or (files.source.stem.split(".")[0] if files.source.suffix == ".gguf"
-                                        else files.source.resolve().name)
-    return Prepared(args, files, model, cfg, name)
+    names = args.served_model_name or (files.hub_id or (files.source.stem.split(".")[0] if files.source.suffix ==
+                                                        ".gguf" else files.source.resolve().name),)
+    return Prepared(args, files, model, cfg, names, tokenizer_dir)

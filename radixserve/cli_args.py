@@ -1,0 +1,237 @@
+"""The server's command line, built from ServerArgs: one flag per field (``--max-total-tokens`` for
+``max_total_tokens``), typed from the field's type, every closed set listed as choices, ``--flag/--no-flag`` for
+every switch, defaults shown, grouped in sections as SGLang's ``--help`` is; SGLang's names kept as aliases. An
+unknown flag is named with the closest known one; every parse error is one line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import MISSING, fields
+from typing import Any
+
+from radixserve.errors import did_you_mean
+from radixserve.server_args import CHOICES, DTYPE_ALIASES, ServerArgs
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "model and tokenizer": ("model_path", "revision", "tokenizer_path", "chat_template", "trust_remote_code",
+                            "context_length", "dtype", "quantization", "kv_cache_dtype"),
+    "runtime and memory": ("device", "attention_backend", "decode_kernel", "disable_compile", "num_threads",
+                           "max_total_tokens", "mem_fraction_static", "chunked_prefill_size", "max_prefill_tokens",
+                           "max_running_requests", "random_seed", "deterministic"),
+    "scheduling and cache policies": ("schedule_policy", "eviction_policy", "disable_radix_cache", "shadow_policies",
+                                      "shadow_window", "auto_policy", "auto_policy_metric", "auto_policy_margin",
+                                      "auto_policy_hold", "auto_policy_cooldown"),
+    "parallelism": ("tp", "dp", "routing_policy", "nnodes", "node_rank", "dist_init_addr", "dist_backend",
+                    "dist_timeout"),
+    "api server": ("host", "port", "api_key", "served_model_name", "max_queued_requests",
+                   "max_sequences_per_request", "queue_timeout", "shutdown_timeout"),
+    "logging": ("log_level",),
+    "debugging": ("check_invariants",),
+}
+ALIASES = {  # SGLang's (and vLLM's) names for the same flags
+    "model_path": ["--model"],
+    "tp": ["--tp-size", "--tensor-parallel-size"],
+    "dp": ["--dp-size", "--data-parallel-size"],
+    "eviction_policy": ["--radix-eviction-policy"],
+    "deterministic": ["--enable-deterministic-inference"],
+}
+METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", "chat_template": "NAME_OR_FILE",
+            "served_model_name": "NAME", "dist_init_addr": "HOST:PORT", "api_key": "KEY", "host": "HOST",
+            "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV"}
+HELP = {
+    "model_path": "a HF checkpoint folder, a .gguf file, or a Hugging Face hub id (org/name, org/name@revision) "
+                  "already in the local HF cache ($HF_HUB_CACHE, $HF_HOME/hub; nothing is downloaded) (default: "
+                  "the bundled SmolLM2-135M-Instruct)",
+    "revision": "the branch, tag or commit of a hub id's cached snapshot (default: main)",
+    "tokenizer_path": "where the tokenizer (and its chat template) come from: a folder, hub id or .gguf file "
+                      "(default: the model's own)",
+    "chat_template": "the chat template for chat requests in place of the tokenizer's: a Jinja file, or a "
+                     "built-in: chatml, qwen, llama-3, llama-2, mistral (default: the tokenizer's own)",
+    "trust_remote_code": "refused: radixserve runs only the architectures it implements and never executes a "
+                         "checkpoint's code (accepted so SGLang command lines fail with a clear message)",
+    "dtype": "weights and activations; auto: bfloat16 (the CPU's fast path; float32 checkpoints too)",
+    "kv_cache_dtype": "the KV pool's dtype; auto: the model's dtype (the only one implemented yet: fp8 is refused)",
+    "max_total_tokens": "KV pool size in tokens (default: from free memory; on CUDA from --mem-fraction-static)",
+    "chunked_prefill_size": "new tokens per prefill step; <= 0 disables chunking",
+    "max_prefill_tokens": "new tokens per prefill step when chunking is off",
+    "max_running_requests": "most requests decoding at once",
+    "context_length": "cap on prompt + output tokens (default: the model's)",
+    "schedule_policy": "order of the waiting queue: {schedule}, or a plugin's (entry points "
+                       "radixserve.schedule_policies)",
+    "eviction_policy": "which cached prefixes go first when the pool is full: {eviction}, or a plugin's "
+                       "(entry points radixserve.eviction_policies)",
+    "disable_radix_cache": "no prefix reuse: every request computes its whole prompt",
+    "shadow_policies": "replay the live traffic, in a low-priority process of its own, through every listed "
+                       "eviction x schedule pair: `all`, or names (eviction and schedule names are crossed, "
+                       "`lru:lpm` is one pair); GET /policies/shadow, /metrics radixserve_shadow_* (default: none)",
+    "shadow_window": "seconds of traffic the shadow statistics cover (a sliding window)",
+    "auto_policy": "switch the live policies to the shadow leader once it beats the live pair's shadow by "
+                   "--auto-policy-margin for --auto-policy-hold seconds (at most once per --auto-policy-cooldown)",
+    "auto_policy_metric": "what the leader is best at",
+    "auto_policy_margin": "how much better (relative) the leader must be, e.g. 0.1 = 10%%",
+    "auto_policy_hold": "seconds the leader must stay ahead before a switch",
+    "auto_policy_cooldown": "seconds after any change of the live policies (by hand too) before a switch",
+    "served_model_name": "the model name(s) clients pass as \"model\", space-separated: the first is listed first "
+                         "by /v1/models and named in responses to requests without one, any of them is served "
+                         "(default: the hub id, else the file or folder name)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_key": "require `Authorization: Bearer <key>` on every route but /health (default: none)",
+    "tp": "tensor-parallel ranks: runner processes that each hold 1/tp of every layer (torch.distributed); must "
+          "divide the attention heads, the MLP width and the KV heads (or be a multiple of them)",
+    "dp": "data-parallel replicas on this machine: each a scheduler with its own KV pool, radix cache and "
+          "policies, and its runner rank(s); one api and tokenizer route requests to them (--routing-policy)",
+    "routing_policy": "how --dp replicas share requests: {routing}, or a plugin's (entry points "
+                      "radixserve.routing_policies); cache-aware sends requests sharing a prefix where it is cached",
+    "nnodes": "machines the --tp ranks are spread over (tp / nnodes each); start `radixserve serve` on each with "
+              "the same flags and its own --node-rank",
+    "node_rank": "this machine's number, 0..nnodes-1; node 0 serves HTTP and runs the scheduler",
+    "dist_init_addr": "HOST:PORT of node 0, reachable from every node: torch.distributed's store at PORT, the "
+                      "scheduler's plans at PORT+1, the nodes' heartbeat link at PORT+2 (default: a free local "
+                      "port, one machine)",
+    "dist_backend": "auto: nccl on CUDA, gloo on the CPU",
+    "dist_timeout": "seconds a collective may wait (also the rendezvous: start every node within it); a node "
+                    "silent for 10 s, or this if shorter, ends the whole server",
+    "log_level": "log messages of this level and above",
+    "num_threads": "torch threads for the model (default: all cores, shared by the ranks of this machine)",
+    "device": "auto: cuda if torch sees a GPU, else cpu",
+    "attention_backend": "auto: triton on cuda, torch on cpu, batch-invariant with --deterministic",
+    "max_queued_requests": "sequences that may wait for a slot beyond the running ones; past it new requests get "
+                           "429 with Retry-After",
+    "max_sequences_per_request": "prompts x n one HTTP request may ask for; past it: 429",
+    "queue_timeout": "seconds a request may wait in the queue before it fails with 503 (default: no limit)",
+    "shutdown_timeout": "seconds SIGTERM/SIGINT waits for requests in flight (new ones get 503) before stopping",
+    "random_seed": "seeds the sampling noise of requests without a seed of their own, once at start: two servers "
+                   "started with the same seed answer the same sequence of requests with the same tokens "
+                   "(default: a fresh seed each start)",
+    "deterministic": "batch-invariant inference: greedy and seeded tokens never depend on the batch (CPU; see the "
+                     "README for the cost)",
+    "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
+                    "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
+    "decode_kernel": "how CPU decode steps (and short prefills) run: native (the whole step in one C++ call, built "
+                     "for this CPU on first use; needs AVX-512 BF16 + VNNI and a C++ compiler; bf16, float32 or "
+                     "--quantization weights), compiled (torch.compile'd layers), eager; auto: native where it "
+                     "can run, else compiled",
+    "disable_compile": "run decode steps eagerly: no native step, no torch.compile graphs (compiling them at "
+                       "start-up takes ~30 s the first time, a few seconds once cached; CPU only, never with "
+                       "--deterministic)",
+    "mem_fraction_static": "CUDA: the share of the GPU's memory for the weights and the KV pool; the pool gets what "
+                           "the weights leave of it (default: 0.85)",
+    "check_invariants": "check KV pool accounting after every step (slow; for debugging)",
+}
+SERVE = {"usage": "%(prog)s [--model-path PATH_OR_HUB_ID] [--host HOST] [--port PORT] [--tp N] [options]",
+         "description": "Start the OpenAI-compatible (and SGLang-native) HTTP server"}  # its parser's wording
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2) and unknown flags named with the closest known flag.
+    Abbreviations are off: ``--max-total-token`` is a mistake to point out, never a prefix to guess from."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", lambda prog: argparse.HelpFormatter(prog, max_help_position=36))
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001 (argparse's signature)
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._chosen(namespace)
+            parser.error(parser.unrecognized(extras))
+        return namespace
+
+    def error(self, message: str):  # noqa: ANN201 (never returns)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def unrecognized(self, extras: list[str]) -> str:
+        known = [s for a in self._actions for s in a.option_strings]
+        flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
+        if not flags:
+            return f"unrecognized arguments: {' '.join(extras)} (every setting is a --flag; see --help)"
+        return "; ".join(f"unrecognized argument {f}{did_you_mean(f, known, quote=False)}" for f in flags)
+
+    def _chosen(self, namespace: argparse.Namespace) -> ArgParser:
+        """The (sub)command parser the arguments went to: its flags are the ones a mistyped flag was meant as."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(namespace, action.dest, None) or "")
+                if isinstance(sub, ArgParser):
+                    return sub._chosen(namespace)
+        return self
+
+
+class Switch(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag``, help as written (Python 3.10-3.12 would append "(default: False)" again)."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, help=help, **kwargs)
+        self.help = help
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerArgs field, in GROUPS' sections (a field in none lands in "other")."""
+    hints = typing.get_type_hints(ServerArgs)
+    placed = {name for names in GROUPS.values() for name in names}
+    by_name = {f.name: f for f in fields(ServerArgs)}
+    sections = {**GROUPS, "other": tuple(n for n in by_name if n not in placed)}
+    policies = _policy_names()
+    for title, names in sections.items():
+        if not names:
+            continue
+        group = parser.add_argument_group(title)
+        for name in names:
+            f = by_name[name]
+            flags = ["--" + name.replace("_", "-"), *ALIASES.get(name, [])]
+            default = f.default if f.default is not MISSING else None
+            text = HELP.get(name, "").format(**policies)
+            kind, many = _scalar(hints[name])
+            if kind is bool:
+                group.add_argument(*flags, dest=name, action=Switch, default=default,
+                                   help=_with_default(text, "on" if default else "off"))
+                continue
+            choices = CHOICES.get(name)
+            if name in ("dtype", "kv_cache_dtype"):
+                choices = (*choices, *DTYPE_ALIASES)
+            elif name == "auto_policy_metric":
+                from radixserve.compare.auto_policy import METRICS
+
+                choices = tuple(METRICS)
+            group.add_argument(*flags, dest=name, type=kind, default=default, choices=choices,
+                               nargs="+" if many else None, metavar=METAVARS.get(name),
+                               help=_with_default(text, None if default is None else default))
+
+
+def from_cli(namespace: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(**{f.name: getattr(namespace, f.name) for f in fields(ServerArgs)})
+
+
+def server_parser(prog: str = "radixserve serve") -> ArgParser:
+    """``radixserve serve`` / ``python -m radixserve.launch_server``: the same flags."""
+    parser = ArgParser(prog=prog, **SERVE)
+    add_cli_args(parser)
+    return parser
+
+
+def _scalar(hint: Any) -> tuple[type, bool]:
+    """The type argparse converts a field's values to, and whether it takes several (a tuple field)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    one = args[0]
+    if typing.get_origin(one) is tuple:
+        return typing.get_args(one)[0], True
+    return one, False
+
+
+def _with_default(text: str, default: Any) -> str:
+    """The help with its default, unless the text already says what the default (or None) means."""
+    if default is None or "(default:" in text:
+        return text
+    return f"{text} (default: {default})".lstrip()
+
+
+def _policy_names() -> dict[str, str]:
+    """The registered policy names (built-ins and installed plugins), for the help texts."""
+    from radixserve.actors.router.policies import available as routing
+    from radixserve.policies.registry import available
+
+    return {"eviction": ", ".join(available("eviction")), "schedule": ", ".join(available("schedule")),
+            "routing": ", ".join(routing())}
