@@ -95,7 +95,8 @@ def test_non_hub_spellings_keep_the_missing_path_error():
 
 
 def test_a_hub_id_is_served_by_its_aliases_with_a_builtin_chat_template(hf_home):
-    """End to end: `radixserve serve --model-path org/name` from HF_HOME, two served names, --chat-template."""
+    """End to end: `radixserve serve --model-path org/name` from HF_HOME, two served names, --chat-template, a
+    --tokenizer-path hub id at a revision."""
     import httpx
 
     from radixserve.actors.tokenizer import TokenizerCore
@@ -104,6 +105,7 @@ def test_a_hub_id_is_served_by_its_aliases_with_a_builtin_chat_template(hf_home)
     snapshot = hf_home / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
     server = ServerProcess("--model-path", REPO, "--dtype", "float32", "--max-total-tokens", "1200",
                            "--served-model-name", "tiny", "tiny-alias", "--chat-template", "llama-3",
+                           "--tokenizer-path", f"{REPO}@{COMMIT}",
                            env={"HF_HOME": str(hf_home)})
     try:
         url = server.url
@@ -118,6 +120,7 @@ def test_a_hub_id_is_served_by_its_aliases_with_a_builtin_chat_template(hf_home)
         assert "`tiny`, `tiny-alias`" in wrong.json()["error"]["message"]
         info = httpx.get(url + "/get_model_info", timeout=30).json()
         assert info["model_path"] == REPO and info["served_model_name"] == "tiny"
+        assert info["tokenizer_path"] == f"{REPO}@{COMMIT}", "as given, as SGLang reports it"
         assert info["chat_template"]["roles"]["user"][0] == "<|start_header_id|>user<|end_header_id|>\n\n"
         used = httpx.post(url + "/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 1}, timeout=60)
         llama3 = TokenizerCore(snapshot, "llama-3").apply_chat_template(FRANCE)
