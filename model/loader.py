@@ -117,8 +117,10 @@ def refuse_remote_code(folder: Path) -> None:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{folder / 'config.json'} cannot be read as JSON: {exc}") from None
     model_type = config.get("model_type")
+    if not config.get("auto_map"):
+        return
     supported = supported_model_types()
-    if config.get("auto_map") and model_type not in supported:
+    if model_type not in supported:
         raise ValueError(
             f"{folder} is a {model_type or 'custom'} model whose config.json asks for its own code "
             f"(auto_map: {', '.join(config['auto_map'])}); radixserve runs only the architectures it implements "
