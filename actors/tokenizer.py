@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.actors.messages import (
-    Delta, FinishReason, FinishReq, Finished, Logprob, ScoredPrompt, TokenBatch, TokenLogprob,
+    ControlReply, Delta, FinishReason, FinishReq, Finished, Logprob, ScoredPrompt, TextReq, TokenBatch, TokenLogprob,
 )
 from radixserve.sampling_params import SamplingParams
 
@@ -30,10 +30,16 @@ class Detokenized:
 
 
 class TokenizerCore:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, chat_template: str | None = None) -> None:
+        """``chat_template``: ``--chat-template``, a Jinja file or a built-in name, in place of the tokenizer's."""
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        from radixserve.actors.chat_templates import load_chat_template
+
+        # trust_remote_code=False: a tokenizer shipping its own code is refused, never run (nor asked about)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        if chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(chat_template)
         self.vocab_size = len(self.tokenizer)
 
     def chat_template(self) -> dict[str, Any] | None:
@@ -58,11 +64,27 @@ class TokenizerCore:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         if self.tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template; send a plain prompt instead")
+            raise ValueError("this model has no chat template; send a plain prompt instead (or start the server "
+                             "with --chat-template, e.g. chatml)")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         # the template already wrote any special tokens it wants; don't add a second BOS
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def text_reply(self, req: TextReq) -> ControlReply:
+        """/tokenize and /detokenize; a bad input (a chat the template refuses) is the reply's error."""
+        try:
+            if req.op == "detokenize":
+                return ControlReply(req.reply_id, {"texts": [self.decode(ids, req.skip_special_tokens)
+                                                             for ids in req.token_ids]})
+            if req.messages is not None:
+                tokens = [self.apply_chat_template(req.messages, req.add_generation_prompt)]
+            else:
+                tokens = [self.tokenizer(t, add_special_tokens=req.add_special_tokens).input_ids for t in req.texts]
+            return ControlReply(req.reply_id, {"tokens": tokens})
+        except Exception as exc:  # as for a prompt: a template or tokenizer error is the input's problem
+            return ControlReply(req.reply_id, {}, error=str(exc) or f"could not {req.op} the input "
+                                f"({type(exc).__name__})")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

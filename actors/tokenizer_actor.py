@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from radixserve.actors.messages import (
-    AbortReq, AddReq, Delta, FinishReason, FinishReq, GenerateReq, RequestError, TextBatch, TokenBatch,
+    AbortReq, AddReq, Delta, FinishReason, FinishReq, GenerateReq, RequestError, TextBatch, TextReq, TokenBatch,
     TokenizerInbox, array,
 )
 from radixserve.actors.router.policies import Worker, load_routing_policy
@@ -72,6 +72,8 @@ class TokenizerActor:
             await self.on_generate(msg)
         elif isinstance(msg, AbortReq):
             await self.on_abort(msg)
+        elif isinstance(msg, TextReq):
+            await self.channel.send("api", self.core.text_reply(msg))
         elif isinstance(msg, RequestError):  # the scheduler refused or failed it: it holds nothing there any more
             if self.live.pop(msg.rid, None) is not None:
                 await self.channel.send("api", msg)
@@ -123,7 +125,7 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[TokenizerActor, dict[str, 
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    core = TokenizerCore(spec.model_dir)
+    core = TokenizerCore(spec.tokenizer_dir or spec.model_dir, spec.server_args.chat_template)
     replicas = Replicas(scheduler_names(spec.server_args.dp), spec.server_args.routing_policy)
     return TokenizerActor(core, channel, replicas), {"vocab_size": core.vocab_size,
                                                      "chat_template": core.chat_template()}

@@ -29,7 +29,8 @@ CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
 ROUTES: dict[str, set[str]] = {  # the methods each route is registered for
     CHAT: {"POST"}, COMP: {"POST"}, GEN: {"POST"}, "/abort_request": {"POST"}, "/flush_cache": {"POST"},
     "/policies": {"GET", "POST"}, "/cache/stats": {"GET"}, "/v1/models": {"GET"}, "/get_server_info": {"GET"},
-    "/health": {"GET"}, "/metrics": {"GET"},
+    "/health": {"GET"}, "/metrics": {"GET"}, "/health_generate": {"GET"}, "/tokenize": {"POST"},
+    "/detokenize": {"POST"}, "/v1/tokenize": {"POST"}, "/v1/detokenize": {"POST"},
 }
 UNKNOWN_PATHS = ["/", "/v1/chat/completions/", "/v1/embeddings", "/generate/x"]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
@@ -134,6 +135,11 @@ FIELDS: dict[str, dict[str, st.SearchStrategy]] = {
           "rid": RIDS, "priority": PRIORITIES,
           **{f"sampling_params.{k}": v for k, v in {**SAMPLING, "max_new_tokens": LENGTHS}.items()}},
     "/abort_request": {"rid": RIDS},
+    "/tokenize": {"model": st.one_of(st.just("tiny"), TEXTS), "prompt": st.one_of(TEXTS, st.lists(TEXTS, max_size=3)),
+                  "messages": st.one_of(st.lists(MESSAGE, max_size=3), TEXTS), "add_special_tokens": st.booleans(),
+                  "add_generation_prompt": st.booleans()},
+    "/detokenize": {"model": st.one_of(st.just("tiny"), TEXTS), "skip_special_tokens": st.booleans(),
+                    "tokens": st.one_of(ID_LISTS, st.lists(ID_LISTS, max_size=3), st.just([]), TEXTS)},
     "/flush_cache": {},
     "/policies": {"eviction": st.one_of(st.sampled_from(EVICTIONS), TEXTS),
                   "schedule": st.one_of(st.sampled_from(SCHEDULES), TEXTS)},
@@ -175,10 +181,17 @@ VALID_BODIES: dict[str, st.SearchStrategy[dict]] = {
                        optional={"stream": st.booleans(), "rid": LIVE_RIDS, "return_logprob": st.booleans(),
                                  "top_logprobs_num": st.integers(0, 3), "priority": VALID_PRIORITY})),
     "/abort_request": st.fixed_dictionaries({"rid": LIVE_RIDS}),
+    "/tokenize": st.one_of(st.fixed_dictionaries({"prompt": VALID_TEXTS}, optional={"add_special_tokens": st.booleans()}),
+                           st.fixed_dictionaries({"messages": VALID_MESSAGES})),
+    "/detokenize": st.fixed_dictionaries({"tokens": st.one_of(VALID_IDS, st.lists(VALID_IDS, max_size=3))}),
     "/flush_cache": st.builds(dict),  # a new dict each time: mutations must not pile up
     "/policies": st.fixed_dictionaries({}, optional={"eviction": st.sampled_from(EVICTIONS),
                                                      "schedule": st.sampled_from(SCHEDULES)}),
 }
+
+
+for _path in ("/tokenize", "/detokenize"):  # the same routes under /v1
+    FIELDS["/v1" + _path], VALID_BODIES["/v1" + _path] = FIELDS[_path], VALID_BODIES[_path]
 
 
 def set_field(body: dict, name: str, value: Any) -> None:
@@ -220,7 +233,7 @@ def bounded(path: str, body: Any) -> Any:
         for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
             if type(d.get(key)) is int and MAX_VALID_NEW_TOKENS < d[key] < CONTEXT:
                 d[key] = MAX_VALID_NEW_TOKENS
-        if type(d.get("n")) is int and MAX_VALID_N < d["n"] <= 64:
+        if type(d.get("n")) is int and MAX_VALID_N < d["n"] <= (256 if d is not body else 64):  # 256: past it, 429
             d["n"] = MAX_VALID_N
     return body
 

@@ -71,6 +71,8 @@ def test_the_router_serves_what_the_workers_serve_and_keeps_groups_together(work
             _post(router.url + "/v1/completions", {"model": "llama", "prompt": "x", "max_tokens": -1})
         assert bad.value.code == 400 and "error" in json.load(bad.value)
         assert _get(router.url + "/v1/models")["data"]
+        tokens = json.loads(_post(router.url + "/tokenize", {"prompt": "hello"})[0])["tokens"]
+        assert json.loads(_post(router.url + "/detokenize", {"tokens": tokens})[0]) == {"text": "hello"}
     finally:
         router.stop()
 

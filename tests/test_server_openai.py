@@ -104,3 +104,65 @@ def test_health_generate_runs_a_token_through_the_model(smol_server):
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     stats = httpx.get(smol_server.url + "/cache/stats", timeout=60).json()
     assert stats["totals"]["requests_finished"] >= 1
+
+
+def test_tokenize_and_detokenize_in_sglang_shapes(smol_server):
+    import httpx
+    from transformers import AutoTokenizer
+
+    from radixserve.model.loader import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(None).path)
+    url = smol_server.url
+    one = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}, timeout=60).json()
+    assert one["tokens"] == tok("Hello world").input_ids and one["count"] == len(one["tokens"])
+    assert one["max_model_len"] == httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["max_model_len"]
+    many = httpx.post(url + "/v1/tokenize", json={"prompt": ["a b", "c"], "model": MODEL}, timeout=60).json()
+    assert many["tokens"] == [tok("a b").input_ids, tok("c").input_ids]
+    assert many["count"] == [len(t) for t in many["tokens"]]
+    chat = httpx.post(url + "/tokenize", json={"messages": FRANCE}, timeout=60).json()
+    want = tok.apply_chat_template(FRANCE, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok(want, add_special_tokens=False).input_ids
+    text = httpx.post(url + "/detokenize", json={"tokens": one["tokens"]}, timeout=60).json()
+    assert text == {"text": "Hello world"}
+    texts = httpx.post(url + "/detokenize", json={"tokens": many["tokens"]}, timeout=60).json()
+    assert texts == {"text": ["a b", "c"]}
+    special = httpx.post(url + "/detokenize", json={"tokens": chat["tokens"][:3], "skip_special_tokens": False},
+                         timeout=60).json()["text"]
+    assert special.startswith("<|im_start|>")
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": FRANCE}, "prompt"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model")]:
+        bad = httpx.post(url + path, json=body, timeout=60)
+        assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, (path, body, bad.text)
+
+
+def test_penalties_and_logit_bias_through_the_openai_client(client):
+    plain = client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=12, temperature=0)
+    forced = client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=4, temperature=0,
+                                       logit_bias={"28": 100})
+    assert forced.choices[0].text != plain.choices[0].text[:len(forced.choices[0].text)]
+    assert forced.choices[0].text == client.completions.create(
+        model=MODEL, prompt="x", max_tokens=4, temperature=0, logit_bias={"28": 100}).choices[0].text
+    penalized = client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=12, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalized.choices[0].text != plain.choices[0].text
+    short = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=30, temperature=0)
+    held = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=30, temperature=0,
+                                          extra_body={"min_tokens": 25, "repetition_penalty": 1.2})
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 25
+    assert held.usage.completion_tokens >= 25
+
+
+def test_n_on_generate(smol_server):
+    import httpx
+
+    r = httpx.post(smol_server.url + "/generate", json={"text": "Once upon a time", "sampling_params": {
+        "max_new_tokens": 5, "temperature": 1.0, "seed": 3, "n": 3}}, timeout=60).json()
+    assert isinstance(r, list) and len(r) == 3 and len({x["text"] for x in r}) > 1
+    again = httpx.post(smol_server.url + "/generate", json={"text": "Once upon a time", "sampling_params": {
+        "max_new_tokens": 5, "temperature": 1.0, "seed": 4}}, timeout=60).json()
+    assert again["text"] == r[1]["text"]  # choice 1 is seed + 1
+    too_many = httpx.post(smol_server.url + "/generate", json={"text": "x", "sampling_params": {"n": 100000}},
+                          timeout=60)
+    assert too_many.status_code == 429

@@ -50,3 +50,39 @@ def test_chat_template_and_errors(core):
     assert core.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="non-empty list"):
         core.apply_chat_template([])
+
+
+def feed(core, d, text: str) -> str | None:
+    stopped = None
+    for t in core.encode(text):
+        stopped = d.add([t])
+        if stopped:
+            break
+    return stopped
+
+
+def test_min_new_tokens_holds_back_stop_strings_and_regexes(core):
+    text = "one two one two three"
+    n = len(core.encode("one two"))
+    assert feed(core, core.detokenizer(SamplingParams(stop="two")), text) == "two"
+    late = core.detokenizer(SamplingParams(stop="two", min_new_tokens=n + 1))
+    assert feed(core, late, text) == "two" and late.text == "one two one "  # the second one counts
+    never = core.detokenizer(SamplingParams(stop="one two", min_new_tokens=len(core.encode(text))))
+    assert feed(core, never, text) is None
+    never.flush()
+    assert never.text == text  # flushing does not find the stops written before min_new_tokens either
+    rx = core.detokenizer(SamplingParams(stop_regex=r"t\w+", min_new_tokens=n + 1))
+    assert feed(core, rx, text) == r"t\w+" and rx.text == "one two one "
+
+
+def test_text_replies_for_tokenize_and_detokenize(core):
+    from radixserve.actors.messages import TextReq
+
+    ids = core.text_reply(TextReq(1, "tokenize", texts=["Hello", "a b"])).body["tokens"]
+    assert ids == [core.encode("Hello"), core.encode("a b")]
+    chat = core.text_reply(TextReq(2, "tokenize", messages=[{"role": "user", "content": "hi"}])).body["tokens"]
+    assert chat == [core.apply_chat_template([{"role": "user", "content": "hi"}])]
+    back = core.text_reply(TextReq(3, "detokenize", token_ids=ids)).body["texts"]
+    assert back == ["Hello", "a b"]
+    bad = core.text_reply(TextReq(4, "tokenize", messages=[]))
+    assert bad.reply_id == 4 and "non-empty" in bad.error and bad.body == {}

@@ -10,7 +10,9 @@ from aiohttp import web
 
 from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.io import decode_body, first_deltas, json_response, merged, stream_events
-from radixserve.actors.api.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.actors.api.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, template_messages,
+)
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.messages import Delta, FinishReason, GenerateReq, TokenLogprob
 
@@ -80,21 +82,59 @@ class OpenAIRoutes:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        for prefix in ("", "/v1"):  # SGLang serves both
+            app.router.add_post(f"{prefix}/tokenize", self.tokenize)
+            app.router.add_post(f"{prefix}/detokenize", self.detokenize)
 
     @property
     def model_name(self) -> str:
         return self.server.info["model"]
 
+    @property
+    def model_names(self) -> list[str]:
+        """Every name the model is served by (--served-model-name's aliases), the primary first."""
+        return self.server.info.get("served_model_names") or [self.model_name]
+
     def check_model(self, name: str | None) -> None:
-        """404 for a model this server does not serve; no name at all means the served one."""
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+        """404 for a model this server does not serve; any of its names is served, and no name at all means the
+        primary one. A response names the model as its request did."""
+        names = self.model_names
+        if name is not None and name not in names:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                           f"{', '.join(f'`{n}`' for n in names)}", param="model", code="model_not_found")
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.server.info["started"], "owned_by": "radixserve",
-            "root": self.model_name, "max_model_len": self.server.info["context_length"]}]})
+            "id": name, "object": "model", "created": self.server.info["started"], "owned_by": "radixserve",
+            "root": self.model_name, "max_model_len": self.server.info["context_length"]}
+            for name in self.model_names]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``{"tokens", "count", "max_model_len"}``: a list and a number for one prompt (or one chat), lists of
+        them for a list of prompts."""
+        body = await decode_body(request, TokenizeBody)
+        body.validate()
+        self.check_model(body.model)
+        if body.messages is not None:
+            reply = await self.server.text("tokenize", messages=template_messages(body.messages),
+                                           add_generation_prompt=body.add_generation_prompt)
+        else:
+            texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            reply = await self.server.text("tokenize", texts=texts, add_special_tokens=body.add_special_tokens)
+        tokens = reply["tokens"]
+        counts = [len(t) for t in tokens]
+        one = not isinstance(body.prompt, list)
+        return json_response({"tokens": tokens[0] if one else tokens, "count": counts[0] if one else counts,
+                              "max_model_len": self.server.info["context_length"]})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``{"text"}``: a string for one list of ids, a list of strings for a list of lists."""
+        body = await decode_body(request, DetokenizeBody)
+        self.check_model(body.model)
+        lists, one = body.token_lists(self.server.limits.vocab_size)
+        texts = (await self.server.text("detokenize", token_ids=lists,
+                                        skip_special_tokens=body.skip_special_tokens))["texts"]
+        return json_response({"text": texts[0] if one else texts})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await decode_body(request, ChatCompletionRequest)
@@ -142,7 +182,7 @@ class OpenAIRoutes:
                      echo: list[str] | None):
         """The SSE bodies of a streamed response, OpenAI's order: role, content deltas, finish, usage."""
         head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": created, "model": self.model_name}
+                "created": created, "model": body.model or self.model_name}
         extra = {"usage": None} if body.include_usage else {}
         if kind == "chat":
             for c in choices:
@@ -188,4 +228,4 @@ class OpenAIRoutes:
                 out.append({**common, "text": prefix + c.text,
                             "logprobs": completion_logprobs(c.logprobs, 0) if want_lp else None})
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
-                "model": self.model_name, "choices": out, "usage": usage(choices, body.n)}
+                "model": body.model or self.model_name, "choices": out, "usage": usage(choices, body.n)}

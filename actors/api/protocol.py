@@ -49,6 +49,12 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
         return "".join(parts)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The chat as the chat template takes it (``developer`` is OpenAI's newer name for ``system``)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(messages)]
+
+
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
     name: str = "response"
     schema: dict[str, Any] | None = None
@@ -170,8 +176,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                for i, m in enumerate(self.messages)]
+        return template_messages(self.messages)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -239,6 +244,37 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         if isinstance(params, list):
             return sum(p.n for p in params) if len(params) == prompts else prompts
         return prompts * (params.n if params is not None else 1)
+
+
+class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """SGLang's (and vLLM's) /tokenize: exactly one of ``prompt`` (a string or a list) and ``messages``."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # with messages: end with the assistant's turn opening, as a chat does
+
+    def validate(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+
+
+class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """SGLang's /detokenize: ``tokens`` a list of token ids, or a list of such lists."""
+
+    model: str | None = None
+    tokens: list[Any]
+    skip_special_tokens: bool = True
+
+    def token_lists(self, vocab_size: int | None) -> tuple[list[list[int]], bool]:
+        """The id lists and whether one list was sent (an empty list decodes to "")."""
+        if not self.tokens:
+            return [[]], True
+        prompts = parse_prompts(self.tokens, "tokens", "ids", vocab_size)
+        return prompts.items, prompts.single
 
 
 class AbortBody(msgspec.Struct, forbid_unknown_fields=True):

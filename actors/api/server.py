@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.metrics import Metrics
 from radixserve.actors.messages import (
     AbortReq, ApiInbox, ControlReply, ControlReq, Delta, GenerateReq, RequestError, ShadowReport, Status,
-    TextBatch,
+    TextBatch, TextReq,
 )
 from radixserve.actors.transport import Channel, Endpoints
 
@@ -231,7 +231,8 @@ class ApiServer:
             raise APIError(400, f"replica {replica} does not exist (this server runs {len(self.schedulers)})",
                            param="replica")
         targets = self.schedulers if replica is None else (self.schedulers[replica],)
-        replies = await asyncio.gather(*(self._ask(name, op, timeout, kw) for name in targets))
+        replies = await asyncio.gather(*(self._ask(name, op, timeout, lambda i: ControlReq(i, op, **kw))
+                                         for name in targets))
         if len(self.schedulers) == 1:
             return replies[0]
         bodies = [r.body for r in replies]
@@ -239,16 +240,24 @@ class ApiServer:
         body = {**bodies[0], "replicas": {str(i): b for i, b in zip(indices, bodies)}, "total": added_up(bodies)}
         return ControlReply(replies[0].reply_id, body, next((r.error for r in replies if r.error), None))
 
-    async def _ask(self, scheduler: str, op: str, timeout: float, kw: dict) -> ControlReply:
+    async def text(self, op: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
+        """/tokenize and /detokenize, answered by the tokenizer actor; its error (a bad input) is a 400."""
+        reply = await self._ask("tokenizer", op, timeout, lambda i: TextReq(i, op, **kw))
+        if reply.error is not None:
+            raise APIError(400, reply.error, param="messages" if kw.get("messages") is not None else "prompt")
+        return reply.body
+
+    async def _ask(self, actor: str, op: str, timeout: float, message: Callable[[int], Any]) -> ControlReply:
+        """Send ``message(reply_id)`` to ``actor`` and wait for its ControlReply."""
         reply_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[reply_id] = fut
-        await self.channel.send(scheduler, ControlReq(reply_id, op, **kw))
+        await self.channel.send(actor, message(reply_id))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             self._replies.pop(reply_id, None)
-            raise APIError(503, f"the {scheduler} actor did not answer {op} within {timeout:.0f}s",
+            raise APIError(503, f"the {actor} actor did not answer {op} within {timeout:.0f}s",
                            type="service_unavailable") from None
 
     def shadow_report(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate")  # POST, a worker chosen by the request's text
 ANY_WORKER = ("/v1/models", "/get_model_info")  # GET, any healthy worker answers
+ANY_WORKER_POST = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")  # POST, any healthy worker
 EVERY_WORKER = ("/flush_cache", "/abort_request")  # POST, sent to every healthy worker
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 BUSY = (502, 503, 504)  # a worker's answer that another worker may not give: the request tries the next one
@@ -222,6 +223,8 @@ class Router:
             app.router.add_post(path, self.proxy_routed)
         for path in ANY_WORKER:
             app.router.add_get(path, self.proxy_any)
+        for path in ANY_WORKER_POST:
+            app.router.add_post(path, self.proxy_any)
         for path in EVERY_WORKER:
             app.router.add_post(path, self.every_worker)
         app.router.add_get("/health", self.health)
