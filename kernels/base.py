@@ -3,6 +3,10 @@
 Layout: the pool holds K and V per layer as ``[num_slots, kv_heads, head_dim]``; a request's row of slot
 indices (``slots``, concatenated over the batch) lists where each of its tokens lives. Queries are ragged and
 unpadded: ``q`` is ``[num_new_tokens, heads, head_dim]`` with requests back to back.
+
+Per layer, beyond ``scale``: ``window`` W (a query at position i reads keys i - W + 1 .. i; None: all of them, as
+ordinary causal attention) and ``softcap`` c (scores s = scale * q.k become c * tanh(s / c) before the mask and the
+softmax, as Gemma 2 does). Every position's K/V stays in the pool either way: a window only masks.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class AttentionBatch:
     out_slots: torch.Tensor  # int64 [sum(extend_lens)]: where the new tokens' K/V go
     dtype: torch.dtype = torch.float32  # of queries and the pool
     group: int = 1  # query heads per kv head
+    windows: tuple[int, ...] = ()  # the sliding windows some layer attends within: prepare() builds their masks
     backend_data: Any = None  # whatever the backend's prepare() precomputes
 
     @property
@@ -43,13 +48,15 @@ class AttentionBackend(Protocol):
         ...
 
     def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-               v_pool: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+               v_pool: torch.Tensor, batch: AttentionBatch, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """Each request's new tokens attend to its cached prefix (read from the pool through its slots) and
         causally to themselves. ``k``/``v`` are the new tokens' K/V, already stored. Returns ``[num_new, heads,
-        head_dim]``."""
+        head_dim]``. A ``window`` must be one of ``batch.windows``."""
         ...
 
     def decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
-               scale: float) -> torch.Tensor:
-        """One new token per request attends to the request's whole row (its own K/V already stored)."""
+               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """One new token per request attends to the request's whole row (its own K/V already stored), or to its
+        last ``window`` positions."""
         ...

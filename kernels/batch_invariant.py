@@ -15,6 +15,10 @@ score of -inf, so p = 0 and they add exact zeros; whole chunks of them leave the
 real chunks unchanged. What remains is that one matrix product computes a row the same way whatever the number
 of rows M: true of this CPU's float32 GEMM for M >= 2 (a single row takes a GEMV path that rounds differently),
 so a lone row is computed as a pair. The runner checks all of this at start-up (``model.determinism``).
+
+A sliding window is more of the same: the keys before a query's window get -inf too, so whole chunks of them add
+exact zeros, and every key is still read in its absolute chunk (a window's bias covers all of a row's keys). A
+soft-cap (c * tanh(s / c)) is applied to each score on its own, before the mask: nothing in it depends on the batch.
 """
 from __future__ import annotations
 
@@ -45,17 +49,21 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.squeeze(dim)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+           softcap: float | None = None) -> torch.Tensor:
     """``q``: float32 ``[B, KH, M, D]``, already scaled; ``k``/``v``: float32 ``[B, KH, L, D]`` with L a multiple of
     CHUNK; ``bias``: float32 ``[B, M, L']``, 0 where a key may be read and -inf where not, for the *last* L' keys
     (a multiple of CHUNK; the keys before them are read by every row -- adding 0 to them would change nothing).
-    Every row reads at least one key. Returns ``[B, KH, M, D]``."""
+    Every row reads at least one key. ``softcap``: scores become softcap * tanh(score / softcap) before the bias.
+    Returns ``[B, KH, M, D]``."""
     b, kh, m, d = q.shape
     if m == 1:  # a lone row would take the GEMV path: compute it as a pair, keep one
-        return attend(q.expand(b, kh, 2, d), k, v, bias.expand(b, 2, -1))[:, :, :1]
+        return attend(q.expand(b, kh, 2, d), k, v, bias.expand(b, 2, -1), softcap)[:, :, :1]
     nc, masked = k.shape[2] // CHUNK, bias.shape[-1] // CHUNK
     kc = k.view(b, kh, nc, CHUNK, d)
     s = torch.matmul(q[:, :, None], kc.transpose(-1, -2))  # [B, KH, C, M, CHUNK]
+    if softcap is not None:
+        s = s.div_(softcap).tanh_().mul_(softcap)
     s[:, :, nc - masked :] += bias.reshape(b, 1, m, masked, CHUNK).transpose(2, 3)
     p = s.sub_(s.amax(dim=(2, 4), keepdim=True)).exp_()  # in place: the same operations, no new buffers
     out = torch.matmul(p, v.view(b, kh, nc, CHUNK, d))  # [B, KH, C, M, D]
@@ -64,6 +72,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 
 def _padded(n: int) -> int:
     return -(-n // CHUNK) * CHUNK
+
+
+def _bias(seen: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, NEG_INF)
 
 
 @dataclass
@@ -75,6 +87,7 @@ class _Rows:
     bias: torch.Tensor  # [R, tokens, L'] float32 over the last L' keys (the ones some query may not read)
     tok_start: int
     tokens: int  # query tokens per row (1 when decoding)
+    windowed: dict[int, torch.Tensor]  # window -> [R, tokens, L] float32 over every key: also -inf before it
     rows: torch.Tensor | None = None  # [R * KH * L]: rows of the pool seen as [slots * KH, D], in [R, KH, L] order
 
     def gather(self, pool: torch.Tensor) -> torch.Tensor:
@@ -99,8 +112,9 @@ class BatchInvariantAttention:
             real = torch.arange(width, device=device)[None, :] < lens[:, None]
             index = torch.zeros(real.shape, dtype=torch.int64, device=device)
             index[real] = batch.slots
-            bias = torch.zeros(real.shape, device=device).masked_fill_(~real, NEG_INF)
-            return [_Rows(index, bias[:, None, :], 0, 1)]
+            pos = torch.arange(width, device=device)[None, :]
+            bias = {w: _bias(real & (pos >= lens[:, None] - w))[:, None, :] for w in batch.windows}
+            return [_Rows(index, _bias(real)[:, None, :], 0, 1, bias)]
         for p, e in zip(batch.prefix_lens, batch.extend_lens):  # a request at a time, its queries in blocks
             row = batch.slots[slot_at : slot_at + p + e]
             index = torch.zeros(_padded(p + e), dtype=torch.int64, device=device)
@@ -109,10 +123,11 @@ class BatchInvariantAttention:
                 t1 = min(e, t0 + QUERY_BLOCK)
                 width = _padded(p + t1)  # the block's last query reads keys 0 .. p + t1 - 1
                 seen = (p + t0 + 1) // CHUNK * CHUNK  # keys 0 .. seen - 1: every query of the block reads them
-                keys = torch.arange(seen, width, device=device)[None, :]
+                keys = torch.arange(width, device=device)[None, :]
                 pos = p + torch.arange(t0, t1, device=device)[:, None]  # query token t sits at position p + t
-                bias = torch.zeros(t1 - t0, width - seen, device=device).masked_fill_(keys > pos, NEG_INF)
-                out.append(_Rows(index[None, :width], bias[None], tok_at + t0, t1 - t0))
+                windowed = {w: _bias((keys <= pos) & (keys > pos - w))[None] for w in batch.windows}
+                out.append(_Rows(index[None, :width], _bias(keys[:, seen:] <= pos)[None], tok_at + t0, t1 - t0,
+                                 windowed))
             slot_at += p + e
             tok_at += e
         return out
@@ -121,14 +136,16 @@ class BatchInvariantAttention:
         k_pool.index_copy_(0, batch.out_slots, k)
         v_pool.index_copy_(0, batch.out_slots, v)
 
-    def extend(self, q, k, v, k_pool, v_pool, batch, scale):
-        return self._run(q, k_pool, v_pool, batch, scale)  # the new K/V are in the pool already: read them there
+    def extend(self, q, k, v, k_pool, v_pool, batch, scale, window=None, softcap=None):
+        # the new K/V are in the pool already: read them there
+        return self._run(q, k_pool, v_pool, batch, scale, window, softcap)
 
-    def decode(self, q, k_pool, v_pool, batch, scale):
-        return self._run(q, k_pool, v_pool, batch, scale)
+    def decode(self, q, k_pool, v_pool, batch, scale, window=None, softcap=None):
+        return self._run(q, k_pool, v_pool, batch, scale, window, softcap)
 
     @staticmethod
-    def _run(q, k_pool, v_pool, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    def _run(q, k_pool, v_pool, batch: AttentionBatch, scale: float, window: int | None,
+             softcap: float | None) -> torch.Tensor:
         _, h, d = q.shape
         kh = k_pool.shape[1]
         g = h // kh
@@ -138,8 +155,9 @@ class BatchInvariantAttention:
             rows = q[w.tok_start : w.tok_start + r * w.tokens].float() * scale  # [R * T, H, D]
             # queries grouped under their kv head: [R, KH, T * G, D], the T * G rows of one product
             qg = rows.view(r, w.tokens, kh, g, d).permute(0, 2, 1, 3, 4).reshape(r, kh, w.tokens * g, d)
-            bias = w.bias.repeat_interleave(g, dim=1)  # each token's mask, once per query head of the group
-            o = attend(qg, w.gather(k_pool), w.gather(v_pool), bias)  # [R, KH, T * G, D]
+            bias = w.bias if window is None else w.windowed[window]
+            bias = bias.repeat_interleave(g, dim=1)  # each token's mask, once per query head of the group
+            o = attend(qg, w.gather(k_pool), w.gather(v_pool), bias, softcap)  # [R, KH, T * G, D]
             o = o.view(r, kh, w.tokens, g, d).permute(0, 2, 1, 3, 4).reshape(r * w.tokens, h, d)
             out[w.tok_start : w.tok_start + r * w.tokens] = o.to(q.dtype)
         return out

@@ -13,6 +13,11 @@ Measured on CPU (torch 2.13): ``index_select`` gathers rows ~6x faster than ``po
 ``enable_gqa=True`` and 3-D inputs both send SDPA to its slow "math" fallback (4-5x slower), so inputs are
 4-D and grouped-query heads are handled by hand: extend repeats K/V heads; decode folds each group's query
 heads into the query-length axis (one query token, so no causal order).
+
+Sliding windows (kernels/base.py): extend gathers only the keys a request's window can reach (its last W - 1
+prefix positions and the new tokens), under a mask of causal and window; decode masks the positions before the
+window. Soft-capped scores (Gemma 2) are out of SDPA's reach: those layers run the reference's own ops
+(``capped_attention``), scores in the queries' dtype and the softmax in float32.
 """
 from __future__ import annotations
 
@@ -28,18 +33,22 @@ class _Extend:
     tok_starts: list[int]
     slot_starts: list[int]
     masks: list[torch.Tensor | None]  # None: plain causal (no prefix)
+    # window -> per request: (its first key inside the window, the mask over its keys from there)
+    windowed: dict[int, list[tuple[int, torch.Tensor]]]
 
 
 @dataclass
 class _Decode:
     index: torch.Tensor  # [B, max_len] slot of each position, dummy slot 0 where padded
     mask: torch.Tensor  # [B, 1, 1, max_len] additive: 0 where the position is real, -inf where padded
+    windowed: dict[int, torch.Tensor]  # window -> the mask, also -inf before each row's window
 
 
 @dataclass
 class _SharedDecode:
     slots: torch.Tensor  # [U] the distinct slots of the batch's rows
     bias: torch.Tensor  # [1, B * group, U] float32: 0 where the slot is in the query's row, -inf elsewhere
+    windowed: dict[int, torch.Tensor]  # window -> the bias, 0 only where the slot is in the row's window
 
 
 SHARED_MAX_SCORES = 1 << 23  # B * U bound for the shared-key path (its score matrix is this big per kv head)
@@ -51,6 +60,33 @@ def _starts(lengths: list[int]) -> list[int]:
         out.append(acc)
         acc += n
     return out
+
+
+def _extend_mask(p: int, e: int, first: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[e, p + e - first] bool: new token i (at position p + i) sees key position j (from ``first``) when j <= p + i
+    and, with a window, j > p + i - window."""
+    i = p + torch.arange(e, device=device)[:, None]
+    j = first + torch.arange(p + e - first, device=device)[None, :]
+    return (j <= i) if window is None else (j <= i) & (j > i - window)
+
+
+def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, L] bool -> [B, 1, 1, L] additive, in the model's dtype: SDPA would otherwise convert a boolean mask in
+    every layer."""
+    bias = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+    return bias[:, None, None, :]
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """softmax(c * tanh(scale * q k^T / c) + mask) v, in the reference's order (HF's eager attention).
+    ``q`` [.., M, D], ``k``/``v`` [.., L, D]; ``mask``: bool (True: seen), additive, or None (causal, M == L)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.matmul(s.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class TorchAttention:
@@ -66,18 +102,15 @@ class TorchAttention:
             real = torch.arange(int(lens.max()), device=device)[None, :] < lens[:, None]
             index = torch.zeros(real.shape, dtype=torch.int64, device=device)
             index[real] = batch.slots  # row-major fill = the rows back to back
-            # an additive mask in the model's dtype: SDPA would otherwise convert a boolean one in every layer
-            bias = torch.zeros(real.shape, dtype=batch.dtype, device=device).masked_fill_(~real, float("-inf"))
-            return _Decode(index, bias[:, None, None, :])
-        masks = []
-        for p, e in zip(batch.prefix_lens, batch.extend_lens):
-            if p == 0:
-                masks.append(None)
-            else:  # causal, aligned to the bottom right: new token i sees the prefix and new tokens <= i
-                i = torch.arange(e, device=device)[:, None]
-                j = torch.arange(p + e, device=device)[None, :]
-                masks.append(j <= p + i)
-        return _Extend(_starts(batch.extend_lens), _starts(batch.seq_lens), masks)
+            pos = torch.arange(real.shape[1], device=device)[None, :]
+            return _Decode(index, _additive(real, batch.dtype), {w: _additive(real & (pos >= lens[:, None] - w),
+                                                                              batch.dtype) for w in batch.windows})
+        # causal, aligned to the bottom right: new token i sees the prefix and new tokens <= i
+        masks = [None if p == 0 else _extend_mask(p, e, 0, None, device)
+                 for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        windowed = {w: [(max(0, p - w + 1), _extend_mask(p, e, max(0, p - w + 1), w, device))
+                        for p, e in zip(batch.prefix_lens, batch.extend_lens)] for w in batch.windows}
+        return _Extend(_starts(batch.extend_lens), _starts(batch.seq_lens), masks, windowed)
 
     @staticmethod
     def compilable(batch: AttentionBatch) -> bool:
@@ -94,51 +127,71 @@ class TorchAttention:
             return None
         rows = torch.repeat_interleave(torch.arange(b, device=uniq.device),
                                        torch.tensor(batch.seq_lens, device=uniq.device))
-        member = torch.zeros(b, u, dtype=torch.bool, device=uniq.device)
-        member[rows, inverse] = True
-        bias = torch.zeros(b, u, dtype=torch.float32, device=uniq.device).masked_fill_(~member, float("-inf"))
-        return _SharedDecode(uniq, bias.repeat_interleave(batch.group, dim=0)[None])
+        lens = torch.tensor(batch.seq_lens, device=uniq.device)
+        pos = torch.arange(len(rows), device=uniq.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+
+        def bias(keep: torch.Tensor | None) -> torch.Tensor:  # of the row positions in ``keep`` (all: None)
+            member = torch.zeros(b, u, dtype=torch.bool, device=uniq.device)
+            member[rows, inverse] = True if keep is None else keep
+            out = torch.zeros(b, u, dtype=torch.float32, device=uniq.device).masked_fill_(~member, float("-inf"))
+            return out.repeat_interleave(batch.group, dim=0)[None]
+
+        # a slot that two rows share sits at different row positions: membership is per row, so each row's window
+        return _SharedDecode(uniq, bias(None), {w: bias(pos >= lens[rows] - w) for w in batch.windows})
 
     def store_kv(self, k_pool, v_pool, batch, k, v) -> None:
         k_pool.index_copy_(0, batch.out_slots, k)
         v_pool.index_copy_(0, batch.out_slots, v)
 
-    def extend(self, q, k, v, k_pool, v_pool, batch, scale):
+    def extend(self, q, k, v, k_pool, v_pool, batch, scale, window=None, softcap=None):
         meta: _Extend = batch.backend_data
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
-        for t0, s0, p, e, mask in zip(meta.tok_starts, meta.slot_starts, batch.prefix_lens, batch.extend_lens,
-                                      meta.masks):
-            if mask is None:
+        for i, (t0, s0, p, e) in enumerate(zip(meta.tok_starts, meta.slot_starts, batch.prefix_lens,
+                                               batch.extend_lens)):
+            first, mask = (0, meta.masks[i]) if window is None else meta.windowed[window][i]
+            if p == 0:  # the fresh K/V are the whole row: no gather
                 ki, vi = k[t0 : t0 + e], v[t0 : t0 + e]
             else:
-                row = batch.slots[s0 : s0 + p + e]
+                row = batch.slots[s0 + first : s0 + p + e]
                 ki, vi = k_pool.index_select(0, row), v_pool.index_select(0, row)
             ki, vi = (x.transpose(0, 1).repeat_interleave(group, dim=0)[None] for x in (ki, vi))  # [1, H, L, D]
-            o = F.scaled_dot_product_attention(q[t0 : t0 + e].transpose(0, 1)[None], ki, vi, attn_mask=mask,
-                                               is_causal=mask is None, scale=scale)
+            qi = q[t0 : t0 + e].transpose(0, 1)[None]
+            if softcap is not None:
+                o = capped_attention(qi, ki, vi, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale)
             out[t0 : t0 + e] = o[0].transpose(0, 1)
         return out
 
-    def decode(self, q, k_pool, v_pool, batch, scale):
+    def decode(self, q, k_pool, v_pool, batch, scale, window=None, softcap=None):
         meta = batch.backend_data
         if isinstance(meta, _SharedDecode):
-            return self._decode_shared(q, k_pool, v_pool, meta, scale)
+            return self._decode_shared(q, k_pool, v_pool, meta, scale, window, softcap)
         b, h, d = q.shape
         shape = (*meta.index.shape, *k_pool.shape[1:])  # [B, L, kv_heads, D]
         k = k_pool.index_select(0, meta.index.flatten()).view(shape).transpose(1, 2)  # [B, kv_heads, L, D]
         v = v_pool.index_select(0, meta.index.flatten()).view(shape).transpose(1, 2)
         q = q.view(b, k.shape[1], h // k.shape[1], d)  # a group's query heads act as its query "tokens"
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
+        mask = meta.mask if window is None else meta.windowed[window]
+        if softcap is not None:
+            o = capped_attention(q, k, v, mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return o.reshape(b, h, d)
 
     @staticmethod
-    def _decode_shared(q, k_pool, v_pool, meta: _SharedDecode, scale):
+    def _decode_shared(q, k_pool, v_pool, meta: _SharedDecode, scale, window, softcap):
         b, h, d = q.shape
         kvh = k_pool.shape[1]
         k = k_pool.index_select(0, meta.slots).permute(1, 2, 0).float()  # [KH, D, U]: every distinct key once
         v = v_pool.index_select(0, meta.slots).transpose(0, 1).float()  # [KH, U, D]
         qh = q.view(b, kvh, h // kvh, d).transpose(0, 1).reshape(kvh, -1, d).float()  # [KH, B*G, D]
-        probs = torch.baddbmm(meta.bias, qh, k, alpha=scale).softmax(-1)  # the bias keeps each query to its row
+        bias = meta.bias if window is None else meta.windowed[window]  # keeps each query to its row (window)
+        if softcap is None:
+            probs = torch.baddbmm(bias, qh, k, alpha=scale).softmax(-1)
+        else:
+            scores = torch.bmm(qh, k) * scale
+            probs = (torch.tanh(scores / softcap) * softcap + bias).softmax(-1)
         out = torch.bmm(probs, v)  # [KH, B*G, D]
         return out.view(kvh, b, h // kvh, d).transpose(0, 1).reshape(b, h, d).to(q.dtype)

@@ -61,32 +61,33 @@ class TritonAttention:
                               KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=_pow2(kv_heads),
                               BLOCK_D=max(16, _pow2(head_dim)))
 
-    def extend(self, q, k, v, k_pool, v_pool, batch, scale):
+    def extend(self, q, k, v, k_pool, v_pool, batch, scale, window=None, softcap=None):
         meta: _Meta = batch.backend_data
         n, heads, head_dim = q.shape
         out = torch.empty_like(q)
         grid = (len(batch.extend_lens), heads, triton.cdiv(meta.max_extend, self.block_m))
         extend_kernel[grid](
             q, k, v, k_pool, v_pool, out, batch.slots, meta.seq_start, meta.qo_start, meta.prefix_len,
-            meta.extend_len, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            meta.extend_len, scale, window or 0, softcap or 0.0, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
             GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), BLOCK_M=self.block_m,
-            BLOCK_N=self.block_n, F32=self._f32(q),
+            BLOCK_N=self.block_n, F32=self._f32(q), SOFTCAP=softcap is not None,
         )
         return out
 
-    def decode(self, q, k_pool, v_pool, batch, scale):
+    def decode(self, q, k_pool, v_pool, batch, scale, window=None, softcap=None):
         meta: _Meta = batch.backend_data
         b, heads, head_dim = q.shape
         splits, block_d = meta.num_splits, max(16, _pow2(head_dim))
         mid_o = torch.empty((b, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((b, heads, splits), dtype=torch.float32, device=q.device)
         decode_split_kernel[(b, heads, splits)](
-            q, k_pool, v_pool, batch.slots, meta.seq_start, meta.seq_len, mid_o, mid_lse, scale, q.stride(0),
+            q, k_pool, v_pool, batch.slots, meta.seq_start, meta.seq_len, mid_o, mid_lse, scale, window or 0,
+            softcap or 0.0, q.stride(0),
             q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), mid_o.stride(0),
             mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             GROUP=heads // k_pool.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=self.block_n,
-            NUM_SPLITS=splits,
+            NUM_SPLITS=splits, SOFTCAP=softcap is not None,
         )
         out = torch.empty_like(q)
         decode_merge_kernel[(b, heads)](

@@ -6,6 +6,10 @@
                merged by a second kernel with their log-sum-exps
     store_kv   new K/V rows into the pool at their slots
 
+Per layer: ``window`` (0: none) masks the keys before each query's sliding window, and the key blocks wholly
+before it are not visited; ``SOFTCAP`` (constexpr) caps the scaled scores at ``softcap * tanh(s / softcap)``
+before the mask (Gemma 2).
+
 Pool layout: ``[num_slots, kv_heads, head_dim]`` per layer (page size 1). GQA: query head h reads kv head
 h // GROUP. ``F32`` (constexpr): compute tiles in float32 -- used for float32 inputs and under the CPU
 interpreter, which gets bf16 arithmetic wrong; otherwise dot products run in the input dtype with float32
@@ -15,6 +19,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _capped(qk, softcap, SOFTCAP: tl.constexpr):
+    """softcap * tanh(qk / softcap), tanh as 1 - 2 / (exp(2x) + 1) (exact at both ends: exp overflows to inf)."""
+    if SOFTCAP:
+        qk = softcap * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap) + 1.0))
+    return qk
 
 
 @triton.jit
@@ -34,10 +46,10 @@ def _online_update(m_i, l_i, acc, qk, v, F32: tl.constexpr):
 
 @triton.jit
 def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart, PrefixLen, ExtendLen, sm_scale,
-                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, stride_kph, stride_vs,
+                  window, softcap, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, stride_kph, stride_vs,
                   stride_vph, stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, F32: tl.constexpr):
+                  BLOCK_N: tl.constexpr, F32: tl.constexpr, SOFTCAP: tl.constexpr):
     req, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ext = tl.load(ExtendLen + req)
     if mblock * BLOCK_M >= ext:
@@ -56,8 +68,10 @@ def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # (a) the cached prefix, read from the pool through the slot row
-    for start in range(0, prefix, BLOCK_N):
+    # (a) the cached prefix, read from the pool through the slot row; with a window, from the block holding the
+    # first key the block's first query sees (query i, at position prefix + i, sees keys > prefix + i - window)
+    first = tl.where(window > 0, tl.maximum(prefix + mblock * BLOCK_M - window + 1, 0), 0)
+    for start in range(first // BLOCK_N * BLOCK_N, prefix, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix
         slot = tl.load(Slots + row + offs_n, mask=mask_n, other=0)
@@ -69,7 +83,8 @@ def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart
             qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
         else:
             qk = tl.dot(q, tl.trans(k)) * sm_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        seen = mask_n[None, :] & ((window == 0) | (offs_n[None, :] > prefix + offs_m[:, None] - window))
+        qk = tl.where(seen, _capped(qk, softcap, SOFTCAP), float("-inf"))
         m_i, l_i, acc = _online_update(m_i, l_i, acc, qk, v, F32)
     # (b) the new tokens, causally: query i sees new tokens 0..i
     end = tl.minimum(ext, (mblock + 1) * BLOCK_M)
@@ -87,7 +102,8 @@ def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart
         else:
             qk = tl.dot(q, tl.trans(k)) * sm_scale
         causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
-        qk = tl.where(causal, qk, float("-inf"))
+        causal = causal & ((window == 0) | (offs_n[None, :] > offs_m[:, None] - window))
+        qk = tl.where(causal, _capped(qk, softcap, SOFTCAP), float("-inf"))
         m_i, l_i, acc = _online_update(m_i, l_i, acc, qk, v, F32)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + (qo + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -95,17 +111,19 @@ def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart
 
 
 @triton.jit
-def decode_split_kernel(Q, K_pool, V_pool, Slots, SeqStart, SeqLen, MidO, MidLse, sm_scale,
+def decode_split_kernel(Q, K_pool, V_pool, Slots, SeqStart, SeqLen, MidO, MidLse, sm_scale, window, softcap,
                         stride_qb, stride_qh, stride_ks, stride_kph, stride_vs, stride_vph,
                         stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr):
-    """Stage 1: query (b, h) over chunk s of its row; writes the chunk's normalised output and log-sum-exp."""
+                        NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Stage 1: query (b, h) over chunk s of its row (of its window: the last ``window`` positions); writes the
+    chunk's normalised output and log-sum-exp."""
     b, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SeqLen + b)
     row = tl.load(SeqStart + b)
-    chunk = tl.cdiv(seq_len, NUM_SPLITS)
-    start, end = split * chunk, tl.minimum((split + 1) * chunk, seq_len)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    chunk = tl.cdiv(seq_len - first, NUM_SPLITS)
+    start, end = first + split * chunk, tl.minimum(first + (split + 1) * chunk, seq_len)
     kvh = head // GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -122,7 +140,7 @@ def decode_split_kernel(Q, K_pool, V_pool, Slots, SeqStart, SeqLen, MidO, MidLse
                     other=0.0).to(tl.float32)
         v = tl.load(V_pool + slot[:, None] * stride_vs + kvh * stride_vph + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(tl.float32)
-        qk = tl.where(mask_n, tl.sum(q[None, :] * k, 1) * sm_scale, float("-inf"))
+        qk = tl.where(mask_n, _capped(tl.sum(q[None, :] * k, 1) * sm_scale, softcap, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new)

@@ -25,13 +25,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from pathlib import Path
 
 import torch
 
 from radixserve.kernels.base import AttentionBatch
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
-from radixserve.model.llama import CausalLM, DecoderLayer
+from radixserve.model.causal_lm import CausalLM
+from radixserve.model.layers import DecoderLayer
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +49,20 @@ class CompiledDecode:
     """Runs the model's decode steps through a compiled layer where the attention backend allows it
     (``applies``); everything else (prefill, shared-prefix decode, other backends) stays eager."""
 
-    def __init__(self, model: CausalLM, kv: KVPool, rope: RopeTable, cache_dir: Path) -> None:
+    def __init__(self, model: CausalLM, kv: KVPool, rope: RopeTable, cache_dir: Path,
+                 local_rope: RopeTable | None = None) -> None:
         # inductor's on-disk cache of compiled graphs, kept across restarts with radixserve's other caches (inductor
         # reads the variable whenever it compiles, and fills it with a /tmp default on first use)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
-        self.model, self.kv, self.rope = model, kv, rope
+        self.model, self.kv, self.rope, self.local_rope = model, kv, rope, local_rope
         # emulate_precision_casts: fused code rounds each intermediate to the model's dtype where eager ops do;
         # without it bf16 greedy tokens differed from eager in 2 of 8 prompts within 24 tokens here, with it in
         # 0 of 8 (and 1 of 16 within 48 tokens in the bench run), at the same speed
-        self.layer = torch.compile(_decode_layer, fullgraph=True, options={"emulate_precision_casts": True})
+        # a code object of its own: dynamo keeps its graphs, and counts recompiles against its limit, per code
+        # object, so runners in one process (tests) do not use up each other's (a model with sliding and global
+        # layers takes a graph per kind of layer and batch size)
+        own = types.FunctionType(_decode_layer.__code__.replace(), _decode_layer.__globals__, _decode_layer.__name__)
+        self.layer = torch.compile(own, fullgraph=True, options={"emulate_precision_casts": True})
         self.eager_sizes: set[int] = set()  # batch sizes whose graph was missing: they run eager
         self.compile_seconds = 0.0
         self.steps = 0  # decode steps that ran compiled
@@ -68,7 +75,8 @@ class CompiledDecode:
     def _compiled(self, batch: ForwardBatch) -> torch.Tensor:
         attn = batch.attn.backend_data
         torch._dynamo.mark_dynamic(attn.index, 1)  # the context length: one graph for every length
-        torch._dynamo.mark_dynamic(attn.mask, 3)
+        for mask in (attn.mask, *attn.windowed.values()):
+            torch._dynamo.mark_dynamic(mask, 3)
         return self.model(batch, run_layer=self.layer)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
@@ -93,7 +101,8 @@ class CompiledDecode:
             if 2 * size >= num_slots:  # the synthetic rows need 2 * size distinct slots
                 break
             with torch.inference_mode():  # as the runner's steps: guards check a tensor's inference-mode keys
-                batch = _synthetic_decode(size, self.kv, self.rope, backend, dtype, device, group)
+                batch = _synthetic_decode(size, self.kv, self.rope, self.local_rope, backend, dtype, device, group,
+                                          self.model.config.arch.sliding_windows)
                 if not self.applies(batch):
                     break
                 self._compiled(batch)
@@ -101,15 +110,16 @@ class CompiledDecode:
         return self.compile_seconds
 
 
-def _synthetic_decode(size: int, kv: KVPool, rope: RopeTable, backend, dtype: torch.dtype, device: torch.device,
-                      group: int) -> ForwardBatch:
+def _synthetic_decode(size: int, kv: KVPool, rope: RopeTable, local_rope: RopeTable | None, backend,
+                      dtype: torch.dtype, device: torch.device, group: int, windows: tuple[int, ...]) -> ForwardBatch:
     """``size`` decode rows of two tokens each: every row reads distinct slots (so the backend takes its plain
     decode path) and writes its new token's K/V to the dummy slot 0."""
     zeros = torch.zeros(size, dtype=torch.int64, device=device)
     attn = AttentionBatch(mode="decode", prefix_lens=[1] * size, extend_lens=[1] * size,
                           slots=torch.arange(1, 2 * size + 1, device=device), out_slots=zeros, dtype=dtype,
-                          group=group)
+                          group=group, windows=windows)
     attn.backend_data = backend.prepare(attn)
     cos, sin = rope.lookup(zeros)
+    local_cos, local_sin = local_rope.lookup(zeros) if local_rope is not None else (None, None)
     return ForwardBatch(input_ids=zeros, positions=zeros, logit_rows=torch.arange(size, device=device), cos=cos,
-                        sin=sin, attn=attn, attn_backend=backend, kv=kv)
+                        sin=sin, attn=attn, attn_backend=backend, kv=kv, local_cos=local_cos, local_sin=local_sin)

@@ -59,13 +59,18 @@ class ForwardBatch:
     attn: AttentionBatch
     attn_backend: AttentionBackend
     kv: KVPool
+    local_cos: torch.Tensor | None = None  # the sliding layers' own RoPE (Gemma 3), None where there is none
+    local_sin: torch.Tensor | None = None
 
     @classmethod
     def from_plan(cls, plan: ForwardPlan, kv: KVPool, rope: RopeTable, backend: AttentionBackend,
                   dtype: torch.dtype, device: torch.device, group: int, table: SlotTable,
-                  prepare_attention: bool = True) -> ForwardBatch:
+                  prepare_attention: bool = True, local_rope: RopeTable | None = None,
+                  windows: tuple[int, ...] = ()) -> ForwardBatch:
         """``table``: the runner's rows of slot indices; the plan's new slots are written into it here.
-        ``prepare_attention``: build the backend's per-step metadata (not when the native step runs it)."""
+        ``prepare_attention``: build the backend's per-step metadata (not when the native step runs it).
+        ``local_rope``: the sliding layers' RoPE table, if they have their own; ``windows``: the model's sliding
+        windows (the backend prepares each one's masks)."""
         prefix, extend = plan.prefix_lens, plan.extend_lens
         slots = torch.from_numpy(table.apply(plan)).to(device)
         ext_ends = np.cumsum(extend)
@@ -87,10 +92,12 @@ class ForwardBatch:
             out_slots=slots[torch.from_numpy(out_idx).to(device)],
             dtype=dtype,
             group=group,
+            windows=windows,
         )
         if prepare_attention:
             attn.backend_data = backend.prepare(attn)
         cos, sin = rope.lookup(positions_t)
+        local_cos, local_sin = local_rope.lookup(positions_t) if local_rope is not None else (None, None)
         return cls(
             input_ids=torch.from_numpy(plan.input_ids.astype(np.int64)).to(device),
             positions=positions_t,
@@ -100,4 +107,6 @@ class ForwardBatch:
             attn=attn,
             attn_backend=backend,
             kv=kv,
+            local_cos=local_cos,
+            local_sin=local_sin,
         )

@@ -26,7 +26,7 @@ from radixserve.kernels import cpu_native as native
 from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.cpu_quant import QuantLinear
 from radixserve.model.forward_batch import ForwardBatch, KVPool
-from radixserve.model.llama import CausalLM
+from radixserve.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class NativeDecode:
 
     def __init__(self, model: CausalLM, kv: KVPool, dtype: torch.dtype, cache_dir: Path) -> None:
         cfg = model.config
+        if cfg.native_refusal:
+            raise native.NativeUnavailable(cfg.native_refusal)
         if dtype not in (torch.bfloat16, torch.float32):
             raise native.NativeUnavailable(f"the native decode step runs bfloat16 and float32 models, not {dtype}")
         group = cfg.num_heads // cfg.num_kv_heads
@@ -131,8 +133,7 @@ class NativeDecode:
         for i, layer in enumerate(model.model.layers):
             k_pool, v_pool = kv.layer(i)
             attn, mlp = layer.self_attn, layer.mlp
-            layers[i] = native.Layer(self._dense(layer.input_layernorm.weight),
-                                     self._dense(layer.post_attention_layernorm.weight),
+            layers[i] = native.Layer(self._dense(layer.attn_norm.weight), self._dense(layer.mlp_norm.weight),
                                      self._linear(attn.qkv_proj), self._linear(attn.o_proj),
                                      self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj),
                                      k_pool.data_ptr(), v_pool.data_ptr())
@@ -141,7 +142,7 @@ class NativeDecode:
             bf16=int(dtype == torch.bfloat16), layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size, vocab=cfg.vocab_size,
             amx=int(dtype == torch.bfloat16 and self.lib.rs_request_amx() == 1),
-            eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5, layer=layers, norm=self._dense(model.model.norm.weight),
+            eps=cfg.rms_norm_eps, scale=cfg.attn_scale, layer=layers, norm=self._dense(model.model.norm.weight),
             lm_head=self._linear(model.lm_head))
         code = self.lib.rs_check(ctypes.byref(self.desc))
         if code:

@@ -22,7 +22,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.grammar import Constraints, Masks
 from radixserve.model.penalties import Penalties
-from radixserve.model.llama import CausalLM
+from radixserve.model.causal_lm import CausalLM
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.loader import cache_root
 from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
@@ -89,7 +89,9 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
                  attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
                  quantization: str | None = None, source: Path | None = None, decode_kernel: str = "eager",
-                 max_batch: int = 1, tp: TPGroup = SINGLE) -> None:
+                 max_batch: int = 1, tp: TPGroup = SINGLE, context_length: int | None = None) -> None:
+        """``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
+        choose their factor set from it (ModelConfig.rope_inv_freq)."""
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         elif deterministic:
@@ -116,7 +118,10 @@ class ModelRunner:
             log.info("native decode step ready in %.1fs (%s)", self.native_build_seconds,
                      "AMX tiles" if self.native.amx else "AVX-512")
         pack(self.model, deterministic)
-        self.rope = RopeTable(*cfg.rope_inv_freq(), cfg.max_position_embeddings, self.dtype, self.device)
+        positions = cfg.max_position_embeddings
+        self.rope = RopeTable(*cfg.rope_inv_freq(context=context_length), positions, self.dtype, self.device)
+        self.local_rope = (RopeTable(*cfg.rope_inv_freq(local=True, context=context_length), positions, self.dtype,
+                                     self.device) if any(cfg.arch.local_rope) else None)
         self.attn = get_backend(attention_backend, self.device, deterministic)
         self.table = SlotTable()
         self.constraints = Constraints(path, cfg.vocab_size)
@@ -126,7 +131,7 @@ class ModelRunner:
                  self.kv.nbytes / 2**20)
         self.compiled: CompiledDecode | None = None
         if decode_kernel == "compiled":
-            self.compiled = CompiledDecode(self.model, self.kv, self.rope, cache_root() / "inductor")
+            self.compiled = CompiledDecode(self.model, self.kv, self.rope, cache_root() / "inductor", self.local_rope)
             seconds = self.compiled.warm_up(self.attn, self.dtype, self.device, self._group, max_batch)
             log.info("decode compiled in %.1fs (a layer per graph; cached in %s)", seconds,
                      os.environ["TORCHINDUCTOR_CACHE_DIR"])
@@ -145,7 +150,8 @@ class ModelRunner:
         return cls(cfg, path, dtype=args.dtype, num_slots=args.max_total_tokens, device=args.device,
                    attention_backend=args.attention_backend, num_threads=args.num_threads,
                    deterministic=args.deterministic, quantization=args.quantization, source=source,
-                   decode_kernel=args.decode_kernel, max_batch=args.max_running_requests, tp=tp)
+                   decode_kernel=args.decode_kernel, max_batch=args.max_running_requests, tp=tp,
+                   context_length=args.context_length)
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
@@ -164,7 +170,8 @@ class ModelRunner:
         # the native step reads the slots directly: the torch backend's per-step attention metadata is not built
         native = self.native is not None and self.native.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
         return ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device, self._group,
-                                      self.table, prepare_attention=not native)
+                                      self.table, prepare_attention=not native, local_rope=self.local_rope,
+                                      windows=self.cfg.arch.sliding_windows)
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         if self.native is not None and self.native.applies(batch):

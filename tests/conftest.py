@@ -52,9 +52,10 @@ def get_body(url: str, timeout: float = 30):
     return json.loads(body) if body.startswith("{") else body
 
 
-def save_random(cfg, tok, out: Path, seed: int) -> Path:
+def save_random(cfg, tok, out: Path, seed: int, norms: bool = False) -> Path:
     """A random checkpoint of ``cfg`` with ``tok``'s tokenizer at ``out``; biases drawn too (from_config zeroes
-    them, and a zero bias tests nothing)."""
+    them, and a zero bias tests nothing), and with ``norms`` the norms' weights (from_config makes them all 1, or
+    Gemma's offsets all 0: the same for every feature, so a mix-up between norms would go unseen)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +65,8 @@ def save_random(cfg, tok, out: Path, seed: int) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif norms and "norm" in name:
+                p.uniform_(-0.5, 0.5) if p.abs().max() == 0 else p.uniform_(0.5, 1.5)  # Gemma's offsets, Llama's scales
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -101,6 +104,49 @@ def build_tiny(kind: str, root: Path, tokenizer_from: Path) -> Path:
     model.save_pretrained(out, max_shard_size="2MB" if kind == "mistral" else "1GB")
     tok.save_pretrained(out)
     return out
+
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, initializer_range=0.25,
+             max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def arch_configs(vocab: int) -> dict:
+    """Tiny Qwen3, Gemma 2, Gemma 3 (text) and Phi-3 configs: windows of 5-6 tokens, soft-caps that bite."""
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    small = dict(SMALL, vocab_size=vocab)
+    return {
+        # explicit head_dim (32 != 64 / 4), layer 1 sliding (max_window_layers), tied embeddings
+        "qwen3": Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_sliding_window=True,
+                             sliding_window=6, max_window_layers=1, tie_word_embeddings=True, **small),
+        # layer 0 sliding, layer 1 global; scale 24 ** -0.5, not head_dim's. Untied: tiny random Gemmas with tied
+        # embeddings (sqrt(hidden)-scaled) only ever repeat their last input token
+        "gemma2": Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                               query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                               tie_word_embeddings=False, **small),
+        # local RoPE base 100 on the sliding layer, linear scaling on the global one
+        "gemma3": Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=5,
+                                   query_pre_attn_scalar=24, final_logit_softcapping=3.0, tie_word_embeddings=False,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 100000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 100.0}}, **small),
+        # fused qkv_proj / gate_up_proj, a window on every layer, half the head rotated
+        "phi3": Phi3Config(num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                           original_max_position_embeddings=256, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                           **small),
+    }
+
+
+@pytest.fixture(scope="session")
+def arch_models(tmp_path_factory, smollm2_path) -> dict[str, Path]:
+    """Random fp32 checkpoints of ``arch_configs`` (norms and biases drawn too), with the SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    root = tmp_path_factory.mktemp("arch")
+    return {kind: save_random(cfg, tok, root / kind, seed=3, norms=True) for kind, cfg in arch_configs(len(tok)).items()}
 
 
 @pytest.fixture(scope="session")

@@ -113,3 +113,20 @@ def test_server_reports_its_decode_kernel(tiny_models, monkeypatch):
             assert out["meta_info"]["completion_tokens"] == PARAMS["max_new_tokens"]
         finally:
             server.stop()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3"])
+def test_compiled_decode_of_windowed_softcapped_models_equals_eager(kind, arch_models, monkeypatch):
+    """Sliding and global layers (one graph each), soft-capped scores, Gemma 3's second RoPE table: the compiled
+    decode steps give eager's greedy tokens (which equal HF's: test_architectures.py), alone and batched, and no
+    batch size falls back to eager."""
+    monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
+    prompts = _prompts(3, seed=2)
+    with Engine(str(arch_models[kind]), dtype="float32", disable_compile=True) as eager:
+        want = [r["output_ids"] for r in eager.generate(input_ids=prompts, sampling_params=PARAMS)]
+    with Engine(str(arch_models[kind]), dtype="float32", decode_kernel="compiled") as engine:
+        got = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=PARAMS)]
+        alone = engine.generate(input_ids=prompts[0], sampling_params=PARAMS)["output_ids"]
+        compiled = engine.runner.compiled
+    assert got == want and alone == want[0]
+    assert compiled.steps >= 2 * PARAMS["max_new_tokens"] - 2 and not compiled.eager_sizes

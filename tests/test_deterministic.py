@@ -109,6 +109,24 @@ def test_tokens_are_the_same_alone_and_in_batches_of_1_7_32_64(det_engine):
     assert stats["cached_tokens"] > 0 and stats["retractions"] > 0, "the batches must share prefixes and retract"
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "phi3"])
+def test_windows_and_softcaps_are_batch_invariant(kind, arch_models):
+    """Sliding windows (keys before them masked, chunks still absolute) and soft-capped scores: the start-up check
+    passes, a prompt longer than a chunk gives the same tokens alone and batched, and greedy tokens equal the
+    default path's (which equal HF's: test_architectures.py)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 40000) for _ in range(n)] for n in (150, 20, 7, 133)]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with Engine(str(arch_models[kind]), dtype="float32", deterministic=True, chunked_prefill_size=64,
+                check_invariants=True) as engine:
+        assert engine.runner.attn.name == "batch-invariant"
+        alone = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+        together = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+    assert together == alone
+    with Engine(str(arch_models[kind]), dtype="float32") as engine:
+        assert [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)] == alone
+
+
 def test_the_start_up_check_refuses_kernels_that_are_not_invariant(tiny_models):
     from radixserve.model.config import ModelConfig
     from radixserve.model.determinism import check_batch_invariance

@@ -58,9 +58,12 @@ def _greedy(path, tp: int, **kw) -> list[list[int]]:
     ("llama", 4, {"disable_radix_cache": True}),  # 4 ranks over 2 KV heads: each KV head on two ranks
     ("qwen2", 2, {}),  # one KV head, copied to both ranks; q/k/v biases; tied embeddings
     ("biased", 2, {}),  # o/down biases, a vocabulary no tp divides
+    ("phi3", 2, {"chunked_prefill_size": 16}),  # fused qkv_proj / gate_up_proj cut per rank, sliding windows
+    ("gemma3", 2, {}),  # q/k norms on every rank, one KV head copied, Gemma norms, two RoPE tables
+    ("gemma2", 2, {}),  # soft-capped scores and logits (each rank's vocabulary shard capped)
 ])
-def test_engine_greedy_tokens_equal_one_rank(model, tp, kw, tiny_models, biased_model):
-    path = biased_model if model == "biased" else tiny_models[model]
+def test_engine_greedy_tokens_equal_one_rank(model, tp, kw, tiny_models, biased_model, arch_models):
+    path = biased_model if model == "biased" else arch_models[model] if model in arch_models else tiny_models[model]
     assert _greedy(path, tp, **kw) == _greedy(path, 1, **kw)
 
 
