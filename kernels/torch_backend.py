@@ -51,6 +51,7 @@ class _SharedDecode:
     windowed: dict[int, torch.Tensor]  # window -> the bias, 0 only where the slot is in the row's window
 
 
+CAPPED_ROWS = 256  # soft-capped extend: queries per score matrix
 SHARED_MAX_SCORES = 1 << 23  # B * U bound for the shared-key path (its score matrix is this big per kv head)
 
 
@@ -80,11 +81,16 @@ def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      softcap: float) -> torch.Tensor:
     """softmax(c * tanh(scale * q k^T / c) + mask) v, in the reference's order (HF's eager attention).
-    ``q`` [.., M, D], ``k``/``v`` [.., L, D]; ``mask``: bool (True: seen), additive, or None (causal, M == L)."""
+    ``q`` [.., M, D], ``k``/``v`` [.., L, D]; ``mask``: bool [M, L] (True: seen), additive (broadcast over M), or
+    None (causal, M == L). CAPPED_ROWS queries at a time: the score matrix of a long prompt stays small."""
+    m = q.shape[-2]
+    if mask is None:
+        mask = torch.ones(m, k.shape[-2], dtype=torch.bool, device=q.device).tril_()
+    if m > CAPPED_ROWS:
+        return torch.cat([capped_attention(q[..., i : i + CAPPED_ROWS, :], k, v, mask[i : i + CAPPED_ROWS], scale,
+                                           softcap) for i in range(0, m, CAPPED_ROWS)], dim=-2)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     s = torch.tanh(s / softcap) * softcap
-    if mask is None:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
     s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     return torch.matmul(s.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 

@@ -68,8 +68,8 @@ class TritonAttention:
         grid = (len(batch.extend_lens), heads, triton.cdiv(meta.max_extend, self.block_m))
         extend_kernel[grid](
             q, k, v, k_pool, v_pool, out, batch.slots, meta.seq_start, meta.qo_start, meta.prefix_len,
-            meta.extend_len, scale, window or 0, softcap or 0.0, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
+            meta.extend_len, scale, window or 0, softcap or 0.0, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
             GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), BLOCK_M=self.block_m,
             BLOCK_N=self.block_n, F32=self._f32(q), SOFTCAP=softcap is not None,
         )

@@ -46,8 +46,8 @@ def _online_update(m_i, l_i, acc, qk, v, F32: tl.constexpr):
 
 @triton.jit
 def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart, PrefixLen, ExtendLen, sm_scale,
-                  window, softcap, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, stride_kph, stride_vs,
-                  stride_vph, stride_ot, stride_oh,
+                  window, softcap, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ks,
+                  stride_kph, stride_vs, stride_vph, stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, F32: tl.constexpr, SOFTCAP: tl.constexpr):
     req, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -68,9 +68,11 @@ class Arch:
         extras = [name for name, on in (
             ("q/k norms", self.qk_norm), ("Gemma's (1 + w) RMSNorm", self.norm != "llama"),
             ("norms after attention and the MLP", self.sandwich), (f"{self.activation} MLP", self.activation != "silu"),
-            ("scaled embeddings", self.embed_scale is not None), ("a custom attention scale", self.attn_scale is not None),
+            ("scaled embeddings", self.embed_scale is not None),
+            ("a custom attention scale", self.attn_scale is not None),
             ("attention soft-capping", self.attn_softcap is not None),
-            ("logit soft-capping", self.final_softcap is not None), ("sliding-window attention", bool(self.sliding_windows)),
+            ("logit soft-capping", self.final_softcap is not None),
+            ("sliding windows that differ between layers", len(set(self.windows)) > 1),  # one for all: fine
             ("a second RoPE table", any(self.local_rope)), ("partial rotary embeddings", rotary_dim != head_dim),
         ) if on]
         if not extras:

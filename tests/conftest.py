@@ -146,7 +146,8 @@ def arch_models(tmp_path_factory, smollm2_path) -> dict[str, Path]:
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     root = tmp_path_factory.mktemp("arch")
-    return {kind: save_random(cfg, tok, root / kind, seed=3, norms=True) for kind, cfg in arch_configs(len(tok)).items()}
+    configs = arch_configs(len(tok))
+    return {kind: save_random(cfg, tok, root / kind, seed=3, norms=True) for kind, cfg in configs.items()}
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,11 @@ GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 FEATURES = {
     "qwen3": [{"sliding_window": 256}],
     "gemma2": [{"sliding_window": 256}, {"attn_logit_softcapping": None}, {"query_pre_attn_scalar": 16}],
-    "gemma3": [{"sliding_window": 256}],
+    "gemma3": [{"sliding_window": 256}, {"rope_parameters": {  # without the global layer's linear scaling
+        "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}, {"rope_parameters": {  # local base
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100000.0}}}],
     "phi3": [{"sliding_window": None},
              {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}],
 }
@@ -112,14 +116,14 @@ def test_gemma_final_softcap_is_in_the_logprobs(arch_models, prompts):
 
 @pytest.fixture(scope="module")
 def longrope_phi3(tmp_path_factory, tok):
-    """Phi-3 with LongRoPE: original window 16, context 64; no sliding window and full rotary (so the native decode
-    step takes it too: test_native_decode.py)."""
+    """Phi-3 with LongRoPE: original window 16, context 64; full rotary and one sliding window (6) for every layer,
+    so the native decode step takes it too."""
     from transformers import Phi3Config
 
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 4.0, 1.0, 1.2, 3.0, 8.0],
             "long_factor": [2.0, 4.0, 8.0, 16.0, 3.0, 5.0, 20.0, 40.0]}
     cfg = Phi3Config(num_attention_heads=4, num_key_value_heads=2, original_max_position_embeddings=16,
-                     rope_parameters=rope, tie_word_embeddings=False, vocab_size=len(tok),
+                     sliding_window=6, rope_parameters=rope, tie_word_embeddings=False, vocab_size=len(tok),
                      **dict(SMALL, max_position_embeddings=64))
     return save_random(cfg, tok, tmp_path_factory.mktemp("longrope") / "phi3", seed=4, norms=True)
 
@@ -130,7 +134,8 @@ def test_phi3_longrope_short_and_long_factors_match_hf(longrope_phi3, tok):
     hf = _hf(longrope_phi3)
     short = [tok("The capital of").input_ids, tok("One two").input_ids]
     with Engine(str(longrope_phi3), dtype="float32", context_length=16) as engine:
-        got = [r["output_ids"] for r in engine.generate(input_ids=short, sampling_params={**GREEDY, "max_new_tokens": 8})]
+        out = engine.generate(input_ids=short, sampling_params={**GREEDY, "max_new_tokens": 8})
+    got = [r["output_ids"] for r in out]
     assert got == _hf_greedy(hf, short, 8)
     long = [tok(SHARED + "What is the capital of France?").input_ids]
     assert len(long[0]) > 16
@@ -140,9 +145,9 @@ def test_phi3_longrope_short_and_long_factors_match_hf(longrope_phi3, tok):
     assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again] == _hf_greedy(hf, long)
 
 
-def test_phi3_without_a_window_runs_on_the_native_step(longrope_phi3, tok, monkeypatch):
-    """A Phi-3 the native step takes (fused checkpoint weights, LongRoPE's long factors in the per-row cos/sin):
-    decode and short prefill steps run native, and the tokens equal HF's."""
+def test_phi3_runs_on_the_native_step(longrope_phi3, tok, monkeypatch):
+    """A Phi-3 the native step takes (fused checkpoint weights, LongRoPE's long factors in the per-row cos/sin, its
+    window as shorter contexts): decode and short prefill steps run native, and the tokens equal HF's."""
     from radixserve.kernels.cpu_native import unavailable_reason
 
     if unavailable_reason("float32"):
@@ -165,7 +170,7 @@ def test_the_native_decode_step_refuses_what_it_cannot_run(arch_models, monkeypa
         pytest.skip(f"no native decode step here: {unavailable_reason('float32')}")
     monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
     expected = {"qwen3": "q/k norms", "gemma2": "attention soft-capping", "gemma3": "a second RoPE table",
-                "phi3": "sliding-window attention"}
+                "phi3": "partial rotary embeddings"}
     for kind, feature in expected.items():
         args = ServerArgs(model_path=str(arch_models[kind]), dtype="float32")
         assert prepare(args).args.decode_kernel == "compiled", "auto takes the compiled path instead"

@@ -92,11 +92,11 @@ def test_window_and_softcap_match_reference(name, window, softcap):
     """Extend over cached prefixes longer and shorter than the window (and none), then decode with distinct rows
     and with a shared prefix: every output equals the reference's."""
     torch.manual_seed(2)
-    d, heads, kv_heads, num_slots, scale = 16, 6, 2, 256, 0.3
+    d, heads, kv_heads, num_slots, scale = 16, 6, 2, 512, 0.3
     backend = get_backend(name, torch.device("cpu"))
     windows = (window, 7) if window else (7,)  # a second window in the model: each layer takes its own masks
     k_pool, v_pool = torch.randn(num_slots, kv_heads, d), torch.randn(num_slots, kv_heads, d)
-    prefix_lens, extend_lens = [0, 2, 12, 30], [9, 5, 4, 1]
+    prefix_lens, extend_lens = [0, 2, 12, 30, 40], [9, 5, 4, 1, 300]  # 300: soft-capped scores in row blocks
     batch = make_batch("extend", prefix_lens, extend_lens, num_slots, backend, heads // kv_heads, windows=windows)
     n = sum(extend_lens)
     q, k, v = torch.randn(n, heads, d) * 3, torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
