@@ -13,7 +13,8 @@ from radixserve.model.arch import Arch
 if TYPE_CHECKING:
     import torch
 
-FAMILIES: dict[str, Callable[[Any], Arch]] = {**llama.FAMILY, **gemma.FAMILY, **phi3.FAMILY}  # model_type ->
+# model_type -> how its family file reads the HF config
+FAMILIES: dict[str, Callable[[Any], Arch]] = {**llama.FAMILY, **gemma.FAMILY, **phi3.FAMILY}
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 

@@ -111,8 +111,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, initial
 
 
 def arch_configs(vocab: int) -> dict:
-    """Tiny Qwen3, Gemma 2, Gemma 3 (text) and Phi-3 configs: windows of 5-6 tokens, soft-caps that bite."""
-    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+    """Tiny Qwen3, Gemma 2, Gemma 3 (text), Phi-3 and Mistral configs: windows of 5-6 tokens, soft-caps that bite."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen3Config
 
     small = dict(SMALL, vocab_size=vocab)
     return {
@@ -136,6 +136,9 @@ def arch_configs(vocab: int) -> dict:
         "phi3": Phi3Config(num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
                            original_max_position_embeddings=256, partial_rotary_factor=0.5, tie_word_embeddings=False,
                            **small),
+        # a window on every layer, as Mistral 7B v0.1's
+        "mistral": MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                                 tie_word_embeddings=False, **small),
     }
 
 

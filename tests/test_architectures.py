@@ -4,8 +4,9 @@ pass through the cache; windows of 5-6 tokens under ~20-token prompts, soft-caps
 biases drawn at random. A request continuing another's cached prefix (longer than the window) matches too. Each
 checkpoint is checked to exercise its features: HF's own output changes without them. Phi-3's LongRoPE: short
 factors under a context within the original window, long ones beyond it, both equal to HF where HF is in that
-mode. Other paths for these models: test_compiled.py, test_triton_kernels.py, test_deterministic.py,
-test_tensor_parallel.py, test_native_decode.py."""
+mode. The native decode step runs a Phi-3 (one window for all layers) and refuses the others by feature, auto
+taking the compiled path. Other paths for these models: test_compiled.py, test_triton_kernels.py,
+test_deterministic.py, test_tensor_parallel.py; windows and soft-caps per kernel: test_kernels_torch.py."""
 from __future__ import annotations
 
 import pytest
@@ -29,6 +30,7 @@ FEATURES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}, {"rope_parameters": {  # local base
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 100000.0}}}],
+    "mistral": [{"sliding_window": None}],
     "phi3": [{"sliding_window": None},
              {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}],
 }
@@ -69,7 +71,7 @@ def hf_reference(arch_models, prompts):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3", "phi3", "mistral"])
 def test_greedy_matches_hf(kind, mode, arch_models, prompts, hf_reference):
     with Engine(str(arch_models[kind]), dtype="float32", check_invariants=True, **MODES[mode]) as engine:
         assert engine.model_config.arch.sliding_windows, "the window is smaller than the prompts"
@@ -145,20 +147,24 @@ def test_phi3_longrope_short_and_long_factors_match_hf(longrope_phi3, tok):
     assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again] == _hf_greedy(hf, long)
 
 
-def test_phi3_runs_on_the_native_step(longrope_phi3, tok, monkeypatch):
-    """A Phi-3 the native step takes (fused checkpoint weights, LongRoPE's long factors in the per-row cos/sin, its
-    window as shorter contexts): decode and short prefill steps run native, and the tokens equal HF's."""
+@pytest.mark.parametrize("kind", ["phi3-longrope", "mistral"])
+def test_one_window_for_every_layer_runs_on_the_native_step(kind, longrope_phi3, arch_models, tok, monkeypatch):
+    """Models the native step takes, their window as shorter row contexts: Mistral, and a Phi-3 (fused checkpoint
+    weights, LongRoPE's long factors in the per-row cos/sin). Decode and short prefill steps run native, and the
+    tokens equal HF's, again through the cache."""
     from radixserve.kernels.cpu_native import unavailable_reason
 
     if unavailable_reason("float32"):
         pytest.skip(f"no native decode step here: {unavailable_reason('float32')}")
     monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
+    path = longrope_phi3 if kind == "phi3-longrope" else arch_models[kind]
     long = [tok(SHARED + q).input_ids for q in QUESTIONS[:2]]
-    with Engine(str(longrope_phi3), dtype="float32", check_invariants=True) as engine:
+    with Engine(str(path), dtype="float32", check_invariants=True) as engine:
         assert engine.runner.decode_kernel == "native", "auto picks the native step for a Llama-style model"
         got = [r["output_ids"] for r in engine.generate(input_ids=long, sampling_params=GREEDY)]
+        again = [r["output_ids"] for r in engine.generate(input_ids=long, sampling_params=GREEDY)]
         assert engine.runner.native.steps >= MAX_NEW and engine.runner.native.prefill_steps > 0
-    assert got == _hf_greedy(_hf(longrope_phi3), long)
+    assert got == again == _hf_greedy(_hf(path), long)
 
 
 def test_the_native_decode_step_refuses_what_it_cannot_run(arch_models, monkeypatch):
