@@ -176,9 +176,9 @@ def load_configs(path: Path):
     """The transformers config and the generation config's EOS (if any) of a HF folder."""
     from transformers import AutoConfig, GenerationConfig
 
-    hf = AutoConfig.from_pretrained(path)
+    hf = AutoConfig.from_pretrained(path, trust_remote_code=False)  # refused, never asked about on a terminal
     try:
-        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
+        gen_eos = GenerationConfig.from_pretrained(path, trust_remote_code=False).eos_token_id
     except OSError:
         gen_eos = None
     return hf, gen_eos
