@@ -19,7 +19,8 @@ import time
 
 import zmq
 
-from radixserve.actors.messages import Failed, LauncherInbox, Ready, decoder as inbox_decoder
+from radixserve.actors.messages import Failed, LauncherInbox, Ready
+from radixserve.actors.wire import decoder as inbox_decoder
 from radixserve.actors.nodes import NodeLink
 from radixserve.actors.runner_actor import rank_name
 from radixserve.actors.transport import ActorSpec, Endpoints, replica_name

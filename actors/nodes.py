@@ -10,7 +10,8 @@ import time
 
 import zmq
 
-from radixserve.actors.messages import Heartbeat, NodeDown, NodeInbox, NodeReady, decoder, encoder
+from radixserve.actors.messages import Heartbeat, NodeDown, NodeInbox, NodeReady
+from radixserve.actors.wire import decoder, encoder
 
 HEARTBEAT_S = 0.5
 

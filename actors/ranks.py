@@ -6,7 +6,8 @@ from __future__ import annotations
 import zmq
 
 from radixserve.actors.launcher import Launcher
-from radixserve.actors.messages import ForwardPlan, ForwardResult, decoder
+from radixserve.actors.messages import ForwardPlan, ForwardResult
+from radixserve.actors.wire import decoder
 from radixserve.actors.transport import Publisher
 from radixserve.prepare import Prepared
 

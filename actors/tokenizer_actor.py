@@ -14,8 +14,9 @@ from typing import Any
 
 from radixserve.actors.messages import (
     AbortReq, AddReq, Delta, FinishReason, FinishReq, GenerateReq, RequestError, TextBatch, TextReq, TokenBatch,
-    TokenizerInbox, array,
+    TokenizerInbox
 )
+from radixserve.actors.wire import array
 from radixserve.actors.router.policies import Worker, load_routing_policy
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.actors.transport import ActorSpec, Channel, replica_name, run_actor

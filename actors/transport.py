@@ -25,7 +25,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.actors.messages import Failed, Ready, decoder, encoder
+from radixserve.actors.messages import Failed, Ready
+from radixserve.actors.wire import decoder, encoder
 
 log = logging.getLogger(__name__)
 

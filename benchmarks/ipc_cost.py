@@ -16,9 +16,8 @@ import msgspec
 import numpy as np
 import zmq
 
-from radixserve.actors.messages import (
-    AbortReq, Delta, ForwardPlan, ForwardResult, SamplingBatch, TextBatch, TokenBatch, array, decoder, encoder,
-)
+from radixserve.actors.messages import AbortReq, Delta, ForwardPlan, ForwardResult, SamplingBatch, TextBatch, TokenBatch
+from radixserve.actors.wire import array, decoder, encoder
 
 Any = ForwardPlan | ForwardResult | TokenBatch | TextBatch | AbortReq
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from radixserve.actors.messages import (
-    AddReq, FinishReq, ForwardResult, GenerateReq, RequestError, TextBatch, TokenBatch, array,
+    AddReq, FinishReq, ForwardResult, GenerateReq, RequestError, TextBatch, TokenBatch
 )
+from radixserve.actors.wire import array
 from radixserve.sampling_params import SamplingParams
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radixserve.actors.messages import ForwardPlan, RunnerInbox, SamplingBatch, array, decoder, encoder
+from radixserve.actors.messages import ForwardPlan, RunnerInbox, SamplingBatch
+from radixserve.actors.wire import array, decoder, encoder
 
 
 def plan() -> ForwardPlan:

@@ -11,9 +11,10 @@ import time
 from typing import Any
 
 from radixserve.actors.messages import (
-    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardPlan, ForwardResult, PolicySwitch, RequestError,
-    SchedulerInbox, Status, TokenBatch, array,
+    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardPlan, ForwardResult, PolicySwitch,
+    RequestError, SchedulerInbox, Status, TokenBatch
 )
+from radixserve.actors.wire import array
 from radixserve.actors.scheduler.inspect import dashboard_view
 from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler import build_scheduler

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixserve.actors.messages import ForwardPlan, ShadowArrival, ShadowEnd, ShadowFeed, StepTiming, array
+from radixserve.actors.messages import ForwardPlan, ShadowArrival, ShadowEnd, ShadowFeed, StepTiming
+from radixserve.actors.wire import array
 from radixserve.actors.scheduler.req import Req
 
 if TYPE_CHECKING:
