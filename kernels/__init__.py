@@ -22,8 +22,10 @@ def _triton() -> AttentionBackend:
 
 def _batch_invariant() -> AttentionBackend:
     from radixserve.kernels.batch_invariant import BatchInvariantAttention
+    from radixserve.kernels.cpp_build import default_cache_dir
+    from radixserve.kernels.invariant import invariant_ops
 
-    return BatchInvariantAttention()
+    return BatchInvariantAttention(invariant_ops(default_cache_dir()))
 
 
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -33,6 +34,29 @@ class AttentionBatch:
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    def contexts(self, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's context as (start, length) in ``self.slots`` (every request's row back to back): in decode a
+        row is a request and its whole row; in a prefill a row is a token and its request's row up to itself. With a
+        sliding ``window`` (the same on every layer: Mistral, Phi-3), only its last ``window`` positions.
+
+            request r's row in slots:  | prefix (cached) | token 0 | token 1 | ... |
+            token i's context:         |<------- prefix + i + 1 -------->|
+            ... within a window:                 |<---- window ---->|
+        """
+        seq = np.asarray(self.seq_lens, dtype=np.int64)
+        first = np.cumsum(seq) - seq
+        if self.mode == "decode":
+            first, length = first, seq
+        else:
+            ext = np.asarray(self.extend_lens, dtype=np.int64)
+            ends = np.cumsum(ext)
+            within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - ext, ext)  # token i of its request
+            first, length = np.repeat(first, ext), np.repeat(seq - ext, ext) + within + 1
+        if window is not None:
+            cut = np.maximum(length - window, 0)
+            first, length = first + cut, length - cut
+        return first, length
 
 
 class AttentionBackend(Protocol):

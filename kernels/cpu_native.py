@@ -2,10 +2,11 @@
 once per machine with the system's C++ compiler, loaded with ctypes, and described to by plain structures of
 pointers into the model's own tensors.
 
-Built on first use into the radixserve cache (``kernels/``), named by a hash of the sources, the compiler and its
-flags, so an edit or another compiler rebuilds and a restart only loads (~3 s to compile here). ``-march=native``:
-the library is built on the machine it runs on, for that machine's vector units. Loaded after torch, it shares
-torch's OpenMP runtime (the same ``libgomp.so.1``), so its threads are torch's threads, never a second pool.
+Built on first use into the radixserve cache (``kernels/``) by ``cpp_build`` (keyed by the sources, the compiler,
+its flags and this CPU), so an edit, another compiler or another machine rebuilds and a restart only loads (~3 s
+to compile here). ``-march=native``: the library is built on the machine it runs on, for that machine's vector
+units. Loaded after torch, it shares torch's OpenMP runtime (the same ``libgomp.so.1``), so its threads are
+torch's threads, never a second pool.
 
 Where it cannot run (no compiler, a CPU without AVX-512 BF16/VNNI, float16 weights) ``unavailable_reason`` says why
 and ``--decode-kernel auto`` resolves to the compiled torch path instead.
@@ -13,25 +14,20 @@ and ``--decode-kernel auto`` resolves to the compiled torch path instead.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
 from pathlib import Path
+
+from radixserve.kernels.cpp_build import (NativeUnavailable, build_library, compiler, default_cache_dir,  # noqa: F401
+                                          native_disabled)
 
 SOURCES = Path(__file__).with_name("native")  # decode.cpp and the headers it includes
 SOURCE = SOURCES / "decode.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")  # + -march (cpp_build)
 CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # what the kernel uses
 NATIVE_DTYPES = ("bfloat16", "float32")
 ABI_VERSION = 3
 
 DENSE, Q8, Q4 = 0, 1, 2  # Linear.format
-
-
-class NativeUnavailable(RuntimeError):
-    """The native decode step cannot run on this machine; the message says why."""
 
 
 class Linear(ctypes.Structure):
@@ -63,12 +59,6 @@ class Step(ctypes.Structure):
                 ("logits", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
 
 
-def default_cache_dir() -> Path:
-    from radixserve.model.loader import cache_root
-
-    return cache_root() / "kernels"
-
-
 def cpu_features() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -88,39 +78,18 @@ def unavailable_reason(dtype: str) -> str | None:
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     try:
-        _compiler()
+        compiler()
     except NativeUnavailable as exc:
         return str(exc)
-    return None
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    raise NativeUnavailable("no C++ compiler (g++/c++/clang++) on PATH to build the native decode step")
+    return native_disabled()
 
 
 def build(cache_dir: Path) -> Path:
-    """The shared library for this machine, compiled if this source/compiler/flags combination is new."""
+    """The shared library for this machine, compiled if this source/compiler/flags/CPU combination is new."""
     missing = [f for f in CPU_FEATURES if f not in cpu_features()]
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") or missing:
         raise NativeUnavailable(unavailable_reason("float32") or "")
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    texts = [f.read_text() for f in sorted(SOURCES.iterdir()) if f.suffix in (".cpp", ".h")]
-    key = hashlib.sha256("\0".join([*texts, cxx, version, *FLAGS]).encode()).hexdigest()[:16]
-    out = cache_dir / f"cpu_decode-{key}.so"
-    if out.exists():
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise NativeUnavailable(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-800:]}")
-    tmp.replace(out)  # atomic: a concurrent build of the same key writes the same bytes
-    return out
+    return build_library(SOURCE, FLAGS, cache_dir, "cpu_decode")
 
 
 def load(cache_dir: Path) -> ctypes.CDLL:

@@ -39,6 +39,7 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.model = Backbone(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab(cfg.vocab_size)[1], bias=False)
+        self.tanh = torch.tanh  # of the final soft-cap; --deterministic swaps in a batch-invariant one
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``ids``: on several ranks, each looks up the ids in its vocabulary shard (zeros for
@@ -66,7 +67,7 @@ class CausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(h[batch.logit_rows]))
         cap = self.config.arch.final_softcap
         if cap is not None:  # in the model's dtype, in the reference's order
-            logits = torch.tanh(logits / cap) * cap
+            logits = self.tanh(logits / cap) * cap
         return self.tp.gather_vocab(logits.float(), self.config.vocab_size)
 
     def _pieces(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,7 +1,13 @@
-"""The start-up check behind ``--deterministic``: on the loaded model, a request's logits must be bitwise the same
+"""``--deterministic``: the model made batch-invariant by construction, and the start-up check that guards it.
+
+``make_invariant`` hands every row-mixing computation of the model to batch-invariant ops (kernels/invariant.py):
+linear layers, RMSNorms (their mean of squares), the MLP's activation and the final soft-cap's tanh; attention is
+the batch-invariant backend over the same ops. What stays torch's is exact whatever the batch: embeddings, RoPE and
+residuals (products and sums of two numbers), casts, and the sampler's row-wise ops.
+
+``check_batch_invariance`` then runs the loaded model as a guard: a request's logits must be bitwise the same
 alone, batched with others of other lengths, after its prefix was cached by an earlier step, and decoding in a
-batch of any size. Kernels decide whether that holds (thread counts, vector widths, GEMM paths), so it is checked
-on this machine rather than assumed; a server that cannot keep the promise refuses to start.
+batch of any size; a server that fails it refuses to start (it would be a bug, not a property of the CPU).
 """
 from __future__ import annotations
 
@@ -9,10 +15,32 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from torch import nn
 
 from radixserve.actors.messages import ForwardPlan, SamplingBatch
+from radixserve.kernels.invariant import ACTIVATIONS, InvariantLinear, InvariantOps
+from radixserve.model.causal_lm import CausalLM
+from radixserve.model.layers import MLP, RMSNorm
 
 LENGTHS = (70, 3, 131, 9)  # prompts that cross chunk boundaries, and one shorter than any chunk
+
+
+def make_invariant(model: CausalLM, ops: InvariantOps) -> int:
+    """Swap ``model``'s row-mixing computations for ``ops``' (in place); returns how many linear layers it swapped.
+    ValueError for an activation the ops do not compute."""
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    for parent, name, child in linears:
+        setattr(parent, name, InvariantLinear(child, ops))
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.normalize = ops.rms_normalize
+        elif isinstance(module, MLP):
+            if module.act not in ACTIVATIONS:
+                raise ValueError(f"--deterministic has no batch-invariant {module.act!r} activation; run without it")
+            module.act_mul = ops.act_mul
+    model.tanh = lambda x: ops.tanh(x.float()).to(x.dtype)
+    return len(linears)
 
 
 def probe_plan(mode: str, rows: list[tuple[list[int], int, list[int]]]) -> ForwardPlan:

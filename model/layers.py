@@ -45,13 +45,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.gemma = eps, style == "gemma"
+        self.normalize = rms_normalize  # --deterministic swaps in a batch-invariant one (model/determinism.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused kernel; bitwise the same as the reference's four ops
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        normed = self.normalize(x.float(), self.eps)
         if self.gemma:
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # one fused kernel; bitwise the same as the reference's four ops
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return ACTIVATION[act](gate) * up
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,11 +118,12 @@ class MLP(nn.Module):
         size = cfg.intermediate_size // tp.size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=cfg.arch.mlp_bias)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.arch.mlp_bias)
-        self.act = ACTIVATION[cfg.arch.activation]
+        self.act = cfg.arch.activation
+        self.act_mul = act_mul  # --deterministic swaps in a batch-invariant one (model/determinism.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.act_mul(self.act, gate, up)))
 
 
 class DecoderLayer(nn.Module):

@@ -82,30 +82,6 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
     return nibbles, _blocks(d, n16).half(), _blocks(m, n16).half()
 
 
-def contexts(attn: AttentionBatch, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's context as (start, length) in ``attn.slots`` (every request's row back to back): in decode a
-    row is a request and its whole row; in a prefill a row is a token and its request's row up to itself. With a
-    sliding ``window`` (the same on every layer: Mistral, Phi-3), only its last ``window`` positions.
-
-        request r's row in slots:  | prefix (cached) | token 0 | token 1 | ... |
-        token i's context:         |<------- prefix + i + 1 -------->|
-        ... within a window:                 |<---- window ---->|
-    """
-    seq = np.asarray(attn.seq_lens, dtype=np.int64)
-    first = np.cumsum(seq) - seq
-    if attn.mode == "decode":
-        first, length = first, seq
-    else:
-        ext = np.asarray(attn.extend_lens, dtype=np.int64)
-        ends = np.cumsum(ext)
-        within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - ext, ext)  # token i of its request
-        first, length = np.repeat(first, ext), np.repeat(seq - ext, ext) + within + 1
-    if window is not None:
-        cut = np.maximum(length - window, 0)
-        first, length = first + cut, length - cut
-    return first, length
-
-
 def shared_prefix(attn: AttentionBatch, first: np.ndarray, length: np.ndarray) -> int:
     """Decode: how many leading context slots every row has in common -- a shared system prompt's, which the
     kernel then scores for all rows at once (0 when there is one row or the rows share less than SHARED_MIN)."""
@@ -215,7 +191,7 @@ class NativeDecode:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
-        first, length = contexts(batch.attn, self.window)
+        first, length = batch.attn.contexts(self.window)
         # the kernel's shared-prefix path takes AMX tiles, bf16 and head dim 64 (attention_shared.h's shared_path)
         shares = self.desc.amx and self._head_dim == 64
         shared = shared_prefix(batch.attn, first, length) if shares else 0

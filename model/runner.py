@@ -57,8 +57,8 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
     return model.eval()
 
 
-def pack(model: CausalLM, deterministic: bool) -> None:
-    packed = pack_linears(model, deterministic)  # CPU bf16: same results, faster matrix-vector products
+def pack(model: CausalLM) -> None:
+    packed = pack_linears(model)  # CPU bf16: same results, faster matrix-vector products
     if packed:
         log.info("packed %d linear layers for oneDNN", packed)
 
@@ -117,12 +117,18 @@ class ModelRunner:
             self.native_build_seconds = time.perf_counter() - native_start
             log.info("native decode step ready in %.1fs (%s)", self.native_build_seconds,
                      "AMX tiles" if self.native.amx else "AVX-512")
-        pack(self.model, deterministic)
+        if not deterministic:  # --deterministic computes every linear layer itself (below)
+            pack(self.model)
         positions = cfg.max_position_embeddings
         self.rope = RopeTable(*cfg.rope_inv_freq(context=context_length), positions, self.dtype, self.device)
         self.local_rope = (RopeTable(*cfg.rope_inv_freq(local=True, context=context_length), positions, self.dtype,
                                      self.device) if any(cfg.arch.local_rope) else None)
         self.attn = get_backend(attention_backend, self.device, deterministic)
+        if deterministic:
+            from radixserve.model.determinism import make_invariant
+
+            make_invariant(self.model, self.attn.ops)
+            log.info("deterministic: batch-invariant kernels (%s)", self.attn.ops.name)
         self.table = SlotTable()
         self.constraints = Constraints(path, cfg.vocab_size)
         self.penalties = Penalties(cfg.vocab_size, self.device)

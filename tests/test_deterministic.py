@@ -1,7 +1,8 @@
 """--deterministic: a request's tokens do not depend on what else is batched with it (bf16 and fp32).
 
-From the parts up: a linear layer's row and an attention row are bitwise the same in any batch; the runner's
-start-up check refuses kernels that are not; and through the Engine and the server, the same prompts alone and
+From the parts up, for both implementations of the invariant ops (C++ and row-by-row torch): a linear layer's,
+a norm's, an activation's and an attention row are bitwise the same in any batch; the runner's start-up check
+refuses kernels that are not; and through the Engine and the server, the same prompts alone and
 inside batches of 1, 7, 32 and 64 mixed requests (other lengths, shared prefixes that the radix cache serves,
 chunked prefill, a pool small enough to retract) give identical tokens, greedy and seeded.
 """
@@ -13,60 +14,89 @@ import random
 import httpx
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import ServerProcess
 from radixserve import Engine
-from radixserve.kernels.batch_invariant import CHUNK, attend
-from radixserve.kernels.cpu_linear import PackedLinear, RowBlocks, invariant_blocks
+from radixserve.kernels.cpp_build import default_cache_dir
+from radixserve.kernels.invariant import RowByRow, invariant_ops
+
+
+@pytest.fixture(scope="module", params=["cpp", "torch-row-by-row"])
+def ops(request):
+    """Both implementations of the invariant ops: the C++ kernels (where this machine builds them) and the
+    row-by-row torch fallback."""
+    if request.param == "torch-row-by-row":
+        return RowByRow()
+    cpp = invariant_ops(default_cache_dir())
+    if cpp.name != "cpp":
+        pytest.skip("the C++ invariant kernels do not build here (RADIXSERVE_NATIVE=0 or no compiler)")
+    return cpp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_rows_do_not_depend_on_how_many_rows_are_computed(dtype):
+def test_linear_rows_do_not_depend_on_how_many_rows_are_computed(ops, dtype):
     torch.manual_seed(0)
-    w = (torch.randn(576, 1536) * 0.05).to(dtype)  # 1536 -> 576: a shape whose kernels change with the row count
-    layer = PackedLinear(w, None, False, min_rows=2)
-    layer.blocks = invariant_blocks(layer)
-    x = torch.randn(600, 1536).to(dtype)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(600)])
-    for m in (2, 7, 16, 17, 31, 64, 65, 150, 201, 300, 599):
-        assert torch.equal(layer(x[:m]), alone[:m]), m
+    w = (torch.randn(576, 1544) * 0.05).to(dtype)  # K not a multiple of the 16 lanes: the tail is exercised
+    bias = torch.randn(576)
+    x = torch.randn(300, 1544).to(dtype)
+    alone = torch.cat([ops.linear(x[i : i + 1], w, bias) for i in range(300)])
+    for m in (2, 3, 7, 16, 17, 31, 64, 65, 150, 201, 300):
+        assert torch.equal(ops.linear(x[:m], w, bias), alone[:m]), m
+        assert torch.equal(ops.linear(x[300 - m :], w, bias), alone[300 - m :]), f"rows at another place, {m}"
+    reference = x.double() @ w.double().T + bias.double()
+    assert torch.allclose(alone.double(), reference, **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4}))
 
 
-def test_rows_are_cut_into_the_probed_sizes():
-    blocks = RowBlocks(16, 128)
-    assert blocks.sizes(200) == [128, 64, 8] and blocks.sizes(16) == [16] and blocks.sizes(5) == [5]
-    assert blocks.sizes(300) == [128, 128, 32, 12] and sum(blocks.sizes(12345)) == 12345
+def test_rows_norms_and_activations_do_not_depend_on_the_batch(ops):
+    torch.manual_seed(1)
+    x, gate, up = torch.randn(70, 576), torch.randn(70, 1536) * 4, torch.randn(70, 1536)
+    for fn, want in ((lambda a: ops.rms_normalize(a, 1e-5), F.rms_norm(x, (576,), eps=1e-5)),):
+        alone = torch.cat([fn(x[i : i + 1]) for i in range(70)])
+        assert torch.equal(fn(x), alone) and torch.equal(fn(x[5:40]), alone[5:40])
+        assert torch.allclose(alone, want, atol=1e-5)
+    for act, ref in (("silu", F.silu), ("gelu_pytorch_tanh", lambda a: F.gelu(a, approximate="tanh"))):
+        alone = torch.cat([ops.act_mul(act, gate[i : i + 1], up[i : i + 1]) for i in range(70)])
+        assert torch.equal(ops.act_mul(act, gate[3:50], up[3:50]), alone[3:50])
+        assert torch.allclose(alone, ref(gate) * up, atol=1e-5)
+    alone = torch.cat([ops.tanh(gate[i : i + 1]) for i in range(70)])
+    assert torch.equal(ops.tanh(gate[:33]), alone[:33]) and torch.allclose(alone, torch.tanh(gate), atol=1e-6)
 
 
-def reference(q, k, v, n_keys):
-    s = (q.double() @ k[:n_keys].double().T)
-    return (s.softmax(-1) @ v[:n_keys].double()).float()
+def reference(q, k, v, scale, softcap=None):
+    s = (q.double() @ k.double().T) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    return (s.softmax(-1) @ v.double()).float()
 
 
-def test_an_attention_row_is_the_same_in_every_batch_and_correct():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_an_attention_row_is_the_same_in_every_batch_and_correct(ops, dtype, softcap):
     torch.manual_seed(0)
-    d, g = 64, 3
-    keys, values = torch.randn(300, d), torch.randn(300, d)
+    slots, kv_heads, heads, d = 400, 2, 6, 64
+    k_pool, v_pool = torch.randn(slots, kv_heads, d).to(dtype), torch.randn(slots, kv_heads, d).to(dtype)
+    row = torch.randperm(slots)[:300]  # a request's slots, scattered over the pool
+    q = torch.randn(6, heads, d).to(dtype)
+    first, length = torch.tensor([0, 0, 10, 0, 299, 40]), torch.tensor([300, 1, 5, 130, 1, 200])
 
-    def run(rows: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-        """rows: (queries [M, D], number of keys it reads); all in one call, keys padded to the longest."""
-        width = -(-max(n for _, n in rows) // CHUNK) * CHUNK
-        m = max(q.shape[0] for q, _ in rows)
-        q = torch.zeros(len(rows), 1, m, d)
-        k = torch.zeros(len(rows), 1, width, d)
-        v = torch.zeros(len(rows), 1, width, d)
-        bias = torch.full((len(rows), m, width), float("-inf"))
-        for i, (qi, n) in enumerate(rows):
-            q[i, 0, : qi.shape[0]], k[i, 0, :n], v[i, 0, :n] = qi, keys[:n], values[:n]
-            bias[i, :, :n] = 0
-        return attend(q, k, v, bias)[:, 0]
+    def run(rows: list[int]) -> torch.Tensor:
+        return ops.attention(q[rows], k_pool, v_pool, row, first[rows], length[rows], 0.125, softcap)
 
-    query = torch.randn(g, d)  # one token's query heads of one kv head
-    alone = run([(query, 130)])[0]
-    assert torch.allclose(alone, reference(query, keys, values, 130), atol=1e-5)
-    others = [(torch.randn(g, d), n) for n in (5, 64, 299)]
-    assert torch.equal(run([*others, (query, 130)])[3], alone), "in a batch with longer and shorter rows"
-    assert torch.equal(run([(query, 130), (torch.randn(1, d), 7)])[0], alone), "beside a single-row query"
+    together = run(list(range(6)))
+    for r in range(6):
+        assert torch.equal(run([r]), together[r : r + 1]), f"row {r} alone"
+        keys = row[first[r] : first[r] + length[r]]
+        for h in range(heads):
+            want = reference(q[r, h].float(), k_pool[keys, h // 3].float(), v_pool[keys, h // 3].float(), 0.125, softcap)
+            assert torch.allclose(together[r, h].float(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(run([5, 3, 0]), together[[5, 3, 0]]), "in another order and company"
+
+
+def test_without_cpp_the_row_by_row_kernels_serve(monkeypatch, caplog):
+    monkeypatch.setenv("RADIXSERVE_NATIVE", "0")
+    assert invariant_ops(default_cache_dir()).name == "torch-row-by-row"
+    assert "RADIXSERVE_NATIVE=0" in caplog.text
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

@@ -147,7 +147,7 @@ def test_shapes_that_fill_no_tile_evenly(odd_model):
 
 def test_a_failing_compiler_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails: a new build key, and the build fails
-    with pytest.raises(NativeUnavailable, match="compiling decode.cpp failed"):
+    with pytest.raises(NativeUnavailable, match="compiling decode.cpp with false failed"):
         cpu_native.build(tmp_path)
     assert not list(tmp_path.glob("*.so")), "no half-written library is left for the next start to load"
 
