@@ -75,7 +75,8 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
                                           "dtype": args.dtype,
                                           "device": args.device, "attention": runner.attn.name,
                                           "deterministic": args.deterministic, "quantization": args.quantization,
-                                          "decode_kernel": runner.decode_kernel, "kv_heads": runner.num_kv_heads,
+                                          "decode_kernel": runner.decode_kernel, "decode_refused": runner.decode_refused,
+                                          "kv_heads": runner.num_kv_heads,
                                           "kv_pool_bytes": runner.kv.nbytes}
 
 

@@ -14,6 +14,7 @@ library (an AVX-512 build on an AVX2 machine dies with SIGILL). Two switches, re
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -88,5 +89,6 @@ def build_library(source: Path, flags: tuple[str, ...], cache_dir: Path, stem: s
     except OSError as exc:  # an unwritable cache folder, a full disk
         raise NativeUnavailable(f"cannot build {source.name} into {cache_dir}: {exc}") from exc
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # nothing half-written is left for the next start to load
+            tmp.unlink(missing_ok=True)
     return out

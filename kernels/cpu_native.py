@@ -70,6 +70,8 @@ def cpu_features() -> set[str]:
 
 def unavailable_reason(dtype: str) -> str | None:
     """Why the native decode step cannot run this model here, or None. Cheap: nothing is built (no torch)."""
+    if native_disabled():
+        return native_disabled()
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"it is written for x86-64 Linux, not {platform.system()} {platform.machine()}"
     if dtype not in NATIVE_DTYPES:
@@ -81,7 +83,7 @@ def unavailable_reason(dtype: str) -> str | None:
         compiler()
     except NativeUnavailable as exc:
         return str(exc)
-    return native_disabled()
+    return None
 
 
 def build(cache_dir: Path) -> Path:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels.bounds import check_indices, check_ranges
 from radixserve.kernels.cpp_build import NativeUnavailable, build_library
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,11 @@ class CppInvariant:
 
     def attention(self, q, k_pool, v_pool, slots, first, length, scale, softcap):
         rows, heads, d = q.shape
+        check_indices("context slots", slots, k_pool.shape[0])
+        check_ranges("row contexts", first, length, len(slots), rows)
+        if heads % k_pool.shape[1] or k_pool.shape[2] != d or v_pool.shape != k_pool.shape:
+            raise ValueError(f"invariant attention: {heads} heads of {d} over pools {tuple(k_pool.shape)}, "
+                             f"{tuple(v_pool.shape)}")
         q = q.to(k_pool.dtype).contiguous()
         out = torch.empty(rows, heads, d, dtype=torch.float32)
         self.lib.rsi_attention(k_pool.dtype == torch.bfloat16, rows, heads, k_pool.shape[1], d, q.data_ptr(),

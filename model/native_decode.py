@@ -24,6 +24,7 @@ from torch import nn
 
 from radixserve.kernels import cpu_native as native
 from radixserve.kernels.base import AttentionBatch
+from radixserve.kernels.bounds import check_indices, check_ranges
 from radixserve.kernels.cpu_quant import QuantLinear
 from radixserve.model.forward_batch import ForwardBatch, KVPool
 from radixserve.model.causal_lm import CausalLM
@@ -202,10 +203,14 @@ class NativeDecode:
         cos, sin = batch.cos.reshape(rows, -1).contiguous(), batch.sin.reshape(rows, -1).contiguous()
         starts, lens = torch.from_numpy(first), torch.from_numpy(length)
         slots, out_slot = batch.attn.slots.contiguous(), batch.attn.out_slots.contiguous()
-        # the kernel indexes the pool with these unchecked: a bad index fails this step, never corrupts memory
-        if len(slots) and not 0 <= int(slots.min()) <= int(slots.max()) < self.pool_slots:
-            raise ValueError(f"a slot index is outside the KV pool (0..{self.pool_slots - 1})")
         logit_row = batch.logit_rows.contiguous()
+        # the kernel indexes raw memory with these: a bad index fails this step, never corrupts memory
+        check_indices("context slots", slots, self.pool_slots)
+        check_indices("new K/V slots", out_slot, self.pool_slots)
+        check_ranges("row contexts", starts, lens, len(slots), rows)
+        check_indices("logit rows", logit_row, rows)
+        if out_slot.shape != (rows,) or cos.shape != (rows, self._head_dim) or sin.shape != cos.shape:
+            raise IndexError(f"{rows} rows with {tuple(out_slot.shape)} new slots and {tuple(cos.shape)} RoPE rows")
         logits = torch.empty(logit_rows, self.model.config.vocab_size, dtype=torch.float32)
         step = native.Step(rows=rows, logit_rows=logit_rows, shared=shared, h=h.data_ptr(), cos=cos.data_ptr(),
                            sin=sin.data_ptr(), out_slot=out_slot.data_ptr(), slots=slots.data_ptr(),

@@ -89,9 +89,11 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
                  attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
                  quantization: str | None = None, source: Path | None = None, decode_kernel: str = "eager",
-                 max_batch: int = 1, tp: TPGroup = SINGLE, context_length: int | None = None) -> None:
+                 max_batch: int = 1, tp: TPGroup = SINGLE, context_length: int | None = None,
+                 decode_fallback: tuple[str, ...] = ()) -> None:
         """``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
-        choose their factor set from it (ModelConfig.rope_inv_freq)."""
+        choose their factor set from it (ModelConfig.rope_inv_freq). ``decode_fallback``: the decode kernels to
+        try in turn when ``decode_kernel`` cannot load here (empty: that fails the start)."""
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         elif deterministic:
@@ -106,17 +108,20 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.kv = KVPool(cfg.num_layers, num_slots + 1, self.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.native: NativeDecode | None = None
+        self.compiled: CompiledDecode | None = None
+        self.decode_refused: dict[str, str] = {}  # kernel -> why it did not load (auto then took the next one)
+        kernels = [decode_kernel, *decode_fallback]
         self.native_build_seconds = 0.0  # building (first start) or loading the native step
-        if decode_kernel == "native":  # packs its own copy of the weights, from the plain ones: before pack()
+        if kernels[0] == "native":  # packs its own copy of the weights, from the plain ones: before pack()
             native_start = time.perf_counter()
             try:
                 self.native = NativeDecode(self.model, self.kv, self.dtype, default_cache_dir())
             except NativeUnavailable as exc:
-                raise RuntimeError(f"the native decode step cannot run here ({exc}); start with --decode-kernel "
-                                   "compiled or eager") from exc
+                self._refused(kernels, exc, "start with --decode-kernel compiled or eager")
             self.native_build_seconds = time.perf_counter() - native_start
-            log.info("native decode step ready in %.1fs (%s)", self.native_build_seconds,
-                     "AMX tiles" if self.native.amx else "AVX-512")
+            if self.native is not None:
+                log.info("native decode step ready in %.1fs (%s)", self.native_build_seconds,
+                         "AMX tiles" if self.native.amx else "AVX-512")
         if not deterministic:  # --deterministic computes every linear layer itself (below)
             pack(self.model)
         positions = cfg.max_position_embeddings
@@ -135,18 +140,31 @@ class ModelRunner:
         log.info("model loaded in %.1fs (%s, %s%s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, f", rank {tp.rank} of {tp.size}" if tp.size > 1 else "", num_slots,
                  self.kv.nbytes / 2**20)
-        self.compiled: CompiledDecode | None = None
-        if decode_kernel == "compiled":
-            self.compiled = CompiledDecode(self.model, self.kv, self.rope, cache_root() / "inductor", self.local_rope)
-            seconds = self.compiled.warm_up(self.attn, self.dtype, self.device, self._group, max_batch)
-            log.info("decode compiled in %.1fs (a layer per graph; cached in %s)", seconds,
-                     os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        if kernels[0] == "compiled":
+            try:
+                self.compiled = CompiledDecode(self.model, self.kv, self.rope, cache_root() / "inductor",
+                                               self.local_rope)
+                seconds = self.compiled.warm_up(self.attn, self.dtype, self.device, self._group, max_batch)
+                log.info("decode compiled in %.1fs (a layer per graph; cached in %s)", seconds,
+                         os.environ["TORCHINDUCTOR_CACHE_DIR"])
+            except Exception as exc:  # torch.compile fails in many ways (no compiler, an inductor bug)
+                self.compiled = None
+                self._refused(kernels, exc, "start with --decode-kernel eager")
         if deterministic:
             from radixserve.model.determinism import check_batch_invariance
 
             start = time.perf_counter()
             check_batch_invariance(self.logits, cfg.vocab_size, num_slots)
             log.info("deterministic: batch invariance checked on this machine in %.1fs", time.perf_counter() - start)
+
+    def _refused(self, kernels: list[str], exc: Exception, advice: str) -> None:
+        """``kernels[0]`` cannot load: the next one serves (logged with the reason), or, with none left (the
+        kernel was asked for by name), the start fails."""
+        if len(kernels) == 1:
+            raise RuntimeError(f"the {kernels[0]} decode kernel cannot run here ({exc}); {advice}") from exc
+        self.decode_refused[kernels[0]] = f"{type(exc).__name__}: {exc}"
+        log.warning("the %s decode kernel cannot run here (%s); serving with %s instead", kernels[0], exc, kernels[1])
+        kernels.pop(0)
 
     @classmethod
     def from_args(cls, cfg: ModelConfig, path: Path, args, source: Path | None = None,
@@ -157,7 +175,7 @@ class ModelRunner:
                    attention_backend=args.attention_backend, num_threads=args.num_threads,
                    deterministic=args.deterministic, quantization=args.quantization, source=source,
                    decode_kernel=args.decode_kernel, max_batch=args.max_running_requests, tp=tp,
-                   context_length=args.context_length)
+                   context_length=args.context_length, decode_fallback=args.decode_fallback)
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:

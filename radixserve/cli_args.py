@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from radixserve.errors import did_you_mean
-from radixserve.server_args import CHOICES, DTYPE_ALIASES, ServerArgs
+from radixserve.server_args import CHOICES, DTYPE_ALIASES, RESOLVED, ServerArgs
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "model and tokenizer": ("model_path", "revision", "tokenizer_path", "chat_template", "trust_remote_code",
@@ -172,7 +172,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerArgs field, in GROUPS' sections (a field in none lands in "other")."""
     hints = typing.get_type_hints(ServerArgs)
     placed = {name for names in GROUPS.values() for name in names}
-    by_name = {f.name: f for f in fields(ServerArgs)}
+    by_name = {f.name: f for f in fields(ServerArgs) if f.name not in RESOLVED}
     sections = {**GROUPS, "other": tuple(n for n in by_name if n not in placed)}
     policies = _policy_names()
     for title, names in sections.items():
@@ -202,7 +202,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def from_cli(namespace: argparse.Namespace) -> ServerArgs:
-    return ServerArgs(**{f.name: getattr(namespace, f.name) for f in fields(ServerArgs)})
+    return ServerArgs(**{f.name: getattr(namespace, f.name) for f in fields(ServerArgs) if f.name not in RESOLVED})
 
 
 def server_parser(prog: str = "radixserve serve") -> ArgParser:

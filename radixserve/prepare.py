@@ -63,7 +63,8 @@ def prepare(args: ServerArgs) -> Prepared:
     if args.decode_kernel == "native" and model.native_refusal:  # what this machine allows, this model may not
         if requested == "native":
             raise ValueError(f"--decode-kernel native: {model.native_refusal}; use --decode-kernel compiled or eager")
-        args = dataclasses.replace(args, decode_kernel="compiled")
+        fallback = args.decode_fallback
+        args = dataclasses.replace(args, decode_kernel=fallback[0], decode_fallback=fallback[1:])
     load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
     if args.dp > 1:
         from radixserve.actors.router.policies import load_routing_policy

@@ -11,6 +11,7 @@ from radixserve.errors import did_you_mean
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 # the closed sets: the CLI lists them (argparse choices), __post_init__ checks them (aliases are normalised first)
+RESOLVED = ("decode_fallback",)  # fields resolved() sets: no flag of their own
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "kv_cache_dtype": (*DTYPES, "fp8_e5m2", "fp8_e4m3"),
@@ -74,6 +75,9 @@ class ServerArgs:
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
     quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
     decode_kernel: str = "auto"  # auto | native | compiled | eager: how CPU decode steps run (see _decode_kernel)
+    # set by resolved(), never a flag: the kernels auto tries in turn if decode_kernel cannot load here (a build
+    # that fails, a shape the native step refuses, no compiler for torch.compile); () -- asked for by name -- fails
+    decode_fallback: tuple[str, ...] = ()
     disable_compile: bool = False  # eager decode: the same as --decode-kernel eager
     mem_fraction_static: float | None = None  # CUDA: share of the GPU's memory for weights + KV pool (0.85)
     check_invariants: bool = False  # check pool accounting after every step (tests, debugging)
@@ -242,7 +246,8 @@ class ServerArgs:
             # not forced up to the context: a long-context model on a small machine gets a smaller pool (requests
             # that cannot fit are refused with a message naming --max-total-tokens) instead of running out of RAM
             total = max(256, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
-        kernel = self._decode_kernel(dtype, device)
+        chain = self._decode_kernels(dtype, device)
+        kernel = chain[0]
         backend = self.dist_backend if self.dist_backend != "auto" else "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl" and not device.startswith("cuda"):
             raise ValueError("--dist-backend nccl needs CUDA devices; on the CPU use gloo")
@@ -251,13 +256,17 @@ class ServerArgs:
                              "use nccl on CUDA")
         return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=dtype, context_length=context,
                                    max_total_tokens=total, device=device, decode_kernel=kernel,
+                                   decode_fallback=chain[1:] if self.decode_kernel == "auto" else (),
                                    disable_compile=kernel == "eager", dist_backend=backend)
 
-    def _decode_kernel(self, dtype: str, device: str) -> str:
-        """native (the C++ decode step) where this CPU, compiler, dtype and weights allow it, else compiled
-        (torch.compile'd layers); eager where either would change what is promised (--deterministic's probed
-        kernels), on CUDA, with --disable-compile, and under RADIXSERVE_DISABLE_COMPILE=1 (whole test runs)."""
-        from radixserve.kernels.cpu_native import unavailable_reason  # no torch: the scheduler resolves args too
+    def _decode_kernels(self, dtype: str, device: str) -> tuple[str, ...]:
+        """The kernel to serve decode steps with, then what auto falls back to if it cannot load (ModelRunner):
+        native (the C++ decode step) where this CPU, compiler, dtype and weights allow it, then compiled
+        (torch.compile'd layers, which need a C++ compiler too), then eager; eager alone where the others would
+        change what is promised (--deterministic's own kernels), on CUDA, with --disable-compile, and under
+        RADIXSERVE_DISABLE_COMPILE=1 (whole test runs)."""
+        from radixserve.kernels.cpp_build import NativeUnavailable, compiler  # no torch: the scheduler resolves too
+        from radixserve.kernels.cpu_native import unavailable_reason
 
         if (self.disable_compile or self.deterministic or device != "cpu" or self.tp > 1
                 or os.environ.get("RADIXSERVE_DISABLE_COMPILE") == "1"):
@@ -266,13 +275,18 @@ class ServerArgs:
                                  if device != "cpu" else f"--decode-kernel {self.decode_kernel} runs one whole step "
                                  "on one rank; with --tp > 1 decode steps run eagerly" if self.tp > 1 else
                                  f"--decode-kernel {self.decode_kernel} is off here (RADIXSERVE_DISABLE_COMPILE=1)")
-            return "eager"
+            return ("eager",)
         why = unavailable_reason(dtype)
         if self.decode_kernel == "native" and why:
             raise ValueError(f"--decode-kernel native: {why}")
-        if self.decode_kernel == "auto":
-            return "compiled" if why else "native"
-        return self.decode_kernel
+        if self.decode_kernel != "auto":
+            return (self.decode_kernel,)
+        try:
+            compiler()
+            compiles = ("compiled",)
+        except NativeUnavailable:
+            compiles = ()
+        return (*(() if why else ("native",)), *compiles, "eager")
 
 
 def gpu_pool_tokens(fraction: float, weight_bytes: int, kv_bytes_per_token: int) -> int:

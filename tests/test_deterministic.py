@@ -157,7 +157,9 @@ def test_windows_and_softcaps_are_batch_invariant(kind, arch_models):
         assert [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)] == alone
 
 
-def test_the_start_up_check_refuses_kernels_that_are_not_invariant(tiny_models):
+def test_the_start_up_check_passes_the_invariant_model_and_refuses_one_that_is_not(tiny_models):
+    """The guard: the invariant model passes it (at start-up, and again here); the same model with the last bit of
+    a logit depending on the batch's size (what a batch-dependent kernel does) is refused, on any machine."""
     from radixserve.model.config import ModelConfig
     from radixserve.model.determinism import check_batch_invariance
     from radixserve.model.loader import load_configs
@@ -165,9 +167,16 @@ def test_the_start_up_check_refuses_kernels_that_are_not_invariant(tiny_models):
 
     path = tiny_models["llama"]
     cfg = ModelConfig.from_hf(*load_configs(path))
-    default = ModelRunner(cfg, path, dtype="bfloat16", num_slots=600)  # the fast path: SDPA, shared-prefix decode
+    runner = ModelRunner(cfg, path, dtype="float32", num_slots=600, deterministic=True)
+    slots = 600
+    check_batch_invariance(runner.logits, cfg.vocab_size, slots)
+
+    def batch_dependent(plan):
+        logits = runner.logits(plan)
+        return torch.nextafter(logits, torch.full_like(logits, float("inf"))) if len(plan.extend_lens) > 1 else logits
+
     with pytest.raises(RuntimeError, match="not batch-invariant"):
-        check_batch_invariance(default.logits, cfg.vocab_size, 600)
+        check_batch_invariance(batch_dependent, cfg.vocab_size, slots)
 
 
 @pytest.mark.slow

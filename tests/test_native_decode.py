@@ -286,9 +286,21 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
             torch.testing.assert_close(out[m].double(), want, rtol=tol, atol=tol)
 
 
-def test_a_slot_outside_the_pool_fails_the_step_not_the_process(tiny_models):
-    """The kernel indexes the pool unchecked, so the Python side refuses a plan whose slots leave it: that step
-    fails (the scheduler fails its requests), the runner goes on."""
+def _corrupt(batch, what: str, pool: int) -> None:
+    if what == "context slot":
+        batch.attn.slots[0] = pool  # one past the pool
+    elif what == "new slot":
+        batch.attn.out_slots[0] = -1
+    elif what == "logit row":
+        batch.logit_rows = batch.logit_rows + len(batch.input_ids)
+    else:  # a context longer than the slots given: its range leaves the slot array
+        batch.attn.slots = batch.attn.slots[:-1]
+
+
+@pytest.mark.parametrize("what", ["context slot", "new slot", "logit row", "context range"])
+def test_an_index_outside_its_buffer_fails_the_step_not_the_process(tiny_models, what):
+    """The kernel indexes raw memory with the step's indices, so the Python side checks every one against its
+    buffer first: a plan with one outside fails that step (the scheduler fails its requests), the runner goes on."""
     engine = _engine(tiny_models["llama"], "float32")
     runner, sched = engine.runner, engine.scheduler
     sched.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
@@ -298,8 +310,8 @@ def test_a_slot_outside_the_pool_fails_the_step_not_the_process(tiny_models):
     with torch.inference_mode():
         batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
                                        runner._group, runner.table, prepare_attention=False)
-        batch.attn.slots[0] = runner.kv.k.shape[1]  # one past the pool
-        with pytest.raises(ValueError, match="outside the KV pool"):
+        _corrupt(batch, what, runner.kv.k.shape[1])
+        with pytest.raises(IndexError, match="outside|reaches outside"):
             runner.native(batch)
     sched.process(runner.forward(plan))  # the real step still runs
     while sched.has_work:

@@ -9,11 +9,11 @@
 //   softmax over keys: max (exact), e_j = exp(s_j - max) with the exp below, sum e_j in the 16 lanes as above,
 //                      out[d] = sum_j e_j v_j[d] in increasing j, divided by the sum at the end
 //
-// The lanes are an array in the source, not a vector register, so an AVX2 build (8 floats a register), an
-// AVX-512 one (16) and a NEON one (4) compute the same sums. Tiles of rows x columns only decide which products
-// run together; each element's own sequence of operations is the one above. madd is a fused multiply-add where
-// the target has one in hardware (__FP_FAST_FMAF) and a product then a sum elsewhere -- the same for every
-// element of one build -- and -ffp-contract=off keeps the compiler from fusing anything else.
+// The 16 lanes are a vector of the language (GCC/Clang vector extensions), not of the machine, so an AVX2 build
+// (two 8-float registers a vector), an AVX-512 one (one) and a NEON one (four) compute the same sums. Tiles of
+// rows x columns only decide which products run together; each element's own sequence of operations is the one
+// above. A multiply-add is a product, then a sum (-ffp-contract=off: never fused), so even machines with and
+// without FMA units round alike.
 //
 // Threads split rows, columns and (row, head) pairs, never a reduction, so the thread count changes nothing.
 #include <omp.h>
@@ -28,6 +28,9 @@ namespace {
 
 using bf16 = uint16_t;
 constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 
 inline float to_f(float v) { return v; }
 inline float to_f(bf16 v) {
@@ -37,15 +40,18 @@ inline float to_f(bf16 v) {
   return f;
 }
 
-inline float madd(float a, float b, float c) {
-#if defined(__FP_FAST_FMAF)
-  return __builtin_fmaf(a, b, c);
-#else
-  return a * b + c;
-#endif
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load(const bf16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);  // bf16 is float32's upper half
 }
 
-inline float lane_sum(const float* acc) {  // the fixed pairwise tree over the 16 lanes
+inline float lane_sum(vf acc) {  // the fixed pairwise tree over the 16 lanes
   float t[8];
   for (int i = 0; i < 8; ++i) t[i] = acc[i] + acc[i + 8];
   for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
@@ -72,50 +78,38 @@ inline float exp_f(float x) {
   return p * scale;
 }
 
-template <class TA, class TB>
-float dot(const TA* a, const TB* b, int64_t k) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= k; i += kLanes) {
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) acc[l] = madd(to_f(a[i + l]), to_f(b[i + l]), acc[l]);
-  }
-  for (int l = 0; i + l < k; ++l) acc[l] = madd(to_f(a[i + l]), to_f(b[i + l]), acc[l]);
-  return lane_sum(acc);
-}
-
-// One MR x NR tile of y = x W^T: every element is dot(x row, W row) as above, just interleaved with its neighbours'.
+// One MR x NR tile of y = x W^T: element (r, c) is the dot of x row r and W row c as described at the top, its
+// lanes interleaved with its neighbours' (MR = NR = 1: one element, the same operations).
 template <int MR, int NR, class TX, class TW>
-void tile(const TX* x, int64_t ldx, const TW* w, int64_t k, float* y, int64_t ldy, const float* bias) {
-  float acc[MR][NR][kLanes] = {};
+void tile(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t k, float* y, int64_t ldy,
+          const float* bias) {
+  vf acc[MR][NR] = {};
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) {
-    float xv[MR][kLanes], wv[NR][kLanes];
-    for (int r = 0; r < MR; ++r) {
-#pragma omp simd
-      for (int l = 0; l < kLanes; ++l) xv[r][l] = to_f(x[r * ldx + i + l]);
-    }
-    for (int c = 0; c < NR; ++c) {
-#pragma omp simd
-      for (int l = 0; l < kLanes; ++l) wv[c][l] = to_f(w[c * k + i + l]);
-    }
+    vf xv[MR], wv[NR];
+    for (int r = 0; r < MR; ++r) xv[r] = load(x + r * ldx + i);
+    for (int c = 0; c < NR; ++c) wv[c] = load(w + c * ldw + i);
     for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) {
-#pragma omp simd
-        for (int l = 0; l < kLanes; ++l) acc[r][c][l] = madd(xv[r][l], wv[c][l], acc[r][c][l]);
-      }
+      for (int c = 0; c < NR; ++c) acc[r][c] = xv[r] * wv[c] + acc[r][c];
   }
-  for (int l = 0; i + l < k; ++l)
+  for (int l = 0; i + l < k; ++l)  // the tail: lanes 0.. of one more round
     for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) acc[r][c][l] = madd(to_f(x[r * ldx + i + l]), to_f(w[c * k + i + l]), acc[r][c][l]);
+      for (int c = 0; c < NR; ++c) acc[r][c][l] = to_f(x[r * ldx + i + l]) * to_f(w[c * ldw + i + l]) + acc[r][c][l];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) y[r * ldy + c] = lane_sum(acc[r][c]) + (bias ? bias[c] : 0.0f);
 }
 
+template <class TA, class TB>
+float dot(const TA* a, const TB* b, int64_t k) {
+  float out;
+  tile<1, 1>(a, 0, b, 0, k, &out, 0, nullptr);
+  return out;
+}
+
 #if defined(__AVX512F__)
-constexpr int kMR = 4, kNR = 4;  // 16 accumulators of 16 floats: the 32 vector registers hold them
+constexpr int kMR = 4, kNR = 4;  // 16 accumulators: the 32 vector registers hold them and the operands
 #else
-constexpr int kMR = 2, kNR = 4;
+constexpr int kMR = 2, kNR = 2;  // AVX2 / NEON: a vector takes 2 / 4 registers of 16 / 32
 #endif
 constexpr int64_t kRowChunk = 64, kColChunk = 64;  // a unit of work: its x rows and W rows stay in cache
 
@@ -133,11 +127,11 @@ void linear(int64_t m, int64_t k, int64_t n, const TX* x, const TW* w, const flo
         const TX* xr = x + r * k;
         float* yr = y + r * n + c;
         if (full_cols && r + kMR <= m1) {
-          tile<kMR, kNR>(xr, k, w + c * k, k, yr, n, b);
+          tile<kMR, kNR>(xr, k, w + c * k, k, k, yr, n, b);
         } else {  // edges: a row or a column at a time, each element the same dot
           for (int64_t rr = r; rr < std::min(m1, r + kMR); ++rr)
             for (int64_t cc = c; cc < std::min(n1, c + kNR); ++cc)
-              tile<1, 1>(x + rr * k, k, w + cc * k, k, y + rr * n + cc, n, bias ? bias + cc : nullptr);
+              tile<1, 1>(x + rr * k, k, w + cc * k, k, k, y + rr * n + cc, n, bias ? bias + cc : nullptr);
         }
       }
     }
@@ -175,12 +169,11 @@ void attention(int64_t rows, int32_t heads, int32_t kv_heads, int32_t d, const T
         const T* vj = v_pool + (ctx[j] * kv_heads + kh) * d;
         const float p = s[j];
 #pragma omp simd
-        for (int i = 0; i < d; ++i) o[i] = madd(p, to_f(vj[i]), o[i]);
+        for (int i = 0; i < d; ++i) o[i] = p * to_f(vj[i]) + o[i];
       }
-      float lanes[kLanes] = {};
+      vf lanes = {};
       int64_t j = 0;
-      for (; j + kLanes <= n; j += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] += s[j + l];
+      for (; j + kLanes <= n; j += kLanes) lanes += load(s.data() + j);
       for (int l = 0; j + l < n; ++l) lanes[l] += s[j + l];
       const float total = lane_sum(lanes);
       float* dst = out + (row * heads + h) * d;

@@ -1,6 +1,7 @@
 // The native decode step's C ABI: plain structures of pointers into tensors that Python owns, mirrored field for
 // field by the ctypes structures in kernels/cpu_native.py (its ABI_VERSION and rs_abi_version change together),
-// and the bounds both sides check.
+// and the bounds. The kernel trusts every index it is given: Python checks each against its buffer before the
+// call (model/native_decode.py, kernels/bounds.py), and rs_check the model's shapes once.
 #pragma once
 
 #include <cstdint>
