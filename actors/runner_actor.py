@@ -14,6 +14,7 @@ from typing import Any
 
 from radixserve.actors.messages import RunnerInbox
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
+from radixserve.cpu_budget import read_budget, wait_policy
 
 
 def rank_name(rank: int) -> str:
@@ -48,6 +49,8 @@ def seed_sampling(seed: int | None) -> None:
 def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, dict[str, Any]]:
     import dataclasses
 
+    import torch
+
     from radixserve.model.config import ModelConfig
     from radixserve.model.loader import load_configs
     from radixserve.model.parallel import init_group
@@ -55,11 +58,9 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
 
     args = spec.server_args
     local = len(args.ranks_here) * args.dp
-    if args.num_threads is None and local > 1:  # this node's cores, shared by its ranks (of every replica)
-        args = dataclasses.replace(args, num_threads=max(1, len(os.sched_getaffinity(0)) // local))
+    if args.num_threads is None:  # this node's CPUs, shared by its ranks (of every replica) and the other actors
+        args = dataclasses.replace(args, num_threads=read_budget().threads(local, actors_beside=True))
     if args.device.startswith("cuda") and args.tp > 1:  # a GPU of its own: this node's ranks take GPUs 0, 1, ..
-        import torch
-
         index = rank - args.ranks_here.start
         torch.cuda.set_device(index)
         args = dataclasses.replace(args, device=f"cuda:{index}")
@@ -71,6 +72,7 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp)
     seed_sampling(args.random_seed)
     return RunnerActor(runner, channel, spec.named("scheduler")), {
+                                          "threads": torch.get_num_threads(), "omp_wait": wait_policy(os.environ),
                                           "rank": rank, "node": args.node_rank, "replica": spec.replica or 0,
                                           "dtype": args.dtype,
                                           "device": args.device, "attention": runner.attn.name,

@@ -4,7 +4,7 @@ results.json. See benchmarks/README.md.
 
     python benchmarks/bench.py [--quick] [--out benchmarks/results] [--tp N]
                                [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant,
-                                       compile,peer,radix,tp,dp]
+                                       compile,peer,radix,tp,dp,shadow,sharedcpu]
 
 ``--only`` reruns some stages and keeps the other stages' results from the last run's results.json (the report
 lists when each stage was measured).
@@ -27,6 +27,7 @@ import cpu_peer  # noqa: E402
 import deterministic_cost  # noqa: E402
 import dp_cost  # noqa: E402
 import shadow_cost  # noqa: E402
+import shared_cpu  # noqa: E402
 import grammar_cost  # noqa: E402
 import llama_cpp  # noqa: E402
 import machine  # noqa: E402
@@ -44,12 +45,12 @@ from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant", "compile",
-          "peer", "radix", "tp", "dp", "shadow")
+          "peer", "radix", "tp", "dp", "shadow", "sharedcpu")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
               "deterministic": ("deterministic",), "grammar": ("grammar",), "quant": ("quant",),
               "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",), "dp": ("dp",),
-              "shadow": ("shadow",)}
+              "shadow": ("shadow",), "sharedcpu": ()}  # sharedcpu: its own committed file (shared_cpu.RESULTS)
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -82,7 +83,7 @@ def main() -> None:
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
-    bar = tqdm(total=12, desc="bench", unit="stage")
+    bar = tqdm(total=14, desc="bench", unit="stage")
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
         llama = start_llama_cpp(files.path) if only & {"shared", "multiturn"} else None
@@ -169,6 +170,9 @@ def main() -> None:
     bar.update()
     if "shadow" in only:
         res["shadow"] = shadow_cost.measure(q, args.model_path)
+    bar.update()
+    if "sharedcpu" in only:  # a run of its own, whatever the others' results: the report reads it from its file
+        shared_cpu.save(shared_cpu.measure(q, args.model_path), out)
     bar.update()
     bar.close()
     res = keep_other_stages(res, only, out / "results.json")

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import matplotlib
 
+import shared_cpu
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -241,6 +243,9 @@ def write(res: dict, out: Path) -> None:
         L += dp_section(res["dp"], targets, out)
     if "shadow" in res:
         L += shadow_section(res["shadow"], targets, out)
+    shared = shared_cpu.load(out)  # the stage's committed results file, not results.json
+    if shared is not None:
+        L += shared_cpu.section(shared, targets, check)
     if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
         L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]

@@ -94,8 +94,13 @@ class ModelRunner:
         """``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
         choose their factor set from it (ModelConfig.rope_inv_freq). ``decode_fallback``: the decode kernels to
         try in turn when ``decode_kernel`` cannot load here (empty: that fails the start)."""
-        if device == "cpu":
-            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        if device == "cpu":  # default: the CPUs this process may use (affinity and cgroup quota)
+            from radixserve.cpu_budget import read_budget, wait_policy
+
+            budget = read_budget()
+            torch.set_num_threads(num_threads or budget.threads())
+            log.info("%d torch threads (%s); OpenMP threads wait by %s", torch.get_num_threads(), budget.describe(),
+                     wait_policy(os.environ))
         elif deterministic:
             raise ValueError("--deterministic is implemented for the CPU only; run without it on CUDA")
         self.cfg = cfg

@@ -1,0 +1,153 @@
+"""How many CPUs this process may use, and how the runner's OpenMP threads wait for each other (torch-free).
+
+Two rules keep decode from collapsing when the CPU is shared (with radixserve's own actors or with a neighbour):
+
+- **Threads from the CPUs we may use**: the affinity mask (``taskset``, a cpuset) and the cgroup's CPU quota
+  (a container's ``--cpus``: cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``), the smaller of
+  the two, rounded down. On a large machine one CPU is left to the actors beside the runner.
+- **Threads that yield**: the native decode step's threads meet at a barrier after every phase of every layer.
+  libgomp's default spins ~300,000 iterations (milliseconds) there before sleeping, so a thread whose partner was
+  preempted burns the core that partner needs; with one busy neighbour on 2 cores one-stream decode fell from ~85 to
+  a few tokens/s. ``OMP_WAIT_POLICY=PASSIVE`` makes a waiting thread sleep at once. libgomp reads it once, when it
+  is loaded (when torch is imported), so it is put into the environment before that, in each actor's entry and in
+  the Engine; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+
+    budget = read_budget()
+    budget.threads(ranks=1, actors_beside=True)  # what the runner of a one-rank server takes
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+WAIT_POLICY = ("OMP_WAIT_POLICY", "PASSIVE")
+USER_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one means the user chose how threads wait
+RESERVE_FROM = 8  # CPUs from which one is left to the api, tokenizer and scheduler beside the runner
+
+
+@dataclass(frozen=True, slots=True)
+class CpuBudget:
+    """The CPUs this process may use: ``affinity`` CPUs in its mask, at most ``quota`` CPUs' worth of time
+    (None: no cgroup limit)."""
+
+    affinity: int
+    quota: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.affinity < 1:
+            raise ValueError(f"affinity={self.affinity}: a process runs on at least one CPU")
+        if self.quota is not None and not self.quota > 0:
+            raise ValueError(f"quota={self.quota}: a cgroup CPU quota is a positive number of CPUs")
+
+    @property
+    def cpus(self) -> int:
+        """Whole CPUs to plan for. Rounded down: threads that meet at barriers all wait once the quota throttles
+        one of them, for the rest of the period (up to 100 ms), so 2 threads on 1.5 CPUs lose to 1."""
+        if self.quota is None:
+            return self.affinity
+        return max(1, min(self.affinity, math.floor(self.quota)))
+
+    def threads(self, ranks: int = 1, actors_beside: bool = False) -> int:
+        """torch threads for each of ``ranks`` runner ranks sharing these CPUs. ``actors_beside``: the server's api,
+        tokenizer and scheduler run on them too; on RESERVE_FROM CPUs or more one is theirs (below that, taking one
+        of 2-4 cores from decode would cost more than the actors' short turns between steps)."""
+        if ranks < 1:
+            raise ValueError(f"ranks={ranks} must be >= 1")
+        cpus = self.cpus - (1 if actors_beside and self.cpus >= RESERVE_FROM else 0)
+        return max(1, cpus // ranks)
+
+    def describe(self) -> str:
+        quota = "no cgroup CPU quota" if self.quota is None else f"cgroup CPU quota {self.quota:g}"
+        return f"{self.affinity} CPUs in the affinity mask, {quota}"
+
+
+def read_budget(proc_self: Path = Path("/proc/self"), cgroup_root: Path = Path("/sys/fs/cgroup"),
+                affinity: int | None = None) -> CpuBudget:
+    """This process's budget (the paths and the affinity are parameters for tests)."""
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0))
+    return CpuBudget(affinity, cgroup_quota(proc_self, cgroup_root))
+
+
+def cgroup_quota(proc_self: Path = Path("/proc/self"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU limit of this process's cgroup in CPUs (the tightest along its path up to the mount's root), or
+    None without one. v2 where the unified hierarchy has the cpu controller, else v1's cpu controller; a cgroup
+    file that cannot be read or parsed counts as no limit (never an error: the runner must start)."""
+    try:
+        lines = (proc_self / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    v2: str | None = None
+    v1: tuple[str, str] | None = None  # (controllers' mount name, path)
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "cpu" in controllers.split(","):
+            v1 = (controllers, path)
+    if v2 is not None and (cgroup_root / "cgroup.controllers").exists():
+        found = _tightest(cgroup_root, v2, _read_cpu_max)
+        if found is not None or v1 is None:
+            return found
+    if v1 is not None:
+        controllers, path = v1
+        for mount in (cgroup_root / controllers, cgroup_root / "cpu,cpuacct", cgroup_root / "cpu"):
+            if mount.is_dir():
+                return _tightest(mount, path, _read_cfs)
+    return None
+
+
+def _tightest(mount: Path, path: str, read: Callable[[Path], float | None]) -> float | None:
+    """The smallest limit ``read`` finds in the cgroup at ``path`` under ``mount`` and its ancestors. A container
+    often sees its own cgroup as the mount's root while /proc/self/cgroup names a host path: the levels that do
+    not exist here are skipped, and the root is read last."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    limits = [read(mount.joinpath(*parts[:depth])) for depth in range(len(parts), -1, -1)]
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
+def _read_cpu_max(folder: Path) -> float | None:
+    """cgroup v2 ``cpu.max``: "max 100000" (no limit) or "150000 100000" (quota and period, microseconds)."""
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_cfs(folder: Path) -> float | None:
+    """cgroup v1 ``cpu.cfs_quota_us`` (-1: no limit) over ``cpu.cfs_period_us``."""
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def yielding_openmp(environ: MutableMapping[str, str], loaded: Mapping[str, object]) -> str | None:
+    """Make OpenMP threads sleep at barriers instead of spinning: puts OMP_WAIT_POLICY=PASSIVE into ``environ``
+    (os.environ) unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT. Call it before torch is imported in this
+    process; ``loaded`` is sys.modules. Returns a warning for the log when it comes too late (torch, and with it
+    libgomp, already loaded, so the setting will not take effect), else None."""
+    if any(name in environ for name in USER_WAIT_VARIABLES):
+        return None
+    name, value = WAIT_POLICY
+    environ[name] = value
+    if "torch" in loaded:
+        return (f"torch was imported before radixserve could set {name}={value}, so its OpenMP threads spin at "
+                "every barrier of the decode step; on a CPU shared with another busy process that can slow decode "
+                f"down 10-100x. Set {name}={value} in the environment before Python starts (or create the Engine "
+                "before importing torch)")
+    return None
+
+
+def wait_policy(environ: Mapping[str, str]) -> str:
+    """How this process's OpenMP threads were told to wait, for logs and /get_server_info."""
+    chosen = [f"{name}={environ[name]}" for name in USER_WAIT_VARIABLES if name in environ]
+    return ", ".join(chosen) or "libgomp's default (spin, then sleep)"
