@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("invariant") / "invariant.cpp"
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
-ABI_VERSION = 1
+ABI_VERSION = 2
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # what the C++ kernel computes (act_mul)
 TORCH_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -78,21 +78,21 @@ class CppInvariant:
         if self.lib.rsi_abi_version() != ABI_VERSION:
             raise NativeUnavailable(f"{SOURCE.name}: ABI {self.lib.rsi_abi_version()}, expected {ABI_VERSION}")
         i32, i64, f32, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-        self.lib.rsi_linear.argtypes = [i32, i32, i64, i64, i64, ptr, ptr, ptr, ptr]
+        self.lib.rsi_linear.argtypes = [i32, i64, i64, i64, ptr, ptr, ptr, ptr]
         self.lib.rsi_inv_rms.argtypes = [i64, i64, ptr, f32, ptr]
         self.lib.rsi_act_mul.argtypes = [i32, i64, ptr, ptr, ptr]
         self.lib.rsi_tanh.argtypes = [i64, ptr, ptr]
         self.lib.rsi_attention.argtypes = [i32, i64, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr]
 
     def linear(self, x, weight, bias):
-        x = _storage(x)
+        x = x.float().contiguous()  # exact: the kernel reads float32 activations
         m, k = x.shape
         n = weight.shape[0]
         if weight.shape[1] != k or not weight.is_contiguous() or weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"invariant linear: weight {tuple(weight.shape)} {weight.dtype} for input width {k}")
         y = torch.empty(m, n, dtype=torch.float32)
-        self.lib.rsi_linear(x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16, m, k, n, x.data_ptr(),
-                            weight.data_ptr(), _ptr(bias), y.data_ptr())
+        self.lib.rsi_linear(weight.dtype == torch.bfloat16, m, k, n, x.data_ptr(), weight.data_ptr(), _ptr(bias),
+                            y.data_ptr())
         return y
 
     def rms_normalize(self, x, eps):
@@ -126,13 +126,6 @@ class CppInvariant:
                                k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), first.data_ptr(),
                                length.data_ptr(), scale, softcap or 0.0, out.data_ptr())
         return out.to(q.dtype)
-
-
-def _storage(x: torch.Tensor) -> torch.Tensor:
-    """float32 or bf16, contiguous (what the C++ kernels read)."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
-    return x.contiguous()
 
 
 class RowByRow:
