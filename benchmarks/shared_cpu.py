@@ -145,7 +145,7 @@ def measure(quick: bool = False, model_path: str | None = None) -> dict:
         "Engine, before": lambda: EngineWorker(BEFORE_ENV, {**engine, "num_threads": int(cpus)}),
     }
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "idle_tokens": IDLE_TOKENS,
-           "busy_tokens": BUSY_TOKENS, "neighbour": " ".join(["python", *NEIGHBOUR[1:]]), "rounds": [],
+           "busy_tokens": BUSY_TOKENS, "neighbour": 'python -c "while True: pass"', "rounds": [],
            "systems": {}}
     systems = {}
     try:
@@ -219,6 +219,10 @@ def section(res: dict, targets: list[str], check) -> list[str]:
         vs = f"{row['idle_now_over_before']:.2f}" if "idle_now_over_before" in row else ""
         L.append(f"| {label} | {info['threads']} | {info['omp_wait']} | {row['idle_tok_s']:.1f} | "
                  f"{row['busy_tok_s']:.1f} | {row['busy_over_idle']:.2f} | {vs} |")
+    if m["load_average_at_start"] >= m["cpus_in_mask"]:
+        L += ["", "The machine was busy with other work throughout (load average at or above its CPUs), so 'before' "
+              "had collapsed even without the neighbour and 'idle now / before' says nothing about a quiet machine, "
+              "where sleeping at barriers costs a wake-up that spinning does not: run this again on a quiet one."]
     L += ["", "Every round (tok/s, idle / with neighbour; load average before the round):", ""]
     for i, r in enumerate(res["rounds"]):
         L.append(f"- round {i + 1} (load {r['load_average']:.1f}): " +
