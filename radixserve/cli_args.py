@@ -182,7 +182,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for name in names:
             f = by_name[name]
             flags = ["--" + name.replace("_", "-"), *ALIASES.get(name, [])]
-            default = f.default if f.default is not MISSING else None
+            default = f.default if f.default is not MISSING else \
+                f.default_factory() if f.default_factory is not MISSING else None
             text = HELP.get(name, "").format(**policies)
             kind, many = _scalar(hints[name])
             if kind is bool:

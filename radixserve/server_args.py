@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from radixserve.errors import did_you_mean
@@ -74,7 +74,8 @@ class ServerArgs:
     random_seed: int | None = None  # seeds the runner's unseeded sampling noise at start; None: a fresh seed
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
     quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
-    decode_kernel: str = "auto"  # auto | native | compiled | eager: how CPU decode steps run (see _decode_kernel)
+    # auto | native | compiled | eager: how CPU decode steps run (_decode_kernels); $RADIXSERVE_DECODE_KERNEL: default
+    decode_kernel: str = field(default_factory=lambda: os.environ.get("RADIXSERVE_DECODE_KERNEL", "auto"))
     # set by resolved(), never a flag: the kernels auto tries in turn if decode_kernel cannot load here (a build
     # that fails, a shape the native step refuses, no compiler for torch.compile); () -- asked for by name -- fails
     decode_fallback: tuple[str, ...] = ()
@@ -263,19 +264,21 @@ class ServerArgs:
         """The kernel to serve decode steps with, then what auto falls back to if it cannot load (ModelRunner):
         native (the C++ decode step) where this CPU, compiler, dtype and weights allow it, then compiled
         (torch.compile'd layers, which need a C++ compiler too), then eager; eager alone where the others would
-        change what is promised (--deterministic's own kernels), on CUDA, with --disable-compile, and under
-        RADIXSERVE_DISABLE_COMPILE=1 (whole test runs)."""
+        change what is promised (--deterministic's own kernels), on CUDA and with --disable-compile.
+        RADIXSERVE_DISABLE_COMPILE=1 (test runs: compiling costs seconds per start) takes compiled out of the chain."""
         from radixserve.kernels.cpp_build import NativeUnavailable, compiler  # no torch: the scheduler resolves too
         from radixserve.kernels.cpu_native import unavailable_reason
 
-        if (self.disable_compile or self.deterministic or device != "cpu" or self.tp > 1
-                or os.environ.get("RADIXSERVE_DISABLE_COMPILE") == "1"):
+        if self.disable_compile or self.deterministic or device != "cpu" or self.tp > 1:
             if self.decode_kernel not in ("auto", "eager"):
                 raise ValueError(f"--decode-kernel {self.decode_kernel} runs on the CPU only, not on {device}"
                                  if device != "cpu" else f"--decode-kernel {self.decode_kernel} runs one whole step "
                                  "on one rank; with --tp > 1 decode steps run eagerly" if self.tp > 1 else
-                                 f"--decode-kernel {self.decode_kernel} is off here (RADIXSERVE_DISABLE_COMPILE=1)")
+                                 f"--decode-kernel {self.decode_kernel} contradicts --disable-compile")
             return ("eager",)
+        no_compile = os.environ.get("RADIXSERVE_DISABLE_COMPILE") == "1"  # torch.compile off (test runs)
+        if no_compile and self.decode_kernel == "compiled":
+            raise ValueError("--decode-kernel compiled is off here (RADIXSERVE_DISABLE_COMPILE=1)")
         why = unavailable_reason(dtype)
         if self.decode_kernel == "native" and why:
             raise ValueError(f"--decode-kernel native: {why}")
@@ -283,7 +286,7 @@ class ServerArgs:
             return (self.decode_kernel,)
         try:
             compiler()
-            compiles = ("compiled",)
+            compiles = () if no_compile else ("compiled",)
         except NativeUnavailable:
             compiles = ()
         return (*(() if why else ("native",)), *compiles, "eager")

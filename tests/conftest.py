@@ -10,7 +10,8 @@ import pytest
 from radixserve.server_process import ServerProcess  # noqa: E402  (tests import it from here)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# compiled decode costs seconds per start-up: tests run eager unless they ask for it (tests/test_compiled.py)
+# torch.compile costs seconds per start-up: auto skips it in tests (they run the native step where this machine
+# has it, as a user's server would, else eager); tests/test_compiled.py and the kernel matrix (Makefile) ask for it
 os.environ.setdefault("RADIXSERVE_DISABLE_COMPILE", "1")
 
 

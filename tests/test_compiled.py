@@ -87,7 +87,7 @@ def test_compile_is_resolved_off_where_it_does_not_apply(monkeypatch):
     assert kernel(device="cpu", dtype="float16") == "compiled"  # the native step runs bf16 and fp32 weights
     assert kernel(device="cpu", quantization="int8") == ("native" if native else "compiled")
     assert kernel(device="cpu", disable_compile=True) == "eager"
-    assert kernel(device="cpu", deterministic=True) == "eager"  # its probed kernels are the promise
+    assert kernel(device="cpu", deterministic=True) == "eager"  # its own invariant kernels are the promise
     assert kernel(device="cuda", max_total_tokens=1024) == "eager"  # CPU kernels only
     for bad, message in (({"decode_kernel": "native", "dtype": "float16"}, "runs bfloat16 and float32"),
                          ({"decode_kernel": "native", "disable_compile": True}, "contradicts"),
@@ -95,7 +95,12 @@ def test_compile_is_resolved_off_where_it_does_not_apply(monkeypatch):
                          ({"decode_kernel": "fast"}, "is not one of")):
         with pytest.raises(ValueError, match=message):
             kernel(device="cpu", **bad)
-    monkeypatch.setenv("RADIXSERVE_DISABLE_COMPILE", "1")
+    monkeypatch.setenv("RADIXSERVE_DISABLE_COMPILE", "1")  # test runs: no torch.compile, the native step stays
+    assert kernel(device="cpu") == ("native" if native else "eager")
+    assert kernel(device="cpu", dtype="float16") == "eager"
+    with pytest.raises(ValueError, match="RADIXSERVE_DISABLE_COMPILE=1"):
+        kernel(device="cpu", decode_kernel="compiled")
+    monkeypatch.setenv("RADIXSERVE_DECODE_KERNEL", "eager")  # the default of --decode-kernel
     assert kernel(device="cpu") == "eager"
 
 

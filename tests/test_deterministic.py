@@ -179,6 +179,28 @@ def test_the_start_up_check_passes_the_invariant_model_and_refuses_one_that_is_n
         check_batch_invariance(batch_dependent, cfg.vocab_size, slots)
 
 
+def test_seeded_openai_sampling_is_reproducible(tiny_models):
+    """A seed makes an OpenAI request's sampled tokens reproducible -- promised under --deterministic, where the
+    logits do not depend on the batch or on a cached prefix (the second request reads the first one's prompt from
+    the cache), nor on sharing a step with the other choice of n=2."""
+    import openai
+
+    server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--deterministic",
+                           "--served-model-name", "tiny")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Write a short poem about rain."}],
+                  temperature=1.0, top_p=0.95, max_tokens=24, seed=1234)
+        a = client.chat.completions.create(**kw).choices[0].message.content
+        again = client.chat.completions.create(**kw)
+        assert again.choices[0].message.content == a and again.usage.prompt_tokens_details.cached_tokens > 0
+        two = client.chat.completions.create(**kw, n=2)
+        assert two.choices[0].message.content == a, "choice 0 uses the seed itself"
+        assert len(two.choices) == 2
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 def test_64_concurrent_clients_get_the_same_greedy_answers_on_smollm2():
     """The report that started it: 64 clients asking the same questions at temperature 0 got different answers."""

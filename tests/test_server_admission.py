@@ -119,24 +119,44 @@ def test_past_the_queue_cap_the_server_answers_429_with_retry_after(small_server
     wait_idle(url)
 
 
-def test_a_request_waiting_past_the_queue_timeout_fails_503(small_server):
-    url = small_server.url
+def test_a_request_waiting_past_the_queue_timeout_fails_503(tiny_models):
+    """Two long streams take both running places; only once each has streamed a token are two more requests
+    sent, which then wait behind them past the 0.5 s queue timeout: on any machine the streams still have
+    thousands of tokens to go (a step is at least half a millisecond of IPC), so no wall-clock slack is assumed."""
+    server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens",
+                           "4200", "--served-model-name", "tiny", "--max-running-requests", "2",
+                           "--queue-timeout", "0.5")
+    url = server.url
+
+    async def stream(client: httpx.AsyncClient, started: asyncio.Event, seed: int) -> int:
+        body = {"input_ids": [9 + seed] * 10, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+                "stream": True}
+        async with client.stream("POST", url + GEN, json=body) as r:
+            async for _ in r.aiter_lines():
+                started.set()
+            return r.status_code
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
-            body = {"model": "tiny", "max_tokens": 1000, "ignore_eos": True}  # the first two run for seconds
-            return await asyncio.gather(*(client.post(url + COMP, json={**body, "prompt": [9 + i] * 10})
-                                          for i in range(4)))
+            started = [asyncio.Event(), asyncio.Event()]
+            streams = [asyncio.create_task(stream(client, started[i], i)) for i in range(2)]
+            await asyncio.gather(*(e.wait() for e in started))  # both are running now
+            body = {"model": "tiny", "max_tokens": 4}
+            queued = await asyncio.gather(*(client.post(url + COMP, json={**body, "prompt": [30 + i] * 10})
+                                            for i in range(2)))
+            return queued, await asyncio.gather(*streams)
 
-    rs = asyncio.run(main())
-    timed_out = [r for r in rs if r.status_code == 503]
-    assert timed_out, [r.status_code for r in rs]
-    err = timed_out[0].json()["error"]
-    assert err["code"] == "queue_timeout" and "--queue-timeout" in err["message"]
-    assert timed_out[0].headers["Retry-After"] == "1"
-    assert sum(r.status_code == 200 for r in rs) >= 2
-    assert metric(url, "radixserve_rejected_requests_total", 'reason="queue_timeout"') >= 1
-    wait_idle(url)
+    try:
+        queued, streamed = asyncio.run(main())
+        assert [r.status_code for r in queued] == [503, 503]
+        err = queued[0].json()["error"]
+        assert err["code"] == "queue_timeout" and "--queue-timeout" in err["message"]
+        assert queued[0].headers["Retry-After"] == "1"
+        assert streamed == [200, 200]
+        assert metric(url, "radixserve_rejected_requests_total", 'reason="queue_timeout"') == 2
+        wait_idle(url)
+    finally:
+        server.stop()
 
 
 def test_a_client_leaving_a_non_streaming_request_aborts_it(tiny_server):
