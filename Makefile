@@ -17,11 +17,17 @@ FLOORS_SMOKE := tests/test_messages.py tests/test_cache_tree.py tests/test_sched
 	tests/test_server_openai.py::test_models_list tests/test_server_openai.py::test_chat_streaming_with_usage \
 	tests/test_server_openai.py::test_shared_system_prompt_is_cached
 
-.PHONY: install browser serve test test-floors bench clean
+# What ships, tested beyond this machine's defaults: a core server subset on each decode kernel (native where this
+# CPU has it), and the deterministic suite with its kernels built for AVX2 and torch limited to AVX2, then with no
+# C++ at all (the row-by-row torch kernels).
+KERNEL_SMOKE := tests/test_server_openai.py tests/test_engine_api.py::test_single_and_batch_shapes
+DETERMINISTIC := tests/test_deterministic.py -m "not slow"
+
+.PHONY: install browser serve test test-floors test-matrix bench clean
 
 # `make bench ARGS=--tp 2`, unquoted: make takes the "2" for a goal. Words after the goals above go to ARGS instead
 # (and, as goals, do nothing), so that reads as `make bench ARGS="--tp 2"`.
-PASSED := $(filter-out install browser serve test test-floors bench clean,$(MAKECMDGOALS))
+PASSED := $(filter-out install browser serve test test-floors test-matrix bench clean,$(MAKECMDGOALS))
 ifneq ($(PASSED),)
 override ARGS += $(PASSED)
 $(PASSED):
@@ -74,7 +80,21 @@ serve: install
 
 test: install browser
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-matrix
 	$(MAKE) --no-print-directory test-floors
+
+test-matrix: install
+	@for kernel in native compiled eager; do \
+		if [ $$kernel = native ] && ! $(PY) -c "from radixserve.kernels.cpu_native import unavailable_reason as u; \
+			raise SystemExit(u('bfloat16') is not None)"; then echo "no native decode step here: skipped"; continue; fi; \
+		echo "== --decode-kernel $$kernel"; \
+		RADIXSERVE_DISABLE_COMPILE=0 RADIXSERVE_DECODE_KERNEL=$$kernel $(PY) -m pytest -q $(KERNEL_SMOKE) || exit 1; \
+	done
+	@if [ "$$(uname -m)" = x86_64 ]; then \
+		echo "== deterministic, AVX2: kernels built for x86-64-v3, torch limited to AVX2"; \
+		RADIXSERVE_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q $(DETERMINISTIC); fi
+	@echo "== deterministic, no C++ kernels (row by row in torch)"
+	RADIXSERVE_NATIVE=0 $(PY) -m pytest -q $(DETERMINISTIC)
 
 # The declared floors are real: the smoke subset passes with the oldest versions pyproject.toml allows.
 test-floors: $(FLOORS_VENV)/.installed-stamp
