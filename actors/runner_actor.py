@@ -58,8 +58,8 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
 
     args = spec.server_args
     local = len(args.ranks_here) * args.dp
-    if args.num_threads is None:  # this node's CPUs, shared by its ranks (of every replica) and the other actors
-        args = dataclasses.replace(args, num_threads=read_budget().threads(local, actors_beside=True))
+    # this node's CPUs, shared by its ranks (of every replica) and the other actors: at most this many threads
+    max_threads = read_budget().threads(local, actors_beside=True) if args.num_threads is None else None
     if args.device.startswith("cuda") and args.tp > 1:  # a GPU of its own: this node's ranks take GPUs 0, 1, ..
         index = rank - args.ranks_here.start
         torch.cuda.set_device(index)
@@ -69,10 +69,11 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     args = dataclasses.replace(args, max_total_tokens=tp.first_ranks(args.max_total_tokens))
     cfg = ModelConfig.from_hf(*load_configs(Path(spec.model_dir)))
     source = Path(spec.model_source) if spec.model_source else None
-    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp)
+    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp, max_threads)
     seed_sampling(args.random_seed)
     return RunnerActor(runner, channel, spec.named("scheduler")), {
                                           "threads": torch.get_num_threads(), "omp_wait": wait_policy(os.environ),
+                                          "adaptive_threads": runner.adaptive is not None,
                                           "rank": rank, "node": args.node_rank, "replica": spec.replica or 0,
                                           "dtype": args.dtype,
                                           "device": args.device, "attention": runner.attn.name,

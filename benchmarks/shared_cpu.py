@@ -1,19 +1,23 @@
 """One-stream decode on a shared CPU: the default kernel (the native decode step) with the machine to itself, and
 with one busy neighbour (``python -c "while True: pass"``, started and killed here), before and after the runner
-chose its threads from its CPU budget and told OpenMP to sleep at barriers (radixserve/cpu_budget.py).
+chose its threads from its CPU budget and from the CPUs other processes leave free (radixserve/cpu_budget.py,
+radixserve/cpu_load.py).
 
-Four systems, all up at once and taking turns (an idle one costs no CPU), each in a fresh process:
+Four systems (more with ``--wait``), all up at once and taking turns (an idle one costs no CPU), each in a fresh
+process:
 
 - the server now (its defaults) and the server as before: libgomp's default spin (``GOMP_SPINCOUNT=300000``, what
   an unset OMP_WAIT_POLICY means; an explicit setting is left alone) and ``--num-threads`` = every CPU in the mask;
-- the Engine (in-process runner, no other actors) now and as before, the same way.
+- the Engine (in-process runner, no other actors) now and as before, the same way;
+- ``--wait NAME=VALUE``: the server and the Engine with their defaults but that OpenMP wait setting (to choose the
+  default by measurement: ``--wait OMP_WAIT_POLICY=PASSIVE --wait GOMP_SPINCOUNT=30000``).
 
 Each round measures every system idle, then every system with the neighbour running; the order flips each round.
 Decode tokens/s of one greedy stream: completion tokens after the first over the time after the first (prefill out
 of it). Results go to ``benchmarks/results/shared_cpu/results.json`` (committed; REPORT.md's section is built
 from it).
 
-    python benchmarks/shared_cpu.py [--quick] [--model-path P]
+    python benchmarks/shared_cpu.py [--quick] [--model-path P] [--wait NAME=VALUE ...]
 """
 from __future__ import annotations
 
@@ -53,7 +57,9 @@ class Server:
     def __init__(self, env: dict[str, str], flags: list[str]) -> None:
         self.proc = ServerProcess("--max-total-tokens", "4096", *flags, env=env)
         runner = httpx.get(self.proc.url + "/get_server_info").json()["actors"]["runner"]
-        self.info = {"threads": runner["threads"], "omp_wait": runner["omp_wait"]}
+        self.info = {"threads": runner["threads"], "adaptive": runner.get("adaptive_threads", False),
+                     "omp_wait": runner["omp_wait"]}
+        self.threads_at_end: int | None = None  # the runner's count is not visible from here
 
     def rate(self, tokens: int) -> float:
         body = {"text": PROMPT, "stream": True,
@@ -79,6 +85,7 @@ class EngineWorker:
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env={**os.environ, **env})
         self.info = self._read()
+        self.threads_at_end: int | None = None
 
     def _read(self) -> dict:
         for line in self.proc.stdout:
@@ -89,7 +96,9 @@ class EngineWorker:
     def rate(self, tokens: int) -> float:
         self.proc.stdin.write(f"{tokens}\n")
         self.proc.stdin.flush()
-        return self._read()["tok_s"]
+        out = self._read()
+        self.threads_at_end = out["threads"]
+        return out["tok_s"]
 
     def stop(self) -> None:
         self.proc.stdin.close()
@@ -105,12 +114,14 @@ def worker() -> None:
 
     from radixserve.cpu_budget import wait_policy
 
-    print(json.dumps({"threads": torch.get_num_threads(), "omp_wait": wait_policy(os.environ)}), flush=True)
+    print(json.dumps({"threads": torch.get_num_threads(), "adaptive": engine.runner.adaptive is not None,
+                      "omp_wait": wait_policy(os.environ)}), flush=True)
     params = {"temperature": 0, "ignore_eos": True}
     for line in sys.stdin:
         stamps = [(time.perf_counter(), out["meta_info"]["completion_tokens"])
                   for out in engine.generate(PROMPT, {**params, "max_new_tokens": int(line)}, stream=True)]
-        print(json.dumps({"tok_s": _rate(stamps)}), flush=True)
+        # the steps ran in this thread: its OpenMP count is the one the runner last chose
+        print(json.dumps({"tok_s": _rate(stamps), "threads": torch.get_num_threads()}), flush=True)
     engine.shutdown()
 
 
@@ -134,17 +145,25 @@ def machine() -> dict:
             "load_average_at_start": os.getloadavg()[0]}
 
 
-def measure(quick: bool = False, model_path: str | None = None) -> dict:
+def measure(quick: bool = False, model_path: str | None = None, waits: list[str] = (),
+            kinds: tuple[str, ...] = ("server", "Engine")) -> dict:
+    """``waits``: OpenMP wait settings (``NAME=VALUE``) to measure beside the defaults, each as one more 'now'
+    system of each kind (the defaults' threads, that wait)."""
     cpus = str(len(os.sched_getaffinity(0)))
     model = ["--model-path", model_path] if model_path else []
     engine = {"model_path": model_path, "max_total_tokens": 4096}
-    factories = {
-        "server, now": lambda: Server({}, model),
-        "server, before": lambda: Server(BEFORE_ENV, [*model, "--num-threads", cpus]),
-        "Engine, now": lambda: EngineWorker({}, engine),
-        "Engine, before": lambda: EngineWorker(BEFORE_ENV, {**engine, "num_threads": int(cpus)}),
-    }
+    build = {"server": lambda env, fixed: Server(env, [*model, *(["--num-threads", cpus] if fixed else [])]),
+            "Engine": lambda env, fixed: EngineWorker(env, {**engine, **({"num_threads": int(cpus)} if fixed else {})})}
+    factories = {}
+    for kind in kinds:
+        factories[f"{kind}, now"] = lambda kind=kind: build[kind]({}, False)
+        factories[f"{kind}, before"] = lambda kind=kind: build[kind](BEFORE_ENV, True)
+        for wait in waits:
+            name, _, value = wait.partition("=")
+            factories[f"{kind}, now with {wait}"] = lambda kind=kind, env={name: value}: build[kind](env, False)
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "idle_tokens": IDLE_TOKENS,
+           "command": " ".join(["python benchmarks/shared_cpu.py", *(["--quick"] if quick else []),
+                                *(f"--wait {w}" for w in waits)]),
            "busy_tokens": BUSY_TOKENS, "neighbour": 'python -c "while True: pass"', "rounds": [],
            "systems": {}}
     systems = {}
@@ -155,12 +174,15 @@ def measure(quick: bool = False, model_path: str | None = None) -> dict:
             res["systems"][label] = systems[label].info
         for r in tqdm(range(2 if quick else 3), desc="shared CPU rounds", leave=False):
             order = list(systems) if r % 2 == 0 else list(reversed(systems))
-            row: dict = {"order": order, "load_average": os.getloadavg()[0], "idle": {}, "busy": {}}
+            row: dict = {"order": order, "load_average": os.getloadavg()[0], "idle": {}, "busy": {},
+                         "threads_at_end": {"idle": {}, "busy": {}}}
             for label in order:
                 row["idle"][label] = systems[label].rate(IDLE_TOKENS)
+                row["threads_at_end"]["idle"][label] = systems[label].threads_at_end
             with neighbour():
                 for label in order:
                     row["busy"][label] = systems[label].rate(BUSY_TOKENS)
+                    row["threads_at_end"]["busy"][label] = systems[label].threads_at_end
             res["rounds"].append(row)
     finally:
         for system in systems.values():
@@ -175,10 +197,11 @@ def summary(rounds: list[dict], labels: list[str]) -> dict:
     out = {label: {"idle_tok_s": med(r["idle"][label] for r in rounds),
                    "busy_tok_s": med(r["busy"][label] for r in rounds),
                    "busy_over_idle": med(r["busy"][label] / r["idle"][label] for r in rounds)} for label in labels}
-    for kind in ("server", "Engine"):
-        now, before = f"{kind}, now", f"{kind}, before"
-        out[now]["idle_now_over_before"] = med(r["idle"][now] / r["idle"][before] for r in rounds)
-        out[now]["busy_now_over_before"] = med(r["busy"][now] / r["busy"][before] for r in rounds)
+    for label in labels:
+        before = f"{label.split(',')[0]}, before"
+        if label != before and before in labels:
+            out[label]["idle_now_over_before"] = med(r["idle"][label] / r["idle"][before] for r in rounds)
+            out[label]["busy_now_over_before"] = med(r["busy"][label] / r["busy"][before] for r in rounds)
     return out
 
 
@@ -196,6 +219,7 @@ def save(res: dict, results_dir: Path) -> None:
 def section(res: dict, targets: list[str], check) -> list[str]:
     """REPORT.md's section (and its rows of the targets table, through report.check)."""
     s, m = res["summary"], res["machine"]
+    now_wait = res["systems"]["Engine, now"]["omp_wait"]
     for kind in ("server", "Engine"):
         now = s[f"{kind}, now"]
         targets.append(check(f"{kind}, one stream with a busy neighbour / idle", now["busy_over_idle"],
@@ -208,25 +232,33 @@ def section(res: dict, targets: list[str], check) -> list[str]:
          "without the neighbour this benchmark adds). Greedy decode tokens/s of one stream with the default "
          f"(native) kernel, {res['idle_tokens']} tokens idle and {res['busy_tokens']} with one busy neighbour "
          f"(`{res['neighbour']}`); 'before' = libgomp's default spin at barriers (`GOMP_SPINCOUNT=300000`) and "
-         "every CPU in the mask as threads, 'now' = the defaults (threads from the CPU budget, "
-         f"`OMP_WAIT_POLICY=PASSIVE`). {len(res['rounds'])} rounds, all four systems up at once and taking turns, "
-         "the order flipped each round; medians over rounds (ratios taken within a round). "
-         "`python benchmarks/shared_cpu.py`.", "",
+         "every CPU in the mask as threads, 'now' = the defaults (up to the CPU budget's threads, fewer while other "
+         f"processes keep CPUs busy, `radixserve/cpu_load.py`; OpenMP waits: {now_wait}), 'now with X' = the "
+         f"defaults with the wait setting X. {len(res['rounds'])} rounds, all {len(s)} systems up at once and taking "
+         "turns, the order flipped each round; medians over rounds (ratios taken within a round). "
+         f"`{res.get('command', 'python benchmarks/shared_cpu.py')}`.", "",
          "| system | threads | OpenMP waits | idle tok/s | with neighbour tok/s | with neighbour / idle | "
          "idle now / before |", "|---|---|---|---|---|---|---|"]
     for label, row in s.items():
         info = res["systems"][label]
         vs = f"{row['idle_now_over_before']:.2f}" if "idle_now_over_before" in row else ""
-        L.append(f"| {label} | {info['threads']} | {info['omp_wait']} | {row['idle_tok_s']:.1f} | "
+        threads = f"up to {info['threads']}, adaptive" if info.get("adaptive") else info["threads"]
+        L.append(f"| {label} | {threads} | {info['omp_wait']} | {row['idle_tok_s']:.1f} | "
                  f"{row['busy_tok_s']:.1f} | {row['busy_over_idle']:.2f} | {vs} |")
-    if m["load_average_at_start"] >= m["cpus_in_mask"]:
-        L += ["", "The machine was busy with other work throughout (load average at or above its CPUs), so 'before' "
-              "had collapsed even without the neighbour and 'idle now / before' says nothing about a quiet machine, "
-              "where sleeping at barriers costs a wake-up that spinning does not: run this again on a quiet one."]
-    L += ["", "Every round (tok/s, idle / with neighbour; load average before the round):", ""]
+    if max(r["load_average"] for r in res["rounds"]) >= m["cpus_in_mask"] / 2:
+        L += ["", "Other people's jobs kept this machine's CPUs partly busy (load averages below), so 'idle' was not "
+              "a quiet machine: 'before' spun against them too, and the adaptive runner often ran fewer threads "
+              "than on a quiet machine; 'idle now / before' then overstates what a quiet machine would show."]
+    L += ["", "Every round (tok/s, idle / with neighbour; load average before the round; for the Engine the threads "
+          "its last step ran on, idle / with neighbour):", ""]
     for i, r in enumerate(res["rounds"]):
+        ends = r.get("threads_at_end", {"idle": {}, "busy": {}})
+
+        def threads(label: str) -> str:
+            idle, busy = ends["idle"].get(label), ends["busy"].get(label)
+            return f" ({idle} / {busy} threads)" if idle is not None else ""
         L.append(f"- round {i + 1} (load {r['load_average']:.1f}): " +
-                 ", ".join(f"{label} {r['idle'][label]:.1f} / {r['busy'][label]:.1f}" for label in s))
+                 ", ".join(f"{label} {r['idle'][label]:.1f} / {r['busy'][label]:.1f}{threads(label)}" for label in s))
     return [*L, ""]
 
 
@@ -235,10 +267,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--wait", action="append", default=[], metavar="NAME=VALUE",
+                    help="also measure the defaults with this OpenMP wait setting (e.g. GOMP_SPINCOUNT=10000)")
+    ap.add_argument("--kinds", default="server,Engine", help="which systems: server, Engine or both")
     args = ap.parse_args()
-    res = measure(args.quick, args.model_path)
+    res = measure(args.quick, args.model_path, args.wait, tuple(args.kinds.split(",")))
     for label, row in res["summary"].items():
-        print(f"{label:16s} idle {row['idle_tok_s']:6.1f}  neighbour {row['busy_tok_s']:6.1f}  "
+        print(f"{label:40s} idle {row['idle_tok_s']:6.1f}  neighbour {row['busy_tok_s']:6.1f}  "
               f"ratio {row['busy_over_idle']:.2f}  " +
               (f"idle now/before {row['idle_now_over_before']:.2f}" if "idle_now_over_before" in row else ""))
     save(res, Path(args.out))

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from radixserve.actors.messages import ForwardPlan, ForwardResult
+from radixserve.cpu_load import AdaptiveThreads, ProcStat
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.kernels.cpu_native import NativeUnavailable, default_cache_dir
@@ -90,17 +91,26 @@ class ModelRunner:
                  attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
                  quantization: str | None = None, source: Path | None = None, decode_kernel: str = "eager",
                  max_batch: int = 1, tp: TPGroup = SINGLE, context_length: int | None = None,
-                 decode_fallback: tuple[str, ...] = ()) -> None:
-        """``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
+                 decode_fallback: tuple[str, ...] = (), max_threads: int | None = None) -> None:
+        """``num_threads``: a fixed thread count (CPU); without it the runner takes up to ``max_threads`` (default:
+        this process's CPU budget), fewer while other processes keep CPUs busy (radixserve/cpu_load.py).
+        ``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
         choose their factor set from it (ModelConfig.rope_inv_freq). ``decode_fallback``: the decode kernels to
         try in turn when ``decode_kernel`` cannot load here (empty: that fails the start)."""
-        if device == "cpu":  # default: the CPUs this process may use (affinity and cgroup quota)
+        self.num_threads: int | None = None  # the threads every step runs on (CPU); adaptive: the most
+        self.adaptive: AdaptiveThreads | None = None  # None: a fixed count (--num-threads, or not the CPU)
+        if device == "cpu":  # default: the CPUs this process may use (affinity and cgroup quota) others leave free
             from radixserve.cpu_budget import read_budget, wait_policy
 
             budget = read_budget()
-            torch.set_num_threads(num_threads or budget.threads())
-            log.info("%d torch threads (%s); OpenMP threads wait by %s", torch.get_num_threads(), budget.describe(),
-                     wait_policy(os.environ))
+            self.num_threads = num_threads or max_threads or budget.threads()
+            if num_threads is None:
+                mask = os.sched_getaffinity(0)
+                self.adaptive = AdaptiveThreads(self.num_threads, len(mask), ProcStat(mask).read)
+            torch.set_num_threads(self.num_threads)
+            log.info("%s torch threads (%s); OpenMP threads wait by %s",
+                     f"up to {self.num_threads} (fewer while other processes keep CPUs busy)" if self.adaptive
+                     else self.num_threads, budget.describe(), wait_policy(os.environ))
         elif deterministic:
             raise ValueError("--deterministic is implemented for the CPU only; run without it on CUDA")
         self.cfg = cfg
@@ -173,14 +183,16 @@ class ModelRunner:
 
     @classmethod
     def from_args(cls, cfg: ModelConfig, path: Path, args, source: Path | None = None,
-                  tp: TPGroup = SINGLE) -> ModelRunner:
+                  tp: TPGroup = SINGLE, max_threads: int | None = None) -> ModelRunner:
         """The runner a server or Engine runs, configured by ``args`` (resolved ServerArgs); ``source``: the file
-        the user gave (a GGUF file's quantized weights can be used as they ship); ``tp``: this rank's place."""
+        the user gave (a GGUF file's quantized weights can be used as they ship); ``tp``: this rank's place;
+        ``max_threads``: this rank's share of the CPUs (without --num-threads)."""
         return cls(cfg, path, dtype=args.dtype, num_slots=args.max_total_tokens, device=args.device,
                    attention_backend=args.attention_backend, num_threads=args.num_threads,
                    deterministic=args.deterministic, quantization=args.quantization, source=source,
                    decode_kernel=args.decode_kernel, max_batch=args.max_running_requests, tp=tp,
-                   context_length=args.context_length, decode_fallback=args.decode_fallback)
+                   context_length=args.context_length, decode_fallback=args.decode_fallback,
+                   max_threads=max_threads)
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
@@ -214,6 +226,7 @@ class ModelRunner:
         """Run one step. Nothing in it ends the runner: a step that raises comes back as ``error`` (the scheduler
         fails its requests and frees what they allocated), a request whose sampling raises as ``errors[row]``.
         A rank other than 0 computes its share of the step and returns None: rank 0 samples and answers."""
+        self._set_threads()
         if not self.tp.samples:
             return self._share(plan)
         start_errors = self.constraints.update(plan.new_grammars, plan.released)  # even if the step fails
@@ -264,6 +277,17 @@ class ModelRunner:
         errors.update({**refused, **refused_tokens})
         return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
                              grammar_done=done, errors=errors)
+
+    def _set_threads(self) -> None:
+        """The step's threads: the adaptive count (a clock read most steps), applied in the calling thread
+        (OpenMP's thread count is per calling thread, and an Engine's step may run in any caller's)."""
+        if self.num_threads is None:
+            return
+        threads = self.adaptive.update() if self.adaptive is not None else self.num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+            if self.adaptive is not None:
+                log.debug("%d torch threads (other processes keep %.1f CPUs busy)", threads, self.adaptive.others)
 
     def _penalize(self, logits: torch.Tensor, rows: list[str | None], output_index: list[int]) -> dict[int, str]:
         """The penalties, in place; a bug in them fails the penalized rows, never the step."""

@@ -1,6 +1,7 @@
 """The runner's CPU budget (radixserve/cpu_budget.py): threads from the affinity mask and the cgroup CPU quota
-(v2 cpu.max, v1 cfs files, read from fake cgroup trees), explicit overrides, and OpenMP told to sleep at barriers
-before torch loads it -- checked in the runner's own process, as libgomp itself reports it (OMP_DISPLAY_ENV)."""
+(v2 cpu.max, v1 cfs files, read from fake cgroup trees), explicit overrides, and OpenMP told to spin only briefly at
+barriers before torch loads it -- checked in the runner's own process, as libgomp itself reports it
+(OMP_DISPLAY_ENV)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from radixserve.cpu_budget import CpuBudget, cgroup_quota, read_budget, wait_pol
 from radixserve.server_process import ServerProcess
 
 SPINS_AT_BARRIERS = "GOMP_SPINCOUNT = '300000'"  # libgomp's default, as OMP_DISPLAY_ENV=VERBOSE prints it
-SLEEPS_AT_BARRIERS = "GOMP_SPINCOUNT = '0'"  # what OMP_WAIT_POLICY=PASSIVE makes of it
+BRIEF_SPINS = "GOMP_SPINCOUNT = '30000'"  # radixserve's default: a step's barriers, not the gap between steps
 
 
 def fake_v2(tmp_path: Path, cpu_max: dict[str, str], own: str = "/app.slice/server") -> tuple[Path, Path]:
@@ -101,16 +102,16 @@ def test_one_cpu_is_left_to_the_other_actors_only_on_a_large_machine():
         CpuBudget(0)
 
 
-def test_passive_waits_unless_the_user_chose_and_a_late_call_says_so():
+def test_brief_spins_unless_the_user_chose_and_a_late_call_says_so():
     env: dict[str, str] = {}
-    assert yielding_openmp(env, {}) is None and env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert wait_policy(env) == "OMP_WAIT_POLICY=PASSIVE"
+    assert yielding_openmp(env, {}) is None and env == {"GOMP_SPINCOUNT": "30000"}
+    assert wait_policy(env) == "GOMP_SPINCOUNT=30000"
     for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
         env = dict(user)
         assert yielding_openmp(env, {"torch": object()}) is None and env == user  # the user's choice stands
     env = {}
     late = yielding_openmp(env, {"torch": object()})
-    assert late is not None and "before Python starts" in late and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert late is not None and "before Python starts" in late and env["GOMP_SPINCOUNT"] == "30000"
     assert wait_policy({}).startswith("libgomp's default")
 
 
@@ -120,9 +121,9 @@ def _without_wait_settings(monkeypatch) -> None:
     monkeypatch.setenv("OMP_DISPLAY_ENV", "VERBOSE")  # libgomp prints its settings when it loads
 
 
-def test_engine_sets_passive_waits_before_torch_loads_and_takes_the_budget(tiny_models, monkeypatch):
-    """A fresh interpreter (this one already has torch): the Engine's libgomp sleeps at barriers, and the runner
-    runs on the budget's threads."""
+def test_engine_sets_brief_spins_before_torch_loads_and_adapts_its_threads(tiny_models, monkeypatch):
+    """A fresh interpreter (this one already has torch): the Engine's libgomp spins briefly at barriers, and the
+    runner starts on the budget's threads, adaptive."""
     _without_wait_settings(monkeypatch)
     code = ("import json, os, sys\n"
             "from radixserve import Engine\n"
@@ -130,16 +131,17 @@ def test_engine_sets_passive_waits_before_torch_loads_and_takes_the_budget(tiny_
             "import torch\n"
             "from radixserve.cpu_budget import read_budget\n"
             "print(json.dumps({'threads': torch.get_num_threads(), 'budget': read_budget().threads(),\n"
-            "                  'policy': os.environ.get('OMP_WAIT_POLICY')}))\n"
+            "                  'policy': os.environ.get('GOMP_SPINCOUNT'),\n"
+            "                  'adaptive': engine.runner.adaptive is not None}))\n"
             "engine.shutdown()\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["threads"] == seen["budget"] and seen["policy"] == "PASSIVE"
-    assert SLEEPS_AT_BARRIERS in done.stderr and SPINS_AT_BARRIERS not in done.stderr
+    assert seen["threads"] == seen["budget"] and seen["policy"] == "30000" and seen["adaptive"]
+    assert BRIEF_SPINS in done.stderr and SPINS_AT_BARRIERS not in done.stderr
 
 
-def test_server_runner_sleeps_at_barriers_and_the_user_overrides_win(tiny_models, monkeypatch):
+def test_server_runner_spins_briefly_and_the_user_overrides_win(tiny_models, monkeypatch):
     _without_wait_settings(monkeypatch)
     model = ("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens", "512")
     server = ServerProcess(*model)
@@ -149,8 +151,8 @@ def test_server_runner_sleeps_at_barriers_and_the_user_overrides_win(tiny_models
     finally:
         server.stop()
     assert runner["threads"] == read_budget().threads(1, actors_beside=True)
-    assert runner["omp_wait"] == "OMP_WAIT_POLICY=PASSIVE"
-    assert SLEEPS_AT_BARRIERS in log and SPINS_AT_BARRIERS not in log  # libgomp's own word, in every actor
+    assert runner["omp_wait"] == "GOMP_SPINCOUNT=30000" and runner["adaptive_threads"]
+    assert BRIEF_SPINS in log and SPINS_AT_BARRIERS not in log  # libgomp's own word, in every actor
 
     server = ServerProcess(*model, "--num-threads", "1", env={"OMP_WAIT_POLICY": "ACTIVE"})
     try:
@@ -159,7 +161,8 @@ def test_server_runner_sleeps_at_barriers_and_the_user_overrides_win(tiny_models
     finally:
         server.stop()
     assert runner["threads"] == 1 and runner["omp_wait"] == "OMP_WAIT_POLICY=ACTIVE"
-    assert SLEEPS_AT_BARRIERS not in log and "OMP_WAIT_POLICY = 'ACTIVE'" in log
+    assert runner["adaptive_threads"] is False  # an explicit count is the count
+    assert BRIEF_SPINS not in log and "OMP_WAIT_POLICY = 'ACTIVE'" in log
 
 
 def test_report_judges_the_shared_cpu_stage_from_its_committed_file(tmp_path):
