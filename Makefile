@@ -23,11 +23,11 @@ FLOORS_SMOKE := tests/test_messages.py tests/test_cache_tree.py tests/test_sched
 KERNEL_SMOKE := tests/test_server_openai.py tests/test_engine_api.py::test_single_and_batch_shapes
 DETERMINISTIC := tests/test_deterministic.py -m "not slow"
 
-.PHONY: install browser serve test test-floors test-matrix bench clean
+.PHONY: install browser cross serve test test-floors test-matrix bench clean
 
 # `make bench ARGS=--tp 2`, unquoted: make takes the "2" for a goal. Words after the goals above go to ARGS instead
 # (and, as goals, do nothing), so that reads as `make bench ARGS="--tp 2"`.
-PASSED := $(filter-out install browser serve test test-floors test-matrix bench clean,$(MAKECMDGOALS))
+PASSED := $(filter-out install browser cross serve test test-floors test-matrix bench clean,$(MAKECMDGOALS))
 ifneq ($(PASSED),)
 override ARGS += $(PASSED)
 $(PASSED):
@@ -75,10 +75,22 @@ browser:
 		     "(it skips without them, and fails when CI=true)."; \
 	fi
 
+# The invariant kernels' aarch64 build runs under qemu-user in tests/test_invariant_isa.py (Debian's cross g++).
+cross:
+	@if [ -x /usr/bin/aarch64-linux-gnu-g++ ] && [ -x /usr/bin/qemu-aarch64 ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && [ "$$(uname -m)" = x86_64 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			g++-aarch64-linux-gnu libgomp1-arm64-cross qemu-user; \
+	else \
+		echo "NOTE: no aarch64 cross compiler and qemu-user here (not root to install them): run 'sudo apt-get" \
+		     "install g++-aarch64-linux-gnu libgomp1-arm64-cross qemu-user' for tests/test_invariant_isa.py's aarch64" \
+		     "build (it is left out without them, and fails when CI=true)."; \
+	fi
+
 serve: install
 	$(PY) -m radixserve serve $(ARGS)
 
-test: install browser
+test: install browser cross
 	$(PY) -m pytest -q tests
 	$(MAKE) --no-print-directory test-matrix
 	$(MAKE) --no-print-directory test-floors
