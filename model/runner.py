@@ -104,7 +104,7 @@ class ModelRunner:
 
             budget = read_budget()
             self.num_threads = num_threads or max_threads or budget.threads()
-            if num_threads is None:
+            if num_threads is None and not deterministic:  # its row-by-row fallback relies on unchanged calls
                 mask = os.sched_getaffinity(0)
                 self.adaptive = AdaptiveThreads(self.num_threads, len(mask), ProcStat(mask).read)
             torch.set_num_threads(self.num_threads)

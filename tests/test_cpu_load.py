@@ -160,5 +160,7 @@ def test_an_explicit_num_threads_is_never_changed(tiny_models, monkeypatch):
 
         adaptive = ModelRunner(cfg, path, dtype="float32", num_slots=64, max_threads=2)
         assert adaptive.adaptive is not None and adaptive.adaptive.cap == 2
+        fixed = ModelRunner(cfg, path, dtype="float32", num_slots=600, max_threads=2, deterministic=True)
+        assert fixed.adaptive is None, "--deterministic keeps one thread count (its torch fallback needs it)"
     finally:
         torch.set_num_threads(before)
