@@ -17,7 +17,7 @@ Decode tokens/s of one greedy stream: completion tokens after the first over the
 of it). Results go to ``benchmarks/results/shared_cpu/results.json`` (committed; REPORT.md's section is built
 from it).
 
-    python benchmarks/shared_cpu.py [--quick] [--model-path P] [--wait NAME=VALUE ...]
+    python benchmarks/shared_cpu.py [--quick | --rounds N] [--model-path P] [--wait NAME=VALUE ...]
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def machine() -> dict:
 
 
 def measure(quick: bool = False, model_path: str | None = None, waits: list[str] = (),
-            kinds: tuple[str, ...] = ("server", "Engine")) -> dict:
+            kinds: tuple[str, ...] = ("server", "Engine"), rounds: int | None = None) -> dict:
     """``waits``: OpenMP wait settings (``NAME=VALUE``) to measure beside the defaults, each as one more 'now'
     system of each kind (the defaults' threads, that wait)."""
     cpus = str(len(os.sched_getaffinity(0)))
@@ -163,6 +163,7 @@ def measure(quick: bool = False, model_path: str | None = None, waits: list[str]
             factories[f"{kind}, now with {wait}"] = lambda kind=kind, env={name: value}: build[kind](env, False)
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "idle_tokens": IDLE_TOKENS,
            "command": " ".join(["python benchmarks/shared_cpu.py", *(["--quick"] if quick else []),
+                                *([f"--rounds {rounds}"] if rounds else []),
                                 *(f"--wait {w}" for w in waits)]),
            "busy_tokens": BUSY_TOKENS, "neighbour": 'python -c "while True: pass"', "rounds": [],
            "systems": {}}
@@ -172,7 +173,7 @@ def measure(quick: bool = False, model_path: str | None = None, waits: list[str]
             systems[label] = make()
             systems[label].rate(8)  # warm-up: first requests set up kernels
             res["systems"][label] = systems[label].info
-        for r in tqdm(range(2 if quick else 3), desc="shared CPU rounds", leave=False):
+        for r in tqdm(range(rounds or (2 if quick else 3)), desc="shared CPU rounds", leave=False):
             order = list(systems) if r % 2 == 0 else list(reversed(systems))
             row: dict = {"order": order, "load_average": os.getloadavg()[0], "idle": {}, "busy": {},
                          "threads_at_end": {"idle": {}, "busy": {}}}
@@ -265,13 +266,14 @@ def section(res: dict, targets: list[str], check) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default: 3, --quick 2)")
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--wait", action="append", default=[], metavar="NAME=VALUE",
                     help="also measure the defaults with this OpenMP wait setting (e.g. GOMP_SPINCOUNT=10000)")
     ap.add_argument("--kinds", default="server,Engine", help="which systems: server, Engine or both")
     args = ap.parse_args()
-    res = measure(args.quick, args.model_path, args.wait, tuple(args.kinds.split(",")))
+    res = measure(args.quick, args.model_path, args.wait, tuple(args.kinds.split(",")), args.rounds)
     for label, row in res["summary"].items():
         print(f"{label:40s} idle {row['idle_tok_s']:6.1f}  neighbour {row['busy_tok_s']:6.1f}  "
               f"ratio {row['busy_over_idle']:.2f}  " +
