@@ -153,7 +153,8 @@ void block(int mr, int nr, const TX* x, int64_t ldx, const TW* const* w, int64_t
            const float* bias) {
   if (mr == MR && nr == NR) return tile<MR, NR>(x, ldx, w, k, y, ldy, bias);
   for (int r = 0; r < mr; ++r)
-    for (int c = 0; c < nr; ++c) tile<1, 1>(x + r * ldx, ldx, w + c, k, y + r * ldy + c, ldy, bias ? bias + c : nullptr);
+    for (int c = 0; c < nr; ++c)
+      tile<1, 1>(x + r * ldx, ldx, w + c, k, y + r * ldy + c, ldy, bias ? bias + c : nullptr);
 }
 
 #if defined(__AVX512F__)
