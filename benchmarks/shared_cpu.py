@@ -248,8 +248,9 @@ def section(res: dict, targets: list[str], check) -> list[str]:
                  f"{row['busy_tok_s']:.1f} | {row['busy_over_idle']:.2f} | {vs} |")
     if max(r["load_average"] for r in res["rounds"]) >= m["cpus_in_mask"] / 2:
         L += ["", "Other people's jobs kept this machine's CPUs partly busy (load averages below), so 'idle' was not "
-              "a quiet machine: 'before' spun against them too, and the adaptive runner often ran fewer threads "
-              "than on a quiet machine; 'idle now / before' then overstates what a quiet machine would show."]
+              "a quiet machine: 'before' spun against that load, and the adaptive runner sometimes ran fewer "
+              "threads because of it (on a quiet machine both run every thread, spinning). The same system's "
+              "rounds differ by 10-30%: read the medians, and the ratios near a target, with that spread."]
     L += ["", "Every round (tok/s, idle / with neighbour; load average before the round; for the Engine the threads "
           "its last step ran on, idle / with neighbour):", ""]
     for i, r in enumerate(res["rounds"]):
