@@ -94,7 +94,8 @@ HELP = {
     "dist_timeout": "seconds a collective may wait (also the rendezvous: start every node within it); a node "
                     "silent for 10 s, or this if shorter, ends the whole server",
     "log_level": "log messages of this level and above",
-    "num_threads": "torch threads for the model (default: all cores, shared by the ranks of this machine)",
+    "num_threads": "torch threads for the model, fixed (default: the CPUs this process may use -- affinity and "
+                   "cgroup quota -- shared by the ranks of this machine, fewer while other processes keep CPUs busy)",
     "device": "auto: cuda if torch sees a GPU, else cpu",
     "attention_backend": "auto: triton on cuda, torch on cpu, batch-invariant with --deterministic",
     "max_queued_requests": "sequences that may wait for a slot beyond the running ones; past it new requests get "
