@@ -48,9 +48,9 @@ STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic
           "peer", "radix", "tp", "dp", "shadow", "sharedcpu")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
-              "deterministic": ("deterministic",), "grammar": ("grammar",), "quant": ("quant",),
+              "deterministic": (), "grammar": ("grammar",), "quant": ("quant",),
               "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",), "dp": ("dp",),
-              "shadow": ("shadow",), "sharedcpu": ()}  # sharedcpu: its own committed file (shared_cpu.RESULTS)
+              "shadow": ("shadow",), "sharedcpu": ()}  # deterministic, sharedcpu: committed files (stage_results.py)
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -145,7 +145,8 @@ def main() -> None:
         res["overhead"] = [machine.scheduler_overhead(b) for b in (1, 8, 32, 64)]
     bar.update()
     if "deterministic" in only:
-        res["deterministic"] = deterministic_cost.measure("bfloat16", 2 if q else 5, q, args.model_path)
+        # its own committed file, as sharedcpu: the report reads it whatever else was rerun
+        deterministic_cost.save(deterministic_cost.measure("bfloat16", 2 if q else 5, q, args.model_path), out)
     bar.update()
     if "grammar" in only:
         res["grammar"] = grammar_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)

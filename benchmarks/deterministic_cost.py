@@ -3,16 +3,20 @@ dtype, side by side in one run (alternating, median of repeats): prefill by prom
 and decode over a shared prefix (where the default mode gathers each shared K/V row once for the whole batch).
 
     python benchmarks/deterministic_cost.py [--dtype bfloat16] [--repeats 3] [--quick]
+
+Results: benchmarks/results/deterministic/results.json (committed; the report's section reads it).
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from forward_speed import Ours
-from harness import stage_cli, write_json
+from harness import stage_cli
+from stage_results import load_stage, machine, save_stage
 
 from radixserve import Engine
 
@@ -28,7 +32,11 @@ def build(deterministic: bool, dtype: str, model_path: str | None) -> tuple[Ours
     return Ours(engine), time.perf_counter() - start
 
 
+STAGE = "deterministic"  # benchmarks/results/deterministic/results.json
+
+
 def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, model_path: str | None = None) -> dict:
+    started, where = time.strftime("%Y-%m-%d %H:%M:%S"), machine()
     systems = {"default": build(False, dtype, model_path), "deterministic": build(True, dtype, model_path)}
     for ours, _ in systems.values():  # warm-up: oneDNN sets up a kernel per shape on first use
         ours.prefill(64, 0)
@@ -49,12 +57,22 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
         rows.append({"kind": kind, "size": size, "default_tok_s": size / med["default"],
                      "deterministic_tok_s": size / med["deterministic"],
                      "slowdown": med["deterministic"] / med["default"]})
-    return {"dtype": dtype, "threads": torch.get_num_threads(), "rows": rows,
-            "start_s": {name: t for name, (_, t) in systems.items()}}
+    return {"started": started, "machine": where, "dtype": dtype, "threads": torch.get_num_threads(),
+            "kernels": {name: ours.engine.runner.attn.ops.name if name == "deterministic" else
+                        ours.engine.runner.decode_kernel for name, (ours, _) in systems.items()},
+            "rows": rows, "start_s": {name: t for name, (_, t) in systems.items()}}
+
+
+def load(results_dir: Path) -> dict | None:
+    return load_stage(results_dir, STAGE)
+
+
+def save(res: dict, results_dir: Path) -> Path:
+    return save_stage(res, results_dir, STAGE)
 
 
 def main() -> None:
-    args = stage_cli(__doc__, "benchmarks/results/deterministic_cost.json")
+    args = stage_cli(__doc__, "benchmarks/results")
     res = measure(args.dtype, args.repeats, args.quick, args.model_path)
     print(f"\n{'':22} {'size':>5} {'default tok/s':>14} {'deterministic':>14} {'slowdown':>9}   ({res['dtype']}, "
           f"{res['threads']} threads)")
@@ -63,7 +81,7 @@ def main() -> None:
               f"{r['slowdown']:>8.2f}x")
     print(f"start-up: default {res['start_s']['default']:.1f}s, deterministic {res['start_s']['deterministic']:.1f}s"
           " (includes the batch-invariance check)")
-    write_json(res, args.out)
+    print(f"wrote {save(res, Path(args.out))}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from pathlib import Path
 import matplotlib
 
 import shared_cpu
+from stage_results import load_stage
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -173,20 +174,9 @@ def write(res: dict, out: Path) -> None:
         if at32:
             targets.append(check("scheduler + IPC / step time at batch 32", at32["fraction"], at32["fraction"] <= 0.05,
                                  "<= 0.05"))
-    if "deterministic" in res:
-        d = res["deterministic"]
-        L += ["## Deterministic mode: what it costs", "", "`--deterministic` (batch-invariant: a request's tokens never "
-              "depend on the batch) vs the default mode, the same model runner and weights in "
-              f"{d['dtype']}, side by side (alternating, median of repeats). Slowdown = time per token in "
-              "deterministic mode / default mode. Start-up: default "
-              f"{d['start_s']['default']:.1f} s, deterministic {d['start_s']['deterministic']:.1f} s (it probes the "
-              "product sizes of every linear shape and checks the loaded model's batch invariance).", "",
-              "| | size | default tok/s | deterministic tok/s | slowdown |", "|---|---|---|---|---|"]
-        for r in d["rows"]:
-            L.append(f"| {r['kind']} | {r['size']} | {r['default_tok_s']:.1f} | {r['deterministic_tok_s']:.1f} | "
-                     f"{r['slowdown']:.2f}x |")
-        L += ["", "![deterministic cost](deterministic.png)", ""]
-        plot_deterministic(d["rows"], out / "deterministic.png")
+    det = load_stage(out, "deterministic")  # the stage's committed results file, not results.json
+    if det is not None:
+        L += deterministic_section(det, out)
     if "grammar" in res:
         g = res["grammar"]
         o = g["one_off"]
@@ -483,6 +473,26 @@ def plot_multiturn(runs: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def deterministic_section(d: dict, out: Path) -> list[str]:
+    m = d.get("machine", {})
+    kernels = d.get("kernels", {})
+    L = ["## Deterministic mode: what it costs", "", "`--deterministic` (batch-invariant: a request's tokens never "
+         "depend on the batch) vs the default mode, the same model and weights in "
+         f"{d['dtype']}, side by side (alternating, median of repeats); default mode on its "
+         f"`{kernels.get('default', '?')}` decode kernel, deterministic mode on its "
+         f"`{kernels.get('deterministic', '?')}` batch-invariant kernels. Slowdown = time per token in deterministic "
+         f"mode / default mode. Start-up: default {d['start_s']['default']:.1f} s, deterministic "
+         f"{d['start_s']['deterministic']:.1f} s (it builds or loads its kernels and checks the loaded model's batch "
+         f"invariance). Run {d.get('started', '?')} on {m.get('cpu', '?')} ({m.get('cpus_in_mask', '?')} CPUs, "
+         f"commit {m.get('commit', '?')}, load average {m.get('load_average_at_start', float('nan')):.1f} at the "
+         "start).", "", "| | size | default tok/s | deterministic tok/s | slowdown |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        L.append(f"| {r['kind']} | {r['size']} | {r['default_tok_s']:.1f} | {r['deterministic_tok_s']:.1f} | "
+                 f"{r['slowdown']:.2f}x |")
+    plot_deterministic(d["rows"], out / "deterministic.png")
+    return L + ["", "![deterministic cost](deterministic.png)", ""]
 
 
 def plot_deterministic(rows: list[dict], path: Path) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,8 +36,9 @@ import httpx
 from tqdm import tqdm
 
 from radixserve.server_process import ServerProcess
+from stage_results import load_stage, machine, save_stage
 
-RESULTS = Path("shared_cpu") / "results.json"  # under benchmarks/results: committed, unlike results.json
+STAGE = "shared_cpu"  # its results: benchmarks/results/shared_cpu/results.json (stage_results.py)
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 IDLE_TOKENS, BUSY_TOKENS = 96, 48
 BEFORE_ENV = {"GOMP_SPINCOUNT": "300000"}  # libgomp's default spin when OMP_WAIT_POLICY is unset
@@ -136,15 +136,6 @@ def neighbour() -> Iterator[None]:
         proc.wait()
 
 
-def machine() -> dict:
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    return {"cpu": model, "cpus_in_mask": len(os.sched_getaffinity(0)), "commit": commit,
-            "load_average_at_start": os.getloadavg()[0]}
-
-
 def measure(quick: bool = False, model_path: str | None = None, waits: list[str] = (),
             kinds: tuple[str, ...] = ("server", "Engine"), rounds: int | None = None) -> dict:
     """``waits``: OpenMP wait settings (``NAME=VALUE``) to measure beside the defaults, each as one more 'now'
@@ -207,14 +198,11 @@ def summary(rounds: list[dict], labels: list[str]) -> dict:
 
 
 def load(results_dir: Path) -> dict | None:
-    path = results_dir / RESULTS
-    return json.loads(path.read_text()) if path.exists() else None
+    return load_stage(results_dir, STAGE)
 
 
 def save(res: dict, results_dir: Path) -> None:
-    path = results_dir / RESULTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2))
+    save_stage(res, results_dir, STAGE)
 
 
 def section(res: dict, targets: list[str], check) -> list[str]:
@@ -280,7 +268,7 @@ def main() -> None:
               f"ratio {row['busy_over_idle']:.2f}  " +
               (f"idle now/before {row['idle_now_over_before']:.2f}" if "idle_now_over_before" in row else ""))
     save(res, Path(args.out))
-    print(f"wrote {Path(args.out) / RESULTS}")
+    print(f"wrote {Path(args.out) / STAGE / 'results.json'}")
 
 
 if __name__ == "__main__":

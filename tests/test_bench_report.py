@@ -140,3 +140,19 @@ def test_bench_report_says_why_llama_cpp_is_missing(tmp_path):
     res = {**results(), "peer": {"skipped": "llama.cpp needs cmake and a C++ compiler, and this machine lacks one"}}
     report.write(res, tmp_path)
     assert "Not in this run: llama.cpp needs cmake" in (tmp_path / "REPORT.md").read_text()
+
+
+def test_the_deterministic_section_comes_from_its_committed_file(tmp_path):
+    from stage_results import save_stage
+
+    rows = [{"kind": "prefill", "size": 128, "default_tok_s": 3000.0, "deterministic_tok_s": 1000.0, "slowdown": 3.0},
+            {"kind": "decode", "size": 1, "default_tok_s": 90.0, "deterministic_tok_s": 60.0, "slowdown": 1.5}]
+    save_stage({"started": "2026-12-01 23:00:00", "machine": {"cpu": "AMD EPYC", "cpus_in_mask": 2, "commit": "abc1234",
+                                                              "load_average_at_start": 0.5},
+                "dtype": "bfloat16", "threads": 2, "kernels": {"default": "native", "deterministic": "cpp"},
+                "rows": rows, "start_s": {"default": 1.0, "deterministic": 2.0}}, tmp_path, "deterministic")
+    report.write(results(), tmp_path)
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "| prefill | 128 | 3000.0 | 1000.0 | 3.00x |" in text and "| decode | 1 | 90.0 | 60.0 | 1.50x |" in text
+    assert "`native` decode kernel" in text and "`cpp` batch-invariant kernels" in text and "abc1234" in text
+    assert (tmp_path / "deterministic.png").stat().st_size > 10_000
