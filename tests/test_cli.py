@@ -47,10 +47,12 @@ def test_every_field_is_a_typed_flag_in_a_section():
     from dataclasses import fields
 
     from radixserve.cli_args import GROUPS
-    from radixserve.server_args import ServerArgs
+    from radixserve.server_args import RESOLVED, ServerArgs
 
     grouped = [name for names in GROUPS.values() for name in names]
-    assert sorted(grouped) == sorted(f.name for f in fields(ServerArgs)), "each field in exactly one section"
+    flags = sorted(f.name for f in fields(ServerArgs) if f.name not in RESOLVED)  # resolved() sets the others
+    assert sorted(grouped) == flags, "each field in exactly one section"
+    assert not any(f"--{name.replace('_', '-')}" in serve_parser().format_help() for name in RESOLVED)
     args = parse("--max-total-tokens", "4096", "--shadow-window", "2.5", "--port", "8000", "--api-key", "k",
                  "--random-seed", "3", "--served-model-name", "a", "b")
     assert (args.max_total_tokens, args.shadow_window, args.port, args.api_key, args.random_seed) == \
