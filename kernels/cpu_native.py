@@ -9,7 +9,8 @@ units. Loaded after torch, it shares torch's OpenMP runtime (the same ``libgomp.
 torch's threads, never a second pool.
 
 Where it cannot run (no compiler, a CPU without AVX-512 BF16/VNNI, float16 weights) ``unavailable_reason`` says why
-and ``--decode-kernel auto`` resolves to the compiled torch path instead.
+and ``--decode-kernel auto`` resolves to the next kernel (compiled, then eager); a build that fails at load time
+sends auto there too (ModelRunner).
 """
 from __future__ import annotations
 
