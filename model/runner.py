@@ -165,6 +165,11 @@ class ModelRunner:
             except Exception as exc:  # torch.compile fails in many ways (no compiler, an inductor bug)
                 self.compiled = None
                 self._refused(kernels, exc, "start with --decode-kernel eager")
+            if self.compiled is not None and self.adaptive is not None:
+                # dynamo guards every graph on the thread count it was compiled at: another count would miss them
+                self.adaptive = None
+                log.info("compiled decode: %d torch threads, fixed (its graphs are compiled for that count)",
+                         self.num_threads)
         if deterministic:
             from radixserve.model.determinism import check_batch_invariance
 
