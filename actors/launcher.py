@@ -12,10 +12,8 @@ import dataclasses
 import importlib
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 
@@ -26,7 +24,6 @@ from radixserve.actors.wire import decoder as inbox_decoder
 from radixserve.actors.nodes import NodeLink
 from radixserve.actors.runner_actor import rank_name
 from radixserve.actors.transport import ActorSpec, Endpoints, replica_name
-from radixserve.cpu_budget import yielding_openmp
 from radixserve.prepare import Prepared
 
 log = logging.getLogger(__name__)
@@ -48,10 +45,6 @@ class LaunchError(RuntimeError):
 
 
 def _child(kind: str, spec: ActorSpec, rank: int | None) -> None:
-    # before the actor's imports: libgomp reads its wait policy once, when torch loads it (radixserve/cpu_budget.py)
-    late = yielding_openmp(os.environ, sys.modules)
-    if late:  # torch came in with the parent's __main__ module, which spawn imports first
-        log.warning("the %s actor: %s", kind, late)
     module = importlib.import_module(ACTOR_MODULES[kind])
     module.main(spec) if rank is None else module.main(spec, rank)
 

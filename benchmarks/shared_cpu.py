@@ -12,7 +12,8 @@ process:
 - ``--wait NAME=VALUE``: the server and the Engine with their defaults but that OpenMP wait setting (to choose the
   default by measurement: ``--wait OMP_WAIT_POLICY=PASSIVE --wait GOMP_SPINCOUNT=30000``).
 
-Each round measures every system idle, then every system with the neighbour running; the order flips each round.
+Each round measures every system idle, then every system with the neighbour running (then a pause, so that the next
+round's idle turns find a machine that has been idle); the order flips each round.
 Decode tokens/s of one greedy stream: completion tokens after the first over the time after the first (prefill out
 of it). Results go to ``benchmarks/results/shared_cpu/results.json`` (committed; REPORT.md's section is built
 from it).
@@ -35,6 +36,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from radixserve import cpu_load
 from radixserve.server_process import ServerProcess
 from stage_results import load_stage, machine, save_stage
 
@@ -134,6 +136,11 @@ def neighbour() -> Iterator[None]:
     finally:
         proc.kill()
         proc.wait()
+        # the next round's idle turns measure a machine that has been idle, as a user's is: a runner that just saw
+        # the neighbour still runs fewer threads until its estimate has asked for more for cpu_load.GROW_AFTER
+        # (a neighbour that just left is a different case from an idle machine), or restarts from its cap after
+        # cpu_load.STALE without steps
+        time.sleep(cpu_load.GROW_AFTER + cpu_load.STALE)
 
 
 def measure(quick: bool = False, model_path: str | None = None, waits: list[str] = (),

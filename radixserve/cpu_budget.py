@@ -5,15 +5,16 @@ Two rules keep decode from collapsing when the CPU is shared (with radixserve's 
 - **Threads from the CPUs we may use**: the affinity mask (``taskset``, a cpuset) and the cgroup's CPU quota
   (a container's ``--cpus``: cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``), the smaller of
   the two, rounded down. On a large machine one CPU is left to the actors beside the runner.
-- **Threads that spin briefly, then yield**: the native decode step's threads meet at a barrier after every phase
-  of every layer, microseconds apart, and a thread that spins there is much faster than one that sleeps (sleeping at
-  once, ``OMP_WAIT_POLICY=PASSIVE``, cost ~30% of one-stream decode on an idle machine). libgomp's default spins
-  ~300,000 iterations (up to milliseconds) before sleeping, past the end of a step into the turn of the actors
-  beside the runner; ``GOMP_SPINCOUNT=30000`` covers a step's barriers and sleeps between steps. Spinning against a
-  busy neighbour (a thread whose partner was preempted burns the core that partner needs) is avoided by running
-  fewer threads while other processes keep CPUs busy (radixserve/cpu_load.py), not by sleeping. libgomp reads the
-  setting once, when it is loaded (when torch is imported), so it is put into the environment before that, in each
-  actor's entry and in the Engine; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+- **Fewer threads, not shorter spins**: the native decode step's threads meet at a barrier after every phase of
+  every layer, microseconds apart, and a thread that spins there (libgomp's default: ~300,000 iterations, then
+  sleep) is much faster than one that sleeps. What collapses decode on a shared CPU is a thread spinning while the
+  partner it waits for was preempted, burning the core that partner needs; the runner avoids it by running fewer
+  threads while other processes keep CPUs busy (radixserve/cpu_load.py), one thread having no partner to wait for.
+  The wait policy itself is left as libgomp's default or the user's ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``:
+  measured side by side (benchmarks/shared_cpu.py, 2-core AMD EPYC), a shorter spin (``GOMP_SPINCOUNT=30000``)
+  cost the server ~8% of idle decode and gained nothing beside a neighbour, and sleeping at once
+  (``OMP_WAIT_POLICY=PASSIVE``) cost ~35% idle. With a fixed thread count (``--num-threads``, ``--deterministic``,
+  the compiled kernel) on a CPU others use, ``OMP_WAIT_POLICY=PASSIVE`` is the user's lever.
 
     budget = read_budget()
     budget.threads(ranks=1, actors_beside=True)  # what the runner of a one-rank server takes
@@ -22,11 +23,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_POLICY = ("GOMP_SPINCOUNT", "30000")  # spin through a step's barriers, sleep between steps
 USER_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one means the user chose how threads wait
 RESERVE_FROM = 8  # CPUs from which one is left to the api, tokenizer and scheduler beside the runner
 
@@ -131,23 +131,6 @@ def _read_cfs(folder: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return quota / period if quota > 0 and period > 0 else None
-
-
-def yielding_openmp(environ: MutableMapping[str, str], loaded: Mapping[str, object]) -> str | None:
-    """Make OpenMP threads spin only briefly at barriers, then sleep: puts GOMP_SPINCOUNT=30000 into ``environ``
-    (os.environ) unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT. Call it before torch is imported in this
-    process; ``loaded`` is sys.modules. Returns a warning for the log when it comes too late (torch, and with it
-    libgomp, already loaded, so the setting will not take effect), else None."""
-    if any(name in environ for name in USER_WAIT_VARIABLES):
-        return None
-    name, value = WAIT_POLICY
-    environ[name] = value
-    if "torch" in loaded:
-        return (f"torch was imported before radixserve could set {name}={value}, so its OpenMP threads spin for "
-                "milliseconds after every decode step, into the turn of whatever else needs the CPU. Set "
-                f"{name}={value} in the environment before Python starts (or create the Engine before importing "
-                "torch)")
-    return None
 
 
 def wait_policy(environ: Mapping[str, str]) -> str:

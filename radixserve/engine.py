@@ -5,8 +5,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import os
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +17,6 @@ from radixserve.actors.messages import Delta, FinishReason, GenerateReq
 from radixserve.actors.scheduler.actor import token_batch
 from radixserve.actors.scheduler import build_scheduler
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
-from radixserve.cpu_budget import yielding_openmp
 from radixserve.errors import InvalidRequest
 from radixserve.prepare import prepare
 from radixserve.prompts import text_or_ids
@@ -39,9 +36,6 @@ class Engine:
     disable_radix_cache, ...). Without a model path: the bundled SmolLM2-135M-Instruct."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
-        late = yielding_openmp(os.environ, sys.modules)  # before torch: libgomp reads it once, when it loads
-        if late:
-            log.warning("%s", late)
         from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
         from radixserve.actors.runner_actor import seed_sampling
 

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import sys
 import time
@@ -29,12 +28,8 @@ def serve(args: ServerArgs) -> int:
     import uvloop
 
     from radixserve.actors.launcher import Launcher
-    from radixserve.cpu_budget import yielding_openmp
     from radixserve.prepare import prepare
 
-    # inherited by every actor, each started afresh (their libgomp reads it on loading); this process only launches
-    # and answers HTTP, so a torch it already loaded (resolving "auto" values) does not matter
-    yielding_openmp(os.environ, sys.modules)
     prepared = prepare(args)
     launcher = Launcher(prepared)
     launcher.start()
