@@ -69,7 +69,8 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     args = dataclasses.replace(args, max_total_tokens=tp.first_ranks(args.max_total_tokens))
     cfg = ModelConfig.from_hf(*load_configs(Path(spec.model_dir)))
     source = Path(spec.model_source) if spec.model_source else None
-    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp, max_threads)
+    # the launcher and the actors it started (this one's siblings) are the server itself, not a neighbour
+    runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp, max_threads, os.getppid())
     seed_sampling(args.random_seed)
     return RunnerActor(runner, channel, spec.named("scheduler")), {
                                           "threads": torch.get_num_threads(), "omp_wait": wait_policy(os.environ),

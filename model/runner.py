@@ -14,7 +14,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from radixserve.actors.messages import ForwardPlan, ForwardResult
-from radixserve.cpu_load import AdaptiveThreads, ProcStat
+from radixserve.cpu_load import AdaptiveThreads, ProcessTree, ProcStat
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.kernels.cpu_native import NativeUnavailable, default_cache_dir
@@ -91,12 +91,15 @@ class ModelRunner:
                  attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
                  quantization: str | None = None, source: Path | None = None, decode_kernel: str = "eager",
                  max_batch: int = 1, tp: TPGroup = SINGLE, context_length: int | None = None,
-                 decode_fallback: tuple[str, ...] = (), max_threads: int | None = None) -> None:
+                 decode_fallback: tuple[str, ...] = (), max_threads: int | None = None,
+                 server_root: int | None = None) -> None:
         """``num_threads``: a fixed thread count (CPU); without it the runner takes up to ``max_threads`` (default:
         this process's CPU budget), fewer while other processes keep CPUs busy (radixserve/cpu_load.py).
         ``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
         choose their factor set from it (ModelConfig.rope_inv_freq). ``decode_fallback``: the decode kernels to
-        try in turn when ``decode_kernel`` cannot load here (empty: that fails the start)."""
+        try in turn when ``decode_kernel`` cannot load here (empty: that fails the start). ``server_root``: the pid
+        of the server's launcher, whose processes count as this runner's own when it watches the CPUs (None: this
+        process only, as in an Engine)."""
         self.num_threads: int | None = None  # the threads every step runs on (CPU); adaptive: the most
         self.adaptive: AdaptiveThreads | None = None  # None: a fixed count (--num-threads, or not the CPU)
         if device == "cpu":  # default: the CPUs this process may use (affinity and cgroup quota) others leave free
@@ -106,7 +109,8 @@ class ModelRunner:
             self.num_threads = num_threads or max_threads or budget.threads()
             if num_threads is None and not deterministic:  # its row-by-row fallback relies on unchanged calls
                 mask = os.sched_getaffinity(0)
-                self.adaptive = AdaptiveThreads(self.num_threads, len(mask), ProcStat(mask).read)
+                own = ProcessTree(server_root).seconds if server_root is not None else time.process_time
+                self.adaptive = AdaptiveThreads(self.num_threads, len(mask), ProcStat(mask, own=own).read)
             torch.set_num_threads(self.num_threads)
             log.info("%s torch threads (%s); OpenMP threads wait by %s",
                      f"up to {self.num_threads} (fewer while other processes keep CPUs busy)" if self.adaptive
@@ -188,16 +192,18 @@ class ModelRunner:
 
     @classmethod
     def from_args(cls, cfg: ModelConfig, path: Path, args, source: Path | None = None,
-                  tp: TPGroup = SINGLE, max_threads: int | None = None) -> ModelRunner:
+                  tp: TPGroup = SINGLE, max_threads: int | None = None,
+                  server_root: int | None = None) -> ModelRunner:
         """The runner a server or Engine runs, configured by ``args`` (resolved ServerArgs); ``source``: the file
         the user gave (a GGUF file's quantized weights can be used as they ship); ``tp``: this rank's place;
-        ``max_threads``: this rank's share of the CPUs (without --num-threads)."""
+        ``max_threads``: this rank's share of the CPUs (without --num-threads); ``server_root``: the server's
+        launcher (see __init__)."""
         return cls(cfg, path, dtype=args.dtype, num_slots=args.max_total_tokens, device=args.device,
                    attention_backend=args.attention_backend, num_threads=args.num_threads,
                    deterministic=args.deterministic, quantization=args.quantization, source=source,
                    decode_kernel=args.decode_kernel, max_batch=args.max_running_requests, tp=tp,
                    context_length=args.context_length, decode_fallback=args.decode_fallback,
-                   max_threads=max_threads)
+                   max_threads=max_threads, server_root=server_root)
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:

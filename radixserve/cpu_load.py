@@ -10,6 +10,12 @@ runs as many threads as other processes leave free:
     others  = (busy time of our CPUs - our own CPU time) / elapsed     (in CPUs; /proc/stat, time.process_time())
     threads = max(1, min(cap, round(len(cpus) - others)))
 
+In a server, "our own" is the whole server on this machine: the launcher (api) and every actor it started
+(tokenizer, scheduler, shadow, the other ranks), ``ProcessTree`` of the launcher. Those actors run between the
+runner's steps, and measured side by side (benchmarks/shared_cpu.py) two threads that spin through their turns
+decode faster than one thread that leaves them a core; counting them as "others" dropped the runner to one thread
+on an idle machine.
+
 Fewer threads at once when the estimate drops (a neighbour took a CPU); more only after the estimate has asked for
 them for ``grow_after`` seconds, so a burst does not make the count flap. Our own threads never count as
 "others": spinning or sleeping, their time is ours. After a pause without steps (no requests) the count starts
@@ -74,6 +80,52 @@ class ProcStat:
             busy += fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]  # steal: another VM's
             found = True
         return CpuTimes(busy * self.tick, idle * self.tick, self.own()) if found else None
+
+
+class ProcessTree:
+    """CPU seconds of a process and its descendants (the server's launcher and its actors), for ProcStat's
+    ``own``: this process's own time from time.process_time (nanoseconds), the others' from /proc/<pid>/stat
+    (utime + stime of every thread, in ticks). Descendants are found through /proc/<pid>/task/<tid>/children
+    on every read, so actors started later count too; a process that cannot be read counts nothing."""
+
+    def __init__(self, root: int, proc: Path = Path("/proc"), me: int | None = None,
+                 own: Callable[[], float] = time.process_time) -> None:
+        self.root, self.proc, self.own = root, proc, own
+        self.me = os.getpid() if me is None else me
+        self.tick = 1.0 / os.sysconf("SC_CLK_TCK")
+
+    def pids(self) -> list[int]:
+        """The root and its descendants, root first."""
+        found, todo = [], [self.root]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                tasks = list((self.proc / str(pid) / "task").iterdir())
+            except OSError:
+                continue
+            for task in tasks:
+                try:
+                    todo += [int(child) for child in (task / "children").read_text().split()]
+                except (OSError, ValueError):
+                    continue
+        return found
+
+    def seconds(self) -> float:
+        total = self.own()
+        for pid in self.pids():
+            if pid != self.me:
+                total += self._ticks(pid) * self.tick
+        return total
+
+    def _ticks(self, pid: int) -> int:
+        try:
+            stat = (self.proc / str(pid) / "stat").read_text()
+        except OSError:
+            return 0
+        fields = stat.rpartition(")")[2].split()  # the name may hold spaces and parentheses
+        # after the name: state is field 3 of stat(5), utime and stime are fields 14 and 15
+        return int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0
 
 
 def others_busy(before: CpuTimes, after: CpuTimes, cpus: int) -> float:

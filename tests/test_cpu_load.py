@@ -3,11 +3,15 @@ fake /proc/stat files and own-CPU-time sequences, the thread count it asks for w
 given --num-threads keeping that count. No timing: a fake clock drives every read."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from radixserve.cpu_load import AdaptiveThreads, CpuTimes, ProcStat, others_busy, threads_for
+from radixserve.cpu_load import AdaptiveThreads, CpuTimes, ProcessTree, ProcStat, others_busy, threads_for
 
 TICK = 0.01  # seconds per /proc/stat tick at 100 Hz, as the fakes below count
 
@@ -88,6 +92,46 @@ def test_others_are_the_busy_time_that_is_not_ours():
     assert others_busy(before, CpuTimes(busy=11.0, idle=11.0, own=5.0), cpus=2) == pytest.approx(0.0)
     assert others_busy(before, before, cpus=2) == 0.0  # nothing elapsed
     assert others_busy(before, CpuTimes(busy=10.5, idle=11.5, own=5.0), cpus=2) == 0.0  # rounding: never < 0
+
+
+def fake_proc(root: Path, tree: dict[int, list[int]], ticks: dict[int, int]) -> Path:
+    """/proc with a stat file (utime = ``ticks``, stime 1) per pid and children listed on a second thread."""
+    for pid, kids in tree.items():
+        main, other = root / str(pid) / "task" / str(pid), root / str(pid) / "task" / str(pid + 1)
+        main.mkdir(parents=True)
+        other.mkdir()
+        (main / "children").write_text("")
+        (other / "children").write_text(" ".join(map(str, kids)) + (" " if kids else ""))
+        fields = ["S"] + ["0"] * 10 + [str(ticks[pid]), "1"] + ["0"] * 30
+        (root / str(pid) / "stat").write_text(f"{pid} (python (actor) x) " + " ".join(fields) + "\n")
+    return root
+
+
+def test_process_tree_counts_the_server_and_takes_this_process_from_process_time(tmp_path):
+    """The launcher (10), its actors (20, 30) and an actor's child (40): ticks from stat, this process (30)
+    from its own clock; a process gone between listing and reading counts nothing."""
+    proc = fake_proc(tmp_path, {10: [20, 30], 20: [40], 30: [], 40: []}, {10: 100, 20: 50, 30: 999, 40: 9})
+    tree = ProcessTree(10, proc=proc, me=30, own=lambda: 2.0)
+    assert sorted(tree.pids()) == [10, 20, 30, 40]
+    assert tree.seconds() == pytest.approx(2.0 + (101 + 51 + 10) * tree.tick)
+    (proc / "40" / "stat").unlink()
+    assert tree.seconds() == pytest.approx(2.0 + (101 + 51) * tree.tick)
+    assert ProcessTree(77, proc=proc, me=30, own=lambda: 2.0).seconds() == 2.0  # no such root: only our own
+
+
+def test_process_tree_of_this_process_counts_a_busy_child():
+    tree = ProcessTree(os.getpid())
+    before = tree.seconds()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.6\n"
+                              "while time.process_time() < end: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 60
+        while tree.seconds() - before < 0.5 and time.monotonic() < deadline:  # its start-up and the loop
+            time.sleep(0.05)
+        assert child.pid in tree.pids() and tree.seconds() - before >= 0.5
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_threads_for_rounds_the_free_cpus_and_keeps_one():
