@@ -4,16 +4,18 @@ Uses the checkpoint's own tokenizer and chat template through transformers.
 """
 from __future__ import annotations
 
-import re
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from radixserve.actors.messages import (
-    ControlReply, Delta, FinishReason, FinishReq, Finished, Logprob, ScoredPrompt, TextReq, TokenBatch, TokenLogprob,
+    ControlReply, Delta, FinishReason, FinishReq, Finished, Logprob, RequestError, ScoredPrompt, TextReq, TokenBatch,
+    TokenLogprob,
 )
+from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
+from radixserve.stop_regex import CPU_BUDGET_S, StopRegexes
 
 
 log = logging.getLogger(__name__)
@@ -22,19 +24,24 @@ log = logging.getLogger(__name__)
 @dataclass
 class Detokenized:
     """A step's tokens as text: the deltas for the client, the stops the scheduler must hear about (a stop
-    string ended the request here), and the requests whose tokens could not be turned into text."""
+    string ended the request here), and the requests that fail here (tokens that could not be turned into text, a
+    stop_regex over its CPU budget): each ends alone, the others go on."""
 
     deltas: list[Delta] = field(default_factory=list)
     stops: list[FinishReq] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
+    failed: list[RequestError] = field(default_factory=list)
 
 
 class TokenizerCore:
-    def __init__(self, path: str | Path, chat_template: str | None = None) -> None:
-        """``chat_template``: ``--chat-template``, a Jinja file or a built-in name, in place of the tokenizer's."""
+    def __init__(self, path: str | Path, chat_template: str | None = None,
+                 stop_regex_budget_s: float = CPU_BUDGET_S) -> None:
+        """``chat_template``: ``--chat-template``, a Jinja file or a built-in name, in place of the tokenizer's;
+        ``stop_regex_budget_s``: the CPU seconds one request's stop_regex matching may take."""
         from transformers import AutoTokenizer
 
         from radixserve.actors.chat_templates import load_chat_template
+
+        self.stop_regex_budget_s = stop_regex_budget_s
 
         # trust_remote_code=False: a tokenizer shipping its own code is refused, never run (nor asked about)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
@@ -125,10 +132,15 @@ class TokenizerCore:
                 logprobs = [self.token_logprob(token_ids[i], batch.logprobs[i])] if i in batch.logprobs else None
                 scored = batch.prompt_logprobs.get(i)
                 prompt_lp = self.prompt_logprobs(scored) if scored is not None else None
+            except InvalidRequest as exc:  # the request's own doing (a stop_regex over its budget): it alone ends
+                live.pop(rid, None)
+                out.failed.append(RequestError(rid, str(exc), status=400, param=exc.param))
+                continue
             except Exception:
                 log.exception("internal error while detokenizing request %s", rid)
                 live.pop(rid, None)
-                out.failed.append(rid)
+                out.failed.append(RequestError(rid, "internal error while detokenizing (logged)", status=500,
+                                               code="internal_error"))
                 continue
             if stopped_here:
                 out.stops.append(FinishReq(rid, finish))
@@ -139,8 +151,9 @@ class TokenizerCore:
         return out
 
     def detokenizer(self, params: SamplingParams) -> Detokenizer:
-        return Detokenizer(self, params.skip_special_tokens, params.stop_strings,
-                           [re.compile(p) for p in params.stop_patterns_source], params.min_new_tokens)
+        patterns = params.stop_patterns_source
+        regexes = StopRegexes(patterns, self.stop_regex_budget_s) if patterns else None
+        return Detokenizer(self, params.skip_special_tokens, params.stop_strings, regexes, params.min_new_tokens)
 
     def output(self, params: SamplingParams) -> OutputText:
         return OutputText(self.detokenizer(params))
@@ -193,7 +206,7 @@ class Detokenizer:
     core: TokenizerCore
     skip_special_tokens: bool
     stop_strings: list[str]
-    stop_regexes: list[re.Pattern] = field(default_factory=list)  # searched over the whole text each time
+    stop_regexes: StopRegexes | None = None  # linear-time, and each check looks only where a new match can be
     min_tokens: int = 0  # min_new_tokens: before the output holds this many tokens, no stop string ends it
     ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -220,13 +233,14 @@ class Detokenizer:
         return self._find_stop(before)
 
     def _find_stop(self, before: int) -> str | None:
-        if not self.stop_strings and not self.stop_regexes:
+        if not self.stop_strings and self.stop_regexes is None:
             return None
         before = max(before, self._floor)
         # a stop string may straddle the old and new text: each is searched where it would end in the new
         hits = [(self.text.find(s, max(0, before - len(s) + 1)), s) for s in self.stop_strings]
         hits = [(i, s) for i, s in hits if i >= 0]
-        hits += [(m.start(), r.pattern) for r in self.stop_regexes if (m := r.search(self.text, self._floor))]
+        if self.stop_regexes is not None and (hit := self.stop_regexes.search(self.text, self._floor)) is not None:
+            hits.append(hit)  # the earliest match starting at the floor or later, found only where it can be new
         if not hits:
             return None
         pos, s = min(hits)

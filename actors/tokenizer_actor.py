@@ -63,7 +63,8 @@ class TokenizerActor:
             except Exception:  # a bug of ours on one message: log it, fail what it concerned, keep serving
                 log.exception("internal error on %s", type(msg).__name__)
                 if isinstance(msg, GenerateReq):
-                    await self.fail(msg.rid, "internal error while tokenizing (logged)")
+                    await self.fail(RequestError(msg.rid, "internal error while tokenizing (logged)", status=500,
+                                                 code="internal_error"))
             self.replicas.settle(self.live)
 
     async def handle(self, msg: Any) -> None:
@@ -106,16 +107,18 @@ class TokenizerActor:
         await self.channel.send(self.replicas.of(msg.rid), FinishReq(msg.rid, reason))
         await self.channel.send("api", TextBatch([Delta(msg.rid, "", [], 0, tracked.completion_tokens, 0, reason)]))
 
-    async def fail(self, rid: str, message: str) -> None:
-        """End one request with a 500 on our side: the api answers it, the scheduler frees its KV."""
-        self.live.pop(rid, None)
-        await self.channel.send(self.replicas.of(rid), FinishReq(rid, FinishReason("abort", message=message)))
-        await self.channel.send("api", RequestError(rid, message, status=500, code="internal_error"))
+    async def fail(self, err: RequestError) -> None:
+        """End one request with ``err`` (a 500 on our side, a 400 of its own doing): the api answers it, the
+        scheduler frees its KV."""
+        self.live.pop(err.rid, None)
+        reason = FinishReason("abort", message=err.message)
+        await self.channel.send(self.replicas.of(err.rid), FinishReq(err.rid, reason))
+        await self.channel.send("api", err)
 
     async def on_tokens(self, batch: TokenBatch) -> None:
         out = self.core.detokenize(batch, self.live)
-        for rid in out.failed:
-            await self.fail(rid, "internal error while detokenizing (logged)")
+        for err in out.failed:
+            await self.fail(err)
         for stop in out.stops:  # a stop string ended it here: the scheduler does not know yet
             await self.channel.send(self.replicas.of(stop.rid), stop)
         if out.deltas:

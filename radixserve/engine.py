@@ -250,9 +250,9 @@ class Engine:
             raise
         for stop in out.stops:
             sched.finish(stop.rid, stop.reason)
-        for rid in out.failed:
-            sched.finish(rid, FinishReason("abort", message="internal error while detokenizing"))
-            self._fail(rid, "internal error while detokenizing (logged)", 500, "internal_error")
+        for err in out.failed:
+            sched.finish(err.rid, FinishReason("abort", message=err.message))
+            self._fail(err.rid, err.message, err.status, err.code)
         for delta in out.deltas:
             sink = self._sinks.get(delta.rid)
             if sink is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import msgspec
@@ -80,11 +79,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if len(patterns) > MAX_STOP_STRINGS or any(len(p) > MAX_STOP_STRING_CHARS for p in patterns):
             bad("stop_regex", f"allows at most {MAX_STOP_STRINGS} patterns of at most {MAX_STOP_STRING_CHARS} "
                               "characters")
-        for p in patterns:
-            try:
-                re.compile(p)
-            except re.error as exc:
-                bad("stop_regex", f"is not a valid regular expression: {exc}")
+        if patterns:
+            from radixserve.stop_regex import check
+
+            check(patterns)  # InvalidRequest naming stop_regex if RE2 refuses a pattern (a backreference, lookaround)
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
         if self.regex is not None and self.json_schema is not None:
