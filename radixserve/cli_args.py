@@ -24,8 +24,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
                                       "auto_policy_hold", "auto_policy_cooldown"),
     "parallelism": ("tp", "dp", "routing_policy", "nnodes", "node_rank", "dist_init_addr", "dist_backend",
                     "dist_timeout"),
-    "api server": ("host", "port", "api_key", "served_model_name", "max_queued_requests",
-                   "max_sequences_per_request", "queue_timeout", "shutdown_timeout"),
+    "api server": ("host", "port", "api_key_file", "api_key", "allowed_hosts", "served_model_name",
+                   "max_queued_requests", "max_sequences_per_request", "max_connections", "max_streams",
+                   "queue_timeout", "shutdown_timeout"),
     "logging": ("log_level",),
     "debugging": ("check_invariants",),
 }
@@ -37,7 +38,8 @@ ALIASES = {  # SGLang's (and vLLM's) names for the same flags
     "deterministic": ["--enable-deterministic-inference"],
 }
 METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", "chat_template": "NAME_OR_FILE",
-            "served_model_name": "NAME", "dist_init_addr": "HOST:PORT", "api_key": "KEY", "host": "HOST",
+            "served_model_name": "NAME", "dist_init_addr": "HOST:PORT", "api_key": "KEY",
+            "api_key_file": "PATH", "allowed_hosts": "HOST", "host": "HOST",
             "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV"}
 HELP = {
     "model_path": "a HF checkpoint folder, a .gguf file, or a Hugging Face hub id (org/name, org/name@revision) "
@@ -77,7 +79,18 @@ HELP = {
                          "(default: the hub id, else the file or folder name)",
     "host": "address to listen on",
     "port": "port to listen on",
-    "api_key": "require `Authorization: Bearer <key>` on every route but /health (default: none)",
+    "api_key": "require `Authorization: Bearer <key>` on every route but /health and the dashboard's page; the "
+               "command line is readable by every local user (ps): prefer --api-key-file or $RADIXSERVE_API_KEY "
+               "(default: no key, unless one of those gives it; giving more than one is an error)",
+    "api_key_file": "read the API key from this file (all of it, surrounding whitespace ignored; warns if "
+                    "other users may read it) (default: none)",
+    "allowed_hosts": "Host header values to answer besides the loopback names and addresses, the --host name and "
+                     "the address a connection arrived on; others get 421 (DNS rebinding). Names, addresses, "
+                     "`.example.com` (the domain and its subdomains), or `*` alone for any Host, behind a proxy "
+                     "that checks it (default: none)",
+    "max_connections": "open HTTP connections at once (keep-alive ones included); while more are open a request "
+                       "gets 503 with Retry-After and its connection is closed",
+    "max_streams": "streamed (SSE) responses open at once; one more gets 503 with Retry-After before it starts",
     "tp": "tensor-parallel ranks: runner processes that each hold 1/tp of every layer (torch.distributed); must "
           "divide the attention heads, the MLP width and the KV heads (or be a multiple of them)",
     "dp": "data-parallel replicas on this machine: each a scheduler with its own KV pool, radix cache and "

@@ -11,13 +11,18 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from radixserve import __version__
 from radixserve.cli_args import from_cli, server_parser
 from radixserve.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.actors.api.boundary import Boundary
 
 log = logging.getLogger("radixserve")
 SUPERVISE_INTERVAL_S = 0.25
@@ -30,12 +35,18 @@ def serve(args: ServerArgs) -> int:
     from radixserve.actors.launcher import Launcher
     from radixserve.prepare import prepare
 
+    boundary: Boundary | None = None  # node 0's HTTP server alone has one
+    if args.node_rank == 0:  # before the model loads: a bad key file fails in a moment
+        from radixserve.actors.api.boundary import boundary_from_flags
+
+        boundary = boundary_from_flags(args.host, args.allowed_hosts, args.max_connections, args.api_key,
+                                       args.api_key_file, os.environ)
     prepared = prepare(args)
     launcher = Launcher(prepared)
     launcher.start()
     reason = "stopped"
     try:
-        code = uvloop.run(_serve(prepared, launcher) if args.node_rank == 0 else _serve_ranks(launcher))
+        code = uvloop.run(_serve(prepared, launcher, boundary) if boundary is not None else _serve_ranks(launcher))
         reason = "stopped" if code == 0 else launcher.failure() or f"exit code {code}"
         return code
     except BaseException as exc:
@@ -62,7 +73,7 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def _serve(prepared, launcher) -> int:
+async def _serve(prepared, launcher, boundary: Boundary) -> int:
     from aiohttp import web
 
     from radixserve.actors.api.app import make_app
@@ -87,13 +98,13 @@ async def _serve(prepared, launcher) -> int:
     }
     limits = Limits(max_sequences_per_request=args.max_sequences_per_request,
                     max_in_flight=args.max_queued_requests + args.max_running_requests,
-                    vocab_size=prepared.model.vocab_size)
+                    vocab_size=prepared.model.vocab_size, max_streams=args.max_streams)
     from radixserve.actors.tokenizer_actor import scheduler_names
 
     server = ApiServer(launcher.endpoints, info, limits, tuple(scheduler_names(args.dp)))
     server.metrics.ranks(launcher.ranks_by_node())
     server.start()
-    runner = web.AppRunner(make_app(server, args.api_key), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(make_app(server, boundary), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port).start()

@@ -62,7 +62,11 @@ class ServerArgs:
     dist_backend: str = "auto"  # auto: nccl on CUDA, gloo on the CPU
     dist_timeout: float = 60.0  # seconds a collective may take (a node silent 10 s, or this if shorter, is dead)
     log_level: str = "info"
-    api_key: str | None = None
+    api_key: str | None = None  # on the command line (ps shows it): api_key_file or $RADIXSERVE_API_KEY keep it out
+    api_key_file: str | None = None  # a file holding the key (one of api_key, api_key_file, $RADIXSERVE_API_KEY)
+    allowed_hosts: tuple[str, ...] | None = None  # Host values answered besides loopback and the bound address
+    max_connections: int = 512  # open HTTP connections; a request beyond them: 503 + Retry-After
+    max_streams: int = 256  # open streamed (SSE) responses; a stream beyond them: 503 + Retry-After
     served_model_name: tuple[str, ...] | None = None  # names clients may pass, the first listed; None: the model's
     num_threads: int | None = None  # torch threads of the runner; None: all cores
     device: str = "auto"  # auto: cuda if torch sees a GPU, else cpu
@@ -123,6 +127,14 @@ class ServerArgs:
         if self.deterministic and self.decode_kernel not in ("auto", "eager"):
             raise ValueError(f"--deterministic runs its own batch-invariant kernels; --decode-kernel "
                              f"{self.decode_kernel} cannot be combined with it")
+        if self.allowed_hosts is not None:  # frozen as a tuple; a bad entry fails here, not at the first request
+            from radixserve.actors.api.hosts import AllowedHosts
+
+            object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+            AllowedHosts.build(self.host, self.allowed_hosts)
+        if self.max_connections < 1 or self.max_streams < 1:
+            raise ValueError(f"max_connections={self.max_connections} and max_streams={self.max_streams} must be "
+                             ">= 1")
         if self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request={self.max_sequences_per_request} must be >= 1")
         if self.queue_timeout is not None and not self.queue_timeout > 0:

@@ -1,39 +1,26 @@
-"""The aiohttp application: routes, auth, JSON-only state changes, errors, body-size limit.
+"""The aiohttp application: routes, the boundary every request passes (boundary.py: open connections, Host, API
+key, body size), JSON-only state changes, errors.
 
-Cross-site safety: every route that changes state or runs the model is POST-only and takes only
-``Content-Type: application/json`` bodies. A web page can send a cross-site POST without asking the server first
-only as a "simple" request (form or text/plain bodies); those are refused (415) before anything runs, and a JSON
-request from another origin needs a CORS preflight that this server never grants (no Access-Control headers).
+Cross-site safety: a web page can reach a server on this machine in two ways, and both are closed.
+- A cross-site request: every route that changes state or runs the model is POST-only and takes only
+  ``Content-Type: application/json`` bodies. A page can send a cross-site POST without asking the server first only
+  as a "simple" request (form or text/plain bodies); those are refused (415) before anything runs, and a JSON request
+  from another origin needs a CORS preflight that this server never grants (no Access-Control headers).
+- DNS rebinding (the page's own name made to resolve to 127.0.0.1, so its requests are same-origin): they name the
+  page's domain in ``Host``, which is not one the server answers to (hosts.py: 421).
 """
 from __future__ import annotations
-
-import hmac
 
 from aiohttp import web
 
 from radixserve.actors.api import dashboard
+from radixserve.actors.api.boundary import Boundary
 from radixserve.actors.api.errors import APIError, error_middleware
 from radixserve.actors.api.native import NativeRoutes
 from radixserve.actors.api.openai import OpenAIRoutes
 from radixserve.actors.api.server import SERVER, ApiServer
 
-MAX_BODY_BYTES = 8 * 2**20
-OPEN_PATHS = {"/health", *dashboard.OPEN_PATHS}  # the dashboard's page and files hold no data
-
-
-def auth_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler):
-        if request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
-                               type="invalid_request_error", code="invalid_api_key")
-        return await handler(request)
-
-    return check
+OPEN_PATHS = {"/health", *dashboard.OPEN_PATHS}  # need no key: the dashboard's page and files hold no data
 
 
 @web.middleware
@@ -49,9 +36,11 @@ async def json_only(request: web.Request, handler):
     return await handler(request)
 
 
-def make_app(server: ApiServer, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> web.Application:
-    middlewares = [error_middleware(server.metrics)] + ([auth_middleware(api_key)] if api_key else []) + [json_only]
-    app = web.Application(middlewares=middlewares, client_max_size=max_body)
+def make_app(server: ApiServer, boundary: Boundary | None = None) -> web.Application:
+    """``boundary``: the key, the Host values and the caps (default: no key, loopback hosts)."""
+    boundary = boundary or Boundary()
+    middlewares = [error_middleware(server.metrics), *boundary.middlewares(OPEN_PATHS), json_only]
+    app = web.Application(middlewares=middlewares, client_max_size=boundary.max_body)
     app[SERVER] = server
     OpenAIRoutes(server).add_to(app)
     NativeRoutes(server).add_to(app)

@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         421: "invalid_request_error",
          429: "rate_limit_error", 503: "service_unavailable"}
 # SGLang's field names (what the scheduler reports) as the OpenAI routes call them
 OPENAI_PARAMS = {"max_new_tokens": "max_tokens"}
@@ -22,11 +23,12 @@ OPENAI_PARAMS = {"max_new_tokens": "max_tokens"}
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, retry_after: int | None = None) -> None:
+                 type: str | None = None, retry_after: int | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.retry_after = retry_after
+        self.close = close  # end the connection after this answer (the client holds one too many)
 
     @property
     def reason(self) -> str:
@@ -38,7 +40,10 @@ class APIError(Exception):
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        response = web.json_response(self.body(), status=self.status, headers=headers)
+        if self.close:
+            response.force_close()
+        return response
 
 
 def from_validation(exc: msgspec.ValidationError | ValueError) -> APIError:

@@ -46,7 +46,7 @@ class NativeRoutes:
         self.server.check_size(body.num_sequences())  # refused before a single sequence is built
         batch = native_batch(body, self.server.limits.vocab_size)
         outputs = batch.outputs()
-        async with self.server.open(batch.rid, batch.gens) as group:
+        async with self.server.open(batch.rid, batch.gens, stream=body.stream) as group:
             firsts = await first_deltas(group)
             if not body.stream:
                 async for i, delta in merged(group, firsts):

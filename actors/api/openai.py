@@ -169,7 +169,7 @@ class OpenAIRoutes:
     async def respond(self, request: web.Request, kind: Kind, rid: str, body, gens: list[GenerateReq],
                       echo: list[str] | None = None) -> web.StreamResponse:
         created = int(time.time())
-        async with self.server.open(rid, gens) as group:
+        async with self.server.open(rid, gens, stream=body.stream) as group:
             firsts = await first_deltas(group)
             choices = [Choice(i) for i in range(len(gens))]
             if not body.stream:

@@ -1,9 +1,10 @@
 """The api actor's core: admission, one asyncio queue per generation, and the task that reads the api inbox.
 
 Handlers (openai.py, native.py) open one ``RequestGroup`` per HTTP request: its sequences (prompts x n) are
-admitted or refused together, *before* anything is tokenized -- 503 while draining, 429 past the per-request cap
-or the in-flight cap, 400 for a request id already in use. Leaving the group before its sequences ended (the
-client went away: aiohttp cancels the handler, streaming or not) aborts them, which releases their KV at once.
+admitted or refused together, *before* anything is tokenized -- 503 while draining or past the cap on open streams,
+429 past the per-request cap or the in-flight cap, 400 for a request id already in use. Leaving the group before its
+sequences ended (the client went away: aiohttp cancels the handler, streaming or not) aborts them, which releases
+their KV (and a stream's place) at once.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Limits:
     max_sequences_per_request: int = 256  # prompts x n in one HTTP request
     max_in_flight: int = 1024 + 128  # sequences admitted and not finished: --max-queued-requests + running
     vocab_size: int | None = None  # token ids are checked against it before anything is queued
+    max_streams: int = 256  # streamed (SSE) responses open at once: each holds a connection until it ends
 
 
 class RequestStream:
@@ -85,12 +87,13 @@ class RequestGroup:
     """The sequences of one HTTP request, admitted together; ``async with`` sends them, leaving aborts what has
     not finished."""
 
-    def __init__(self, server: ApiServer, rid: str, gens: list[GenerateReq]) -> None:
-        self.server, self.rid = server, rid
+    def __init__(self, server: ApiServer, rid: str, gens: list[GenerateReq], stream: bool = False) -> None:
+        self.server, self.rid, self.stream = server, rid, stream
         self.streams = [RequestStream(server, g) for g in gens]
 
     async def __aenter__(self) -> RequestGroup:
         server = self.server
+        server.open_streams += self.stream  # given back first thing in __aexit__, whatever ended the request
         server.groups[self.rid] = [s.req.rid for s in self.streams]
         for s in self.streams:
             server.pending[s.req.rid] = s
@@ -104,6 +107,7 @@ class RequestGroup:
 
     async def __aexit__(self, *exc: object) -> None:
         server = self.server
+        server.open_streams -= self.stream
         server.groups.pop(self.rid, None)
         for s in self.streams:
             server.pending.pop(s.req.rid, None)
@@ -123,6 +127,7 @@ class ApiServer:
         self.limits = limits or Limits()
         self.pending: dict[str, RequestStream] = {}  # every sequence in flight, by its rid
         self.groups: dict[str, list[str]] = {}  # an HTTP request's rid -> the rids of its sequences
+        self.open_streams = 0  # groups admitted with stream=True and not yet left
         self.metrics = Metrics()
         self.shadow: dict[str, Any] | None = None  # the shadow's latest report (--shadow-policies)
         self.status: Status | None = None  # every replica's together
@@ -143,8 +148,9 @@ class ApiServer:
         self.channel.close()
 
     # -- admission ---------------------------------------------------------------------------------------
-    def open(self, rid: str, gens: list[GenerateReq]) -> RequestGroup:
-        """Admit one HTTP request's sequences, or refuse them all (nothing is sent, nothing tokenized)."""
+    def open(self, rid: str, gens: list[GenerateReq], stream: bool = False) -> RequestGroup:
+        """Admit one HTTP request's sequences, or refuse them all (nothing is sent, nothing tokenized). ``stream``:
+        the answer is streamed (SSE), and counts against ``Limits.max_streams`` until the group is left."""
         if not self.healthy:
             raise APIError(503, "the server is shutting down", type="service_unavailable")
         if self.draining:
@@ -159,7 +165,11 @@ class ApiServer:
         if len(self.pending) + n > lim.max_in_flight:
             raise APIError(429, f"the server is at capacity ({len(self.pending)} sequences in flight, at most "
                                 f"{lim.max_in_flight}); retry later", code="queue_full", retry_after=RETRY_AFTER_S)
-        return RequestGroup(self, rid, gens)
+        if stream and self.open_streams >= lim.max_streams:
+            raise APIError(503, f"the server has {lim.max_streams} streams open, the most it keeps (--max-streams); "
+                                "retry later, or ask without \"stream\"", code="too_many_streams",
+                           retry_after=RETRY_AFTER_S)
+        return RequestGroup(self, rid, gens, stream)
 
     def check_size(self, n: int) -> None:
         """429 if one HTTP request asks for more than --max-sequences-per-request sequences (prompts x n)."""
@@ -279,6 +289,7 @@ class ApiServer:
         info["healthy"] = self.healthy
         info["draining"] = self.draining
         info["in_flight"] = len(self.pending)
+        info["open_streams"] = self.open_streams
         return info
 
 

@@ -5,17 +5,26 @@ comes. Workers are health-checked (``GET /health``); one that fails is taken out
 until it answers again. A request whose worker fails before anything was sent back is retried on another; one
 that fails mid-stream ends with an error event. The router's own routes: ``/health``, ``/workers``,
 ``/get_server_info``; ``POST /flush_cache`` goes to every healthy worker; the generation routes and the model
-routes are proxied."""
+routes are proxied.
+
+Its front door is the api server's (actors/api/boundary.py): Host check, its own key (``--api-key-file``,
+``$RADIXSERVE_API_KEY`` or ``--api-key``; only ``/health`` is open), a cap on connections, 8 MiB bodies. A worker is
+sent only the client's headers it needs (``FORWARDED``) and the workers' own key (``--worker-api-key-file``,
+``$RADIXSERVE_WORKER_API_KEY``, ``--worker-api-key``): never the client's credentials or cookies."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+import msgspec
+from aiohttp import hdrs, web
 
+from radixserve.actors.api.api_key import load_api_key
+from radixserve.actors.api.boundary import MAX_CONNECTIONS, Boundary, boundary_from_flags
 from radixserve.actors.api.errors import APIError, error_middleware
 from radixserve.actors.router.policies import RoutingConfig, Worker, load_routing_policy
 
@@ -26,6 +35,11 @@ ANY_WORKER = ("/v1/models", "/get_model_info")  # GET, any healthy worker answer
 ANY_WORKER_POST = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")  # POST, any healthy worker
 EVERY_WORKER = ("/flush_cache", "/abort_request")  # POST, sent to every healthy worker
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+# the client's headers a worker is sent: what it needs to read the body and shape the answer, nothing that
+# identifies or authenticates the client (Authorization, Cookie): workers get the router's worker key instead
+FORWARDED = (hdrs.CONTENT_TYPE, hdrs.ACCEPT, "X-Request-Id")
+OPEN_PATHS = frozenset({"/health"})  # needs no key: load balancers check it
+WORKER_KEY_ENV = "RADIXSERVE_WORKER_API_KEY"
 BUSY = (502, 503, 504)  # a worker's answer that another worker may not give: the request tries the next one
 
 
@@ -53,9 +67,13 @@ def route_text(path: str, body: Any) -> str:
 
 class Router:
     def __init__(self, urls: list[str], policy: str = "cache-aware", config: RoutingConfig | None = None,
-                 health_interval_s: float = 1.0, failures_to_remove: int = 2) -> None:
+                 health_interval_s: float = 1.0, failures_to_remove: int = 2,
+                 worker_api_key: str | None = None) -> None:
+        """``worker_api_key``: sent to every worker as ``Authorization: Bearer`` (None: no Authorization at all)."""
         if not urls:
             raise ValueError("the router needs at least one --worker-urls URL")
+        self.worker_api_key = worker_api_key
+        self._refused_by: set[str] = set()  # workers that answered 401: said once in the log
         self.workers = [Worker(url.rstrip("/")) for url in urls]
         self.policy = load_routing_policy(policy, config)
         self.health_interval_s, self.failures_to_remove = health_interval_s, failures_to_remove
@@ -120,10 +138,12 @@ class Router:
     # -- routes ------------------------------------------------------------------------------------------
     async def proxy_routed(self, request: web.Request) -> web.StreamResponse:
         data = await request.read()
-        try:
-            body = json.loads(data) if data else None
-        except ValueError:
+        try:  # msgspec: an 8 MiB body is parsed in milliseconds, the event loop barely notices
+            body = msgspec.json.decode(data) if data else None
+        except msgspec.DecodeError:
             body = None  # the worker answers the malformed body with its own 400
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
         text = route_text(request.path, body)
         return await self._serve(request, data, lambda workers: self.policy.choose(text, workers))
 
@@ -150,13 +170,26 @@ class Router:
             finally:
                 worker.load -= 1
 
+    def worker_headers(self, request: web.Request) -> dict[str, str]:
+        """What a worker is sent of ``request``'s headers (``FORWARDED``), and the worker key, if any."""
+        headers = {name: request.headers[name] for name in FORWARDED if name in request.headers}
+        if self.worker_api_key is not None:
+            headers[hdrs.AUTHORIZATION] = f"Bearer {self.worker_api_key}"
+        return headers
+
+    def _note_refusal(self, worker: str, status: int) -> None:
+        if status == 401 and worker not in self._refused_by:
+            self._refused_by.add(worker)
+            log.warning("worker %s wants an API key the router does not send it: start the router with "
+                        "--worker-api-key-file (or $%s)", worker, WORKER_KEY_ENV)
+
     async def _forward(self, request: web.Request, worker: Worker, data: bytes) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         try:
             upstream = await self.session.request(request.method, worker.url + request.path_qs, data=data,
-                                                  headers=headers)
+                                                  headers=self.worker_headers(request))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _NothingSent(f"{type(exc).__name__}: {exc}") from exc
+        self._note_refusal(worker.url, upstream.status)
         async with upstream:
             passed = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
             if upstream.content_type != "text/event-stream":
@@ -191,13 +224,14 @@ class Router:
             return response
 
     async def every_worker(self, request: web.Request) -> web.Response:
-        """``/flush_cache``, ``/abort_request``: sent to every healthy worker, with the client's credentials."""
+        """``/flush_cache``, ``/abort_request``: sent to every healthy worker (with the worker key)."""
         data = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = self.worker_headers(request)
 
         async def one(worker: Worker):
             try:
                 async with self.session.post(worker.url + request.path, data=data, headers=headers) as resp:
+                    self._note_refusal(worker.url, resp.status)
                     return worker.url, resp.status, await resp.json(content_type=None)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 return worker.url, 502, {"error": f"{type(exc).__name__}: {exc}"}
@@ -217,8 +251,11 @@ class Router:
             {"url": w.url, "healthy": w.healthy, "load": w.load, "routed": self.routed[w.url]}
             for w in self.workers]})
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware(None)], client_max_size=64 * 2**20)
+    def app(self, boundary: Boundary | None = None) -> web.Application:
+        """``boundary``: the router's key, Host values and caps (default: no key, loopback hosts)."""
+        boundary = boundary or Boundary()
+        app = web.Application(middlewares=[error_middleware(None), *boundary.middlewares(OPEN_PATHS)],
+                              client_max_size=boundary.max_body)
         for path in ROUTED:
             app.router.add_post(path, self.proxy_routed)
         for path in ANY_WORKER:
@@ -252,6 +289,21 @@ def add_cli_args(parser) -> None:
     parser.add_argument("--worker-urls", nargs="+", required=True, help="the servers to route to")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key-file", metavar="PATH",
+                        help="clients must send `Authorization: Bearer <key>` with the key in this file (every "
+                             "route but /health); or $RADIXSERVE_API_KEY, or --api-key KEY (visible in ps)")
+    parser.add_argument("--api-key", metavar="KEY", help="the router's key on the command line (prefer "
+                        "--api-key-file)")
+    parser.add_argument("--worker-api-key-file", metavar="PATH",
+                        help=f"the key sent to every worker (the workers' own --api-key); or ${WORKER_KEY_ENV}, or "
+                             "--worker-api-key KEY. Clients' Authorization headers are never passed on")
+    parser.add_argument("--worker-api-key", metavar="KEY", help="the workers' key on the command line (prefer "
+                        "--worker-api-key-file)")
+    parser.add_argument("--allowed-hosts", nargs="+", metavar="HOST",
+                        help="Host values answered besides loopback, --host and the connection's own address "
+                             "(others: 421); `.example.com` for a domain and its subdomains, `*` for any")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help="open client connections at once; beyond: 503 with Retry-After (default: %(default)s)")
     parser.add_argument("--policy", default="cache-aware",
                         help="routing policy (entry points radixserve.routing_policies: round-robin, least-load, "
                              "cache-aware, ...)")
@@ -271,13 +323,18 @@ def run_cli(args) -> int:
     config = RoutingConfig(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
                            args.max_tree_size)
     try:
-        router = Router(args.worker_urls, args.policy, config, args.health_check_interval)
+        boundary = boundary_from_flags(args.host, args.allowed_hosts, args.max_connections, args.api_key,
+                                       args.api_key_file, os.environ)
+        worker_key = load_api_key(args.worker_api_key, args.worker_api_key_file, os.environ, env=WORKER_KEY_ENV,
+                                  name="--worker-api-key")
+        router = Router(args.worker_urls, args.policy, config, args.health_check_interval,
+                        worker_api_key=worker_key)
     except ValueError as exc:
         print(f"radixserve router: error: {exc}")
         return 2
     log.info("routing %d workers (%s) on http://%s:%d", len(router.workers), router.policy.name, args.host,
              args.port)
     # handler_cancellation: a client that leaves cancels its proxied request (the worker stops generating)
-    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,
+    web.run_app(router.app(boundary), host=args.host, port=args.port, print=None, access_log=None,
                 handler_cancellation=True)
     return 0
