@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from radixserve.actors.messages import GrammarSpec
-from radixserve.structured import grammar
+from radixserve.structured import grammar, limits
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,9 @@ class Constraints:
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key]
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar(spec.kind, spec.source), log_level=0)
+        # the same lexer limits as validation: a grammar that outgrows them fails its own request, quickly
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar(spec.kind, spec.source), log_level=0,
+                                       limits=limits())
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         self._compiled[key] = matcher

@@ -98,6 +98,12 @@ def test_a_matcher_out_of_step_fails_only_its_request(engine):
     ({"regex": "a", "json_schema": "{}"}, "regex", "cannot both"),
     ({"ebnf": "root ::= x"}, "ebnf", "not supported"),
     ({"stop_regex": ["("]}, "stop_regex", "regular expression"),
+    ({"stop_regex": [r"(a)\1"]}, "stop_regex", "no backreferences"),
+    ({"regex": "(a{500}){500}"}, "regex", "too complex"),  # llguidance's automaton outgrows its limits at once
+    ({"json_schema": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^((a{100}){100}){100}$"}}}},
+     "json_schema", "too complex"),
+    ({"json_schema": {"type": "object", "patternProperties": {"(a{1000}){1000}": {"type": "integer"}}}}, "json_schema",
+     "too complex"),
     ({"min_new_tokens": 3, "max_new_tokens": 2}, "min_new_tokens", "must not exceed"),
     ({"frequency_penalty": 2.5}, "frequency_penalty", "must be in"),
 ])
