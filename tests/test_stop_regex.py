@@ -142,19 +142,53 @@ def core(smollm2_path):
     return TokenizerCore(smollm2_path)
 
 
-def test_the_tokenizer_fails_only_the_request_over_budget(core):
-    """In one TokenBatch, the request whose stop_regex is over its budget gets a 400 naming stop_regex; the one
-    beside it gets its text."""
-    from radixserve.actors.messages import TokenBatch
+def test_the_tokenizer_actor_fails_only_the_request_over_budget(core):
+    """In one TokenBatch, the request whose stop_regex is over its budget gets a 400 naming stop_regex and the
+    scheduler is told to free it; the request beside it gets its text and goes on."""
+    import asyncio
 
-    live = {"costly": core.output(SamplingParams(stop_regex=r"(a+)+b")), "plain": core.output(SamplingParams())}
-    live["costly"].detok.stop_regexes.budget_s = 0.0  # any check is over
-    ids = core.encode(" a")
-    batch = TokenBatch(["costly", "plain"], np.array([ids[0], ids[0]]), np.array([3, 3]), np.array([0, 0]), {})
-    out = core.detokenize(batch, live)
-    assert [(e.rid, e.status, e.param) for e in out.failed] == [("costly", 400, "stop_regex")]
-    assert "CPU budget" in out.failed[0].message
-    assert list(live) == ["plain"] and [d.rid for d in out.deltas] == ["plain"]
+    from radixserve.actors.messages import FinishReq, GenerateReq, RequestError, TextBatch, TokenBatch
+    from radixserve.actors.tokenizer_actor import TokenizerActor
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, object]] = []
+
+        async def send(self, peer: str, msg) -> None:
+            self.sent.append((peer, msg))
+
+    channel = Recorder()
+    actor = TokenizerActor(core, channel)
+    token = core.encode(" a")[0]
+
+    async def main():
+        await actor.handle(GenerateReq("costly", SamplingParams(stop_regex=r"(a+)+b"), text="x"))
+        await actor.handle(GenerateReq("plain", SamplingParams(stop_regex=r"(a+)+b"), text="x"))
+        actor.live["costly"].detok.stop_regexes.budget_s = 0.0  # any check is over
+        await actor.handle(TokenBatch(["costly", "plain"], np.array([token] * 2), np.array([3, 3]), np.array([0, 0]),
+                                      {}))
+
+    asyncio.run(main())
+    errors = [m for _, m in channel.sent if isinstance(m, RequestError)]
+    assert [(e.rid, e.status, e.param) for e in errors] == [("costly", 400, "stop_regex")]
+    assert "CPU budget" in errors[0].message
+    assert [(peer, m.rid) for peer, m in channel.sent if isinstance(m, FinishReq)] == [("scheduler", "costly")]
+    deltas = [d for _, m in channel.sent if isinstance(m, TextBatch) for d in m.deltas]
+    assert [d.rid for d in deltas] == ["plain"] and list(actor.live) == ["plain"]
+
+
+def test_the_engine_fails_only_the_request_over_budget(tiny_models):
+    """The offline Engine goes through the same detokenizing: the request over its budget ends with its error (400,
+    the pattern named), the one beside it runs to its length."""
+    from radixserve.engine import Engine
+
+    with Engine(str(tiny_models["llama"]), dtype="float32", max_total_tokens=400) as engine:
+        engine.tokenizer.stop_regex_budget_s = 0.0  # every request made from here on: any check is over
+        outs = engine.generate(["one", "two"], [{"max_new_tokens": 8, "temperature": 0, "stop_regex": r"(a+)+b"},
+                                                {"max_new_tokens": 8, "temperature": 0}])
+    error = outs[0]["meta_info"]["error"]
+    assert error["status"] == 400 and "stop_regex" in error["message"] and "CPU budget" in error["message"]
+    assert "error" not in outs[1]["meta_info"] and outs[1]["meta_info"]["completion_tokens"] == 8
 
 
 def test_a_hostile_stop_regex_beside_a_normal_request(tiny_server, tiny_models):
