@@ -84,7 +84,7 @@ class StopRegexes:
     """One request's stop_regex patterns against its output as it grows: the earliest match, looked for only where
     a new one can be.
 
-    A new match ends in the text added since the last check, or right at its old end (where a ``\b`` or ``$`` now
+    A new match ends in the text added since the last check, or right at its old end (where a ``\\b`` or ``$`` now
     sees the character after it); anything ending further back was checked, with the same characters around it,
     and did not match. It may start anywhere from the floor (the text written before min_new_tokens is never
     cut). So a check runs the ``_windowed`` pattern backward from the end, anchored there, and takes the longest
@@ -99,7 +99,7 @@ class StopRegexes:
     The same earliest start as Python's ``re.search(text, floor)`` would give on the whole text, for RE2's
     syntax. An empty match counts: a pattern that matches the empty string cuts at the floor on the first check.
     A check costs the window plus the stretch a match could still span (the automaton stops where no match can
-    start further back): microseconds for ``\n\n``, the whole text for ``x.*a`` against ``a``s -- linear per
+    start further back): microseconds for ``\\n\\n``, the whole text for ``x.*a`` against ``a``s -- linear per
     check but quadratic per request, which is what the CPU budget is for.
     """
 
