@@ -16,11 +16,13 @@ import shutil
 import socket
 import tempfile
 import time
+from pathlib import Path
 
 import zmq
 
 from radixserve.actors.messages import Failed, LauncherInbox, Ready
 from radixserve.actors.wire import decoder as inbox_decoder
+from radixserve.actors.node_auth import node_keys
 from radixserve.actors.nodes import NodeLink
 from radixserve.actors.runner_actor import rank_name
 from radixserve.actors.transport import ActorSpec, Endpoints, replica_name
@@ -49,6 +51,13 @@ def _child(kind: str, spec: ActorSpec, rank: int | None) -> None:
     module.main(spec) if rank is None else module.main(spec, rank)
 
 
+def dist_key_path(args) -> Path:
+    """Where the nodes' shared key is (--dist-auth-key-file, else in radixserve's cache folder)."""
+    from radixserve.model.loader import cache_root
+
+    return Path(args.dist_auth_key_file) if args.dist_auth_key_file else cache_root() / "dist-auth.key"
+
+
 def free_local_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +69,8 @@ class Launcher:
         self.prepared = prepared
         args = prepared.args
         self.runtime_dir = tempfile.mkdtemp(prefix="radixserve-")
-        self.endpoints = Endpoints(self.runtime_dir, args.dist_init_addr if args.nnodes > 1 else None)
+        keys = node_keys(dist_key_path(args), create=args.node_rank == 0) if args.nnodes > 1 else None
+        self.endpoints = Endpoints(self.runtime_dir, args.dist_init_addr if args.nnodes > 1 else None, keys)
         # name -> (kind, tensor-parallel rank, data-parallel replica) of every actor this launcher starts
         self.children: dict[str, tuple[str, int | None, int | None]] = {}
         core = core and args.node_rank == 0
@@ -80,7 +90,8 @@ class Launcher:
         self.dist_addrs = {replica: (args.dist_init_addr if args.dp == 1 else None)
                            or (f"127.0.0.1:{free_local_port()}" if args.tp > 1 else None) for replica in replicas}
         self.link = (NodeLink(self.endpoints.node_link(), args.node_rank, args.nnodes,
-                              min(args.dist_timeout, NODE_SILENCE_S)) if args.nnodes > 1 else None)
+                              min(args.dist_timeout, NODE_SILENCE_S), keys, args.dist_timeout)
+                     if keys is not None else None)
         self.processes: dict[str, mp.process.BaseProcess] = {}
         self.lost: set[str] = set()  # optional actors that have died
         self.info: dict[str, dict] = {}

@@ -3,7 +3,9 @@
 Every actor has one PULL inbox bound at its own ``ipc://`` address in a private runtime dir and one PUSH outbox
 per peer it talks to -- except the runner ranks, whose inbox subscribes to the scheduler's plans: the scheduler
 publishes each step's plan once (``Publisher``) and every rank, on this machine (``ipc://``) or on another node
-(``tcp://``), gets it. Messages are msgspec msgpack, decoded straight into the inbox's union of Structs.
+(``tcp://``), gets it. Messages are msgspec msgpack, decoded straight into the inbox's union of Structs. Plans carry a sequence number
+(``PlanSequence``): a rank drops a plan it has already had and ends on a gap rather than run on without a step's
+KV writes. Across machines the plans' socket speaks CurveZMQ with the nodes' shared key (actors/node_auth.py).
 ``run_actor`` is each child process's whole life: sockets, the core (slow: e.g. loading a model), a Ready (or
 Failed) report to the launcher, the actor's loop until SIGTERM.
 """
@@ -26,11 +28,15 @@ import zmq
 import zmq.asyncio
 
 from radixserve.actors.messages import Failed, Ready
+from radixserve.actors.node_auth import NodeKeys, PeerGuard
 from radixserve.actors.wire import decoder, encoder
 
 log = logging.getLogger(__name__)
 
 ActorName = str  # "api" | "tokenizer" | "scheduler" | "runner" | "launcher"
+PLAN_HWM = 1024  # plans queued per subscriber: the scheduler waits for each step, so a real rank lags by one or two
+PLAN_MAX_BYTES = 256 * 2**20  # a larger frame on the plans' link is a broken or hostile peer: libzmq drops it
+SUBSCRIPTION_MAX_BYTES = 4096  # what a subscriber may send the publisher: its subscription (and Curve handshake)
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Endpoints:
 
     runtime_dir: str
     node0: str | None = None  # HOST:PORT when the ranks span machines
+    keys: NodeKeys | None = None  # the nodes' Curve keys when the ranks span machines (every plan subscriber's too)
 
     def address(self, name: ActorName) -> str:
         return f"ipc://{self.runtime_dir}/{name}.sock"
@@ -74,8 +81,11 @@ class Channel:
             self.inbox.bind(endpoints.address(name))
         else:
             self.inbox = self.ctx.socket(zmq.SUB)
-            self.inbox.setsockopt(zmq.RCVHWM, 0)  # never drop a plan
+            self.inbox.setsockopt(zmq.RCVHWM, PLAN_HWM)  # a plan dropped past it is caught by its sequence number
+            self.inbox.setsockopt(zmq.MAXMSGSIZE, PLAN_MAX_BYTES)
             self.inbox.setsockopt(zmq.SUBSCRIBE, b"")
+            if endpoints.keys is not None:
+                endpoints.keys.connect(self.inbox)
             self.inbox.connect(subscribe)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.outboxes: dict[ActorName, zmq.asyncio.Socket] = {}
@@ -86,15 +96,21 @@ class Channel:
             self.outboxes[peer] = sock
         self._encoder = encoder()
         self._decoder = decoder(inbox_type)
+        self.plans = PlanSequence() if subscribe is not None else None
 
     async def recv(self) -> Any:
-        return self._decoder.decode(await self.inbox.recv(copy=False))
+        if self.plans is None:
+            return self._decoder.decode(await self.inbox.recv(copy=False))
+        while True:  # plans: [sequence number, plan]
+            frames = await self.inbox.recv_multipart(copy=False)
+            if self.plans.accept(frames):
+                return self._decoder.decode(frames[1])
 
     async def recv_ready(self) -> list[Any]:
         """Everything already waiting in the inbox, without blocking."""
         out = []
         while await self.inbox.poll(0):
-            out.append(self._decoder.decode(await self.inbox.recv(copy=False)))
+            out.append(await self.recv())
         return out
 
     async def send(self, peer: ActorName, msg: msgspec.Struct) -> None:
@@ -114,19 +130,55 @@ class Channel:
         self.ctx.term()
 
 
+class PlanLost(RuntimeError):
+    """A plan never reached this rank: its KV cache no longer matches the scheduler's."""
+
+
+class PlanSequence:
+    """A rank's check of the plans' sequence numbers (1, 2, ...: ``Publisher`` numbers them): the next one is run,
+    one already seen (a replay) is dropped and counted, a gap raises PlanLost -- the rank ends, and with it the
+    server, rather than run later steps without one step's KV writes. A malformed message raises PlanLost too."""
+
+    def __init__(self) -> None:
+        self.expected = 1
+        self.replayed = 0
+
+    def accept(self, frames: list) -> bool:
+        """True: run this plan (``frames``: [8-byte big-endian sequence number, plan])."""
+        if len(frames) != 2 or len(frames[0]) != 8:
+            raise PlanLost(f"a plan message of {len(frames)} frame(s) is not [sequence number, plan]")
+        seq = int.from_bytes(frames[0].bytes, "big")
+        if seq == self.expected:
+            self.expected += 1
+            return True
+        if seq < self.expected:
+            self.replayed += 1
+            log.warning("dropped plan %d: already run (%d replayed plans dropped)", seq, self.replayed)
+            return False
+        raise PlanLost(f"plan {seq} arrived after plan {self.expected - 1}: {seq - self.expected} plan(s) never "
+                       "reached this rank, so its KV cache no longer matches the scheduler's; ending")
+
+
 class Publisher:
     """One message to every subscriber (the scheduler's plans to all runner ranks: one send per step, however
-    many ranks). ``wait_for(n)`` before the first send: a subscription made before it is never missed."""
+    many ranks), numbered for PlanSequence. ``wait_for(n)`` before the first send: a subscription made before it
+    is never missed. ``keys``: the socket speaks CurveZMQ, and only holders of the nodes' key subscribe."""
 
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], keys: NodeKeys | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
-        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a plan
+        self.sock.setsockopt(zmq.SNDHWM, PLAN_HWM)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.guard = PeerGuard(self.ctx, keys, "the plans' port") if keys is not None else None
+        if keys is not None:
+            keys.serve(self.sock)
+            self.guard.watch(self.sock)
         for address in addresses:
             self.sock.bind(address)
         self.subscribers = 0
+        self.sent = 0
         self._encoder = encoder()
 
     def wait_for(self, n: int, timeout_s: float) -> None:
@@ -139,11 +191,18 @@ class Publisher:
                                    f"{timeout_s:.0f}s")
             if self.sock.poll(min(left, 0.1) * 1000):
                 self.subscribers += self.sock.recv()[:1] == b"\x01"
+            if self.guard is not None:
+                self.guard.drain()
 
     def send(self, msg: msgspec.Struct) -> None:
-        self.sock.send(self._encoder.encode(msg), copy=False)
+        self.sent += 1
+        self.sock.send_multipart([self.sent.to_bytes(8, "big"), self._encoder.encode(msg)], copy=False)
+        if self.guard is not None:
+            self.guard.drain()
 
     def close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
         self.sock.close()
         self.ctx.term()
 

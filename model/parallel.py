@@ -15,6 +15,7 @@ The split, as Megatron and SGLang do it:
 from __future__ import annotations
 
 import math
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -123,9 +124,31 @@ def init_group(rank: int, size: int, backend: str, init_addr: str, timeout_s: fl
         return SINGLE
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    host, _, port = init_addr.rpartition(":")
+    host = host.strip("[]")  # an IPv6 literal
+    if rank == 0:  # the store listens on init_addr's address only (torch's own would listen on every interface)
+        listener = _listen(host, int(port))
+        store = dist.TCPStore(host, int(port), size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=listener.detach())  # the store owns the socket from here
+    else:
+        store = dist.TCPStore(host, int(port), size, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank, size, device)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``host`` (a name or an address) only."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"the tensor-parallel ranks' store cannot listen on {host}:{port}: {exc}") from None
+    return sock
 
 
 def kv_heads_per_rank(tp: int, num_kv_heads: int) -> int:

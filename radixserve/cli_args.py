@@ -23,7 +23,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                                       "shadow_window", "auto_policy", "auto_policy_metric", "auto_policy_margin",
                                       "auto_policy_hold", "auto_policy_cooldown"),
     "parallelism": ("tp", "dp", "routing_policy", "nnodes", "node_rank", "dist_init_addr", "dist_backend",
-                    "dist_timeout"),
+                    "dist_timeout", "dist_auth_key_file"),
     "api server": ("host", "port", "api_key_file", "api_key", "allowed_hosts", "served_model_name",
                    "max_queued_requests", "max_sequences_per_request", "max_connections", "max_streams",
                    "queue_timeout", "shutdown_timeout"),
@@ -38,8 +38,8 @@ ALIASES = {  # SGLang's (and vLLM's) names for the same flags
     "deterministic": ["--enable-deterministic-inference"],
 }
 METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", "chat_template": "NAME_OR_FILE",
-            "served_model_name": "NAME", "dist_init_addr": "HOST:PORT", "api_key": "KEY",
-            "api_key_file": "PATH", "allowed_hosts": "HOST", "host": "HOST",
+            "served_model_name": "NAME", "dist_init_addr": "HOST:PORT", "dist_auth_key_file": "FILE",
+            "api_key": "KEY", "api_key_file": "PATH", "allowed_hosts": "HOST", "host": "HOST",
             "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV"}
 HELP = {
     "model_path": "a HF checkpoint folder, a .gguf file, or a Hugging Face hub id (org/name, org/name@revision) "
@@ -106,6 +106,9 @@ HELP = {
     "dist_backend": "auto: nccl on CUDA, gloo on the CPU",
     "dist_timeout": "seconds a collective may wait (also the rendezvous: start every node within it); a node "
                     "silent for 10 s, or this if shorter, ends the whole server",
+    "dist_auth_key_file": "with --nnodes > 1: the nodes' shared secret key (CurveZMQ); node 0 creates it when "
+                          "absent, copy it to the same path on every other node (mode 0600) (default: "
+                          "$RADIXSERVE_CACHE/dist-auth.key, i.e. ~/.cache/radixserve/dist-auth.key)",
     "log_level": "log messages of this level and above",
     "num_threads": "torch threads for the model, fixed (default: the CPUs this process may use -- affinity and "
                    "cgroup quota -- shared by the ranks of this machine, fewer while other processes keep CPUs busy)",

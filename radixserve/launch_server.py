@@ -163,7 +163,7 @@ def run_cli(namespace: argparse.Namespace) -> int:
     logging.basicConfig(level=namespace.log_level.upper(), format="%(asctime)s [api] %(name)s: %(message)s")
     try:
         return serve(from_cli(namespace))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, PermissionError) as exc:  # PermissionError: the nodes' key file
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # LaunchError: an actor failed to start

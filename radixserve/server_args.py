@@ -61,6 +61,7 @@ class ServerArgs:
     dist_init_addr: str | None = None  # HOST:PORT of node 0 (torch.distributed's store; PORT+1, PORT+2 too)
     dist_backend: str = "auto"  # auto: nccl on CUDA, gloo on the CPU
     dist_timeout: float = 60.0  # seconds a collective may take (a node silent 10 s, or this if shorter, is dead)
+    dist_auth_key_file: str | None = None  # the nodes' shared Curve key; None: $RADIXSERVE_CACHE/dist-auth.key
     log_level: str = "info"
     api_key: str | None = None  # on the command line (ps shows it): api_key_file or $RADIXSERVE_API_KEY keep it out
     api_key_file: str | None = None  # a file holding the key (one of api_key, api_key_file, $RADIXSERVE_API_KEY)

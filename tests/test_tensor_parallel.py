@@ -133,6 +133,50 @@ def _free_port_run(n: int = 3) -> int:
     raise RuntimeError("no free run of ports")
 
 
+def _listening(ports: set[int]) -> set[tuple[int, str]]:
+    """(port, address) of every listening TCP socket on one of ``ports`` (/proc/net/tcp, tcp6)."""
+    found = set()
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        for line in open(f"/proc/net/{name}").read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port = local.split(":")
+            if state == "0A" and int(port, 16) in ports:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                text = socket.inet_ntop(socket.AF_INET, raw[::-1]) if width == 8 else raw.hex()
+                found.add((int(port, 16), text))
+    return found
+
+
+def _rogues_on(port: int) -> None:
+    """Strangers on node 0's plans (PORT+1) and nodes' link (PORT+2): subscribe without the key, send garbage, a
+    forged NodeDown; a second or so for their handshakes to fail."""
+    import zmq
+
+    from radixserve.actors.messages import NodeDown
+    from radixserve.actors.wire import encoder
+
+    ctx = zmq.Context()
+    socks = []
+    for offset, kind in ((1, zmq.SUB), (2, zmq.DEALER)):
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        else:
+            sock.setsockopt(zmq.IDENTITY, b"node1")
+        sock.connect(f"tcp://127.0.0.1:{port + offset}")
+        if kind == zmq.DEALER:
+            sock.send(encoder().encode(NodeDown(1, "forged")))
+        socks.append(sock)
+        with socket.create_connection(("127.0.0.1", port + offset)) as raw:
+            raw.sendall(b"\x00garbage" * 64)
+    time.sleep(1.0)
+    assert all(not sock.poll(0) for sock in socks)  # a subscriber without the key got no plan
+    for sock in socks:
+        sock.close()
+    ctx.term()
+
+
 @pytest.mark.parametrize("victim_node", [1, 0])
 def test_two_nodes_on_one_machine(victim_node, tiny_models, tmp_path):
     """``--nnodes 2``: node 0 serves HTTP with rank 0, node 1 runs rank 1 and reaches node 0 over tcp://; greedy
@@ -140,8 +184,9 @@ def test_two_nodes_on_one_machine(victim_node, tiny_models, tmp_path):
     _needs(2)
     path = str(tiny_models["llama"])
     expected = _greedy(tiny_models["llama"], 1)[: len(PROMPTS)]
+    port = _free_port_run()
     flags = ["--model-path", path, "--tp", "2", "--nnodes", "2", "--dtype", "float32", "--max-total-tokens",
-             "4096", "--dist-init-addr", f"127.0.0.1:{_free_port_run()}"]
+             "4096", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-auth-key-file", str(tmp_path / "dist.key")]
     log = open(tmp_path / "node1.log", "w+")
     node1 = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", *flags, "--node-rank", "1"],
                              stdout=log, stderr=subprocess.STDOUT)
@@ -151,6 +196,15 @@ def test_two_nodes_on_one_machine(victim_node, tiny_models, tmp_path):
             assert _generate(node0.url) == expected
             ranks = get_body(node0.url + "/get_server_info")["ranks"]
             assert {node: [r["rank"] for r in rs] for node, rs in ranks.items()} == {"0": [0], "1": [1]}
+            if victim_node == 1:
+                # the store, the plans and the nodes' link listen on --dist-init-addr's address only
+                assert _listening({port, port + 1, port + 2}) == {(a, "127.0.0.1") for a in (port, port + 1,
+                                                                                             port + 2)}
+                _rogues_on(port)
+                assert _generate(node0.url) == expected  # nothing changed
+                out = node0.output()
+                assert "on the plans' port that do not hold the multi-node key" in out
+                assert "on the nodes' link that do not hold the multi-node key" in out
             killed = time.monotonic()
             os.kill(ranks[str(victim_node)][0]["pid"], signal.SIGKILL)
             assert _ends(node0.proc, 20) != 0 and _ends(node1, 20) != 0
@@ -199,7 +253,7 @@ def test_nodes_started_with_other_settings_are_refused(tiny_models, tmp_path):
     """Node 1 given another --dtype than node 0: node 0 refuses to start, naming the difference; both end."""
     _needs(2)
     flags = ["--model-path", str(tiny_models["llama"]), "--tp", "2", "--nnodes", "2", "--max-total-tokens", "4096",
-             "--dist-init-addr", f"127.0.0.1:{_free_port_run()}"]
+             "--dist-init-addr", f"127.0.0.1:{_free_port_run()}", "--dist-auth-key-file", str(tmp_path / "dist.key")]
     node1 = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", *flags, "--node-rank", "1",
                               "--dtype", "bfloat16"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -207,6 +261,30 @@ def test_nodes_started_with_other_settings_are_refused(tiny_models, tmp_path):
                                                "bfloat16 there"):
             ServerProcess(*flags, "--node-rank", "0", "--dtype", "float32")
         assert _ends(node1, 20) != 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def test_nodes_with_different_keys_refuse_to_pair(tiny_models, tmp_path):
+    """Node 1 holds another key than node 0: its ranks never get a plan, node 0 counts it as a stranger, and
+    both end within --dist-timeout, saying why."""
+    _needs(2)
+    from radixserve.actors.node_auth import node_keys
+
+    node_keys(tmp_path / "other.key", create=True)
+    flags = ["--model-path", str(tiny_models["llama"]), "--tp", "2", "--nnodes", "2", "--max-total-tokens", "4096",
+             "--dtype", "float32", "--dist-init-addr", f"127.0.0.1:{_free_port_run()}", "--dist-timeout", "10"]
+    log = open(tmp_path / "node1.log", "w+")
+    node1 = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", *flags, "--node-rank", "1",
+                              "--dist-auth-key-file", str(tmp_path / "other.key")], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            ServerProcess(*flags, "--node-rank", "0", "--dist-auth-key-file", str(tmp_path / "node0.key"))
+        assert "do not hold the multi-node key" in str(failed.value)  # node 0's log, in the error
+        assert _ends(node1, 30) != 0
+        log.seek(0)
+        assert "not heard from in 10s" in log.read()
     finally:
         if node1.poll() is None:
             node1.kill()

@@ -207,7 +207,7 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[SchedulerActor, dict[str, 
     scheduler = build_scheduler(args, spec.scheduler_config)
     if args.shadow_policies:
         scheduler.tap = ShadowTap()
-    plans = Publisher(spec.endpoints.plans_bound(spec.named("plans")))
+    plans = Publisher(spec.endpoints.plans_bound(spec.named("plans")), spec.endpoints.keys)
     actor = SchedulerActor(scheduler, channel, plans, args.tp, args.dist_timeout, spec.replica or 0)
     return actor, {"capacity": scheduler.cache.capacity, "replica": spec.replica or 0}
 
