@@ -3,9 +3,10 @@
 Every actor has one PULL inbox bound at its own ``ipc://`` address in a private runtime dir and one PUSH outbox
 per peer it talks to -- except the runner ranks, whose inbox subscribes to the scheduler's plans: the scheduler
 publishes each step's plan once (``Publisher``) and every rank, on this machine (``ipc://``) or on another node
-(``tcp://``), gets it. Messages are msgspec msgpack, decoded straight into the inbox's union of Structs. Plans carry a sequence number
-(``PlanSequence``): a rank drops a plan it has already had and ends on a gap rather than run on without a step's
-KV writes. Across machines the plans' socket speaks CurveZMQ with the nodes' shared key (actors/node_auth.py).
+(``tcp://``), gets it. Messages are msgspec msgpack, decoded straight into the inbox's union of Structs. Plans
+carry a sequence number (``PlanSequence``): a rank drops a plan it has already had and ends on a gap rather than
+run on without a step's KV writes. Across machines the plans' socket speaks CurveZMQ with the nodes' shared key
+(actors/node_auth.py).
 ``run_actor`` is each child process's whole life: sockets, the core (slow: e.g. loading a model), a Ready (or
 Failed) report to the launcher, the actor's loop until SIGTERM.
 """

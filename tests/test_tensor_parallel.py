@@ -277,7 +277,8 @@ def test_nodes_with_different_keys_refuse_to_pair(tiny_models, tmp_path):
              "--dtype", "float32", "--dist-init-addr", f"127.0.0.1:{_free_port_run()}", "--dist-timeout", "10"]
     log = open(tmp_path / "node1.log", "w+")
     node1 = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", *flags, "--node-rank", "1",
-                              "--dist-auth-key-file", str(tmp_path / "other.key")], stdout=log, stderr=subprocess.STDOUT)
+                              "--dist-auth-key-file", str(tmp_path / "other.key")],
+                             stdout=log, stderr=subprocess.STDOUT)
     try:
         with pytest.raises(RuntimeError) as failed:
             ServerProcess(*flags, "--node-rank", "0", "--dist-auth-key-file", str(tmp_path / "node0.key"))
