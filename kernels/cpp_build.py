@@ -1,6 +1,7 @@
 """Building the project's C++ kernels where they run: the native decode step (``native/``) and the batch-invariant
 kernels of ``--deterministic`` (``invariant/``). One builder for both: the system's C++ compiler, ``-march`` for
-this machine, the shared library cached under the radixserve cache and loaded with ctypes.
+this machine, the shared library cached under the radixserve cache and loaded with ctypes -- only from a private
+folder, and only when its sha256 is the one recorded when it was built (radixserve/trusted_cache.py).
 
 The cache key is everything the bytes depend on -- the sources, the compiler and its version, the flags, and this
 CPU (its model name and feature flags) -- so a home folder shared by two machines never hands one the other's
@@ -16,10 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 from pathlib import Path
+
+from radixserve.trusted_cache import UntrustedCache, private_dir, record, verify
+
+log = logging.getLogger(__name__)
 
 
 class NativeUnavailable(RuntimeError):
@@ -76,15 +82,25 @@ def build_library(source: Path, flags: tuple[str, ...], cache_dir: Path, stem: s
     texts = [f.read_text() for f in sorted(source.parent.iterdir()) if f.suffix in (".cpp", ".h")]
     key = hashlib.sha256("\0".join([*texts, cxx, version, *flags, cpu_identity()]).encode()).hexdigest()[:16]
     out = cache_dir / f"{stem}-{key}.so"
+    manifest = f"{out.name}.manifest.json"
+    try:
+        private_dir(cache_dir)
+    except UntrustedCache as exc:  # a library anyone could have written is never loaded
+        raise NativeUnavailable(str(exc)) from exc
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot use {cache_dir} for the C++ kernels: {exc}") from exc
     if out.exists():
-        return out
+        why = verify(cache_dir, manifest, listed_only=True)
+        if why is None:
+            return out
+        log.warning("rebuilding %s: %s", out.name, why)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run([cxx, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise NativeUnavailable(f"compiling {source.name} with {Path(cxx).name} failed: "
                                     f"{proc.stderr.strip()[-800:]}")
+        record(cache_dir / manifest, {out.name: tmp})  # the hash of what was built, before it can be loaded
         tmp.replace(out)  # atomic: a concurrent build of the same key writes the same bytes
     except OSError as exc:  # an unwritable cache folder, a full disk
         raise NativeUnavailable(f"cannot build {source.name} into {cache_dir}: {exc}") from exc

@@ -33,6 +33,7 @@ import torch
 from radixserve.kernels.base import AttentionBatch
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.causal_lm import CausalLM
+from radixserve.trusted_cache import private_dir
 from radixserve.model.layers import DecoderLayer
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class CompiledDecode:
                  local_rope: RopeTable | None = None) -> None:
         # inductor's on-disk cache of compiled graphs, kept across restarts with radixserve's other caches (inductor
         # reads the variable whenever it compiles, and fills it with a /tmp default on first use)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+        # inductor loads the code it cached there: only from a folder no one else can write (UntrustedCache)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_dir(cache_dir))
         self.model, self.kv, self.rope, self.local_rope = model, kv, rope, local_rope
         # emulate_precision_casts: fused code rounds each intermediate to the model's dtype where eager ops do;
         # without it bf16 greedy tokens differed from eager in 2 of 8 prompts within 24 tokens here, with it in

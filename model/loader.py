@@ -2,7 +2,8 @@
 or (no path) the bundled SmolLM2-135M-Instruct.
 
 GGUF files are dequantized once through transformers' GGUF reader and cached as a HF folder (safetensors +
-tokenizer), so every later start loads in seconds.
+tokenizer), so every later start loads in seconds: from a private cache folder, and only when every file is what
+the conversion wrote (radixserve/trusted_cache.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from radixserve.model.hub import cached_snapshot, parse_hub_id
+from radixserve.trusted_cache import FOLDER_MANIFEST, private_dir, record, verify
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +136,22 @@ def supported_model_types() -> list[str]:
     return sorted(FAMILIES)
 
 
-def convert_gguf(gguf: Path) -> Path:
+def converted_folder(gguf: Path) -> Path:
+    """Where ``gguf``'s conversion is cached (the file's path, size and mtime name it)."""
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / f"{gguf.stem}-{key}"
-    if (out / "config.json").exists():
-        return out
+    return cache_root() / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    out = converted_folder(gguf)
+    private_dir(out.parent)  # UntrustedCache (a PermissionError) if others could have written the cache
+    if out.exists():
+        why = verify(out, FOLDER_MANIFEST)
+        if why is None:
+            return out
+        log.warning("converting %s again: %s", gguf.name, why)
+        shutil.rmtree(out, ignore_errors=True)
     log.info("dequantizing %s once (about half a minute); cached at %s", gguf.name, out)
     import torch
     from safetensors.torch import save_file
@@ -164,7 +176,7 @@ def convert_gguf(gguf: Path) -> Path:
         GenerationConfig.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
     except (OSError, ValueError):
         pass  # the GGUF carries no generation config: config.json's eos is used
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    record(tmp / FOLDER_MANIFEST, {f.name: f for f in tmp.iterdir()})  # what each file holds, checked on load
     try:
         tmp.rename(out)  # atomic: a half-written conversion is never picked up
     except OSError:
