@@ -149,7 +149,7 @@ def _listening(ports: set[int]) -> set[tuple[int, str]]:
 
 def _rogues_on(port: int) -> None:
     """Strangers on node 0's plans (PORT+1) and nodes' link (PORT+2): subscribe without the key, send garbage, a
-    forged NodeDown; a second or so for their handshakes to fail."""
+    forged NodeDown; garbage to torch's store (PORT); a second or so for their handshakes to fail."""
     import zmq
 
     from radixserve.actors.messages import NodeDown
@@ -170,6 +170,8 @@ def _rogues_on(port: int) -> None:
         socks.append(sock)
         with socket.create_connection(("127.0.0.1", port + offset)) as raw:
             raw.sendall(b"\x00garbage" * 64)
+    with socket.create_connection(("127.0.0.1", port)) as raw:  # torch's store drops what it cannot parse
+        raw.sendall(b"\x00garbage" * 64)
     time.sleep(1.0)
     assert all(not sock.poll(0) for sock in socks)  # a subscriber without the key got no plan
     for sock in socks:
