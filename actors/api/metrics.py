@@ -1,16 +1,20 @@
-"""Prometheus metrics of the api process (prometheus_client), in a registry of its own (no globals)."""
+"""Prometheus metrics of the api process (prometheus_client), in a registry of its own (no globals): radixserve's
+families, and SGLang's beside them (sglang_metrics.py) for dashboards built for SGLang."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from radixserve.actors.api.sglang_metrics import SGLangFamilies
 from radixserve.actors.messages import Status
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "default") -> None:
+        """``model_name``: the label of SGLang's families (the first served model name)."""
         r = self.registry = CollectorRegistry()
+        self.sglang = SGLangFamilies(r, model_name)
         self.requests = Counter("radixserve_requests", "finished requests", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("radixserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("radixserve_cached_tokens", "prompt tokens reused from the radix cache",
@@ -102,18 +106,35 @@ class Metrics:
         for node, ranks in by_node.items():
             gauge.labels(str(node)).set(len(ranks))
 
-    def finished(self, reason: str, prompt: int, cached: int, e2e: float) -> None:
+    def first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+        self.sglang.ttft.observe(ttft)
+
+    def next_token(self, gap: float) -> None:
+        self.itl.observe(gap)
+        self.sglang.itl.observe(gap)
+
+    def generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+        self.sglang.tokens(tokens)
+
+    def finished(self, reason: str, prompt: int, cached: int, e2e: float, ttft: float | None = None,
+                 output_tokens: int = 0) -> None:
+        """A request ended: ``ttft`` (None: no token) and ``output_tokens`` give SGLang's time per output token."""
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)
         self._prompt_total += prompt
         self._cached_total += cached
         self.e2e.observe(e2e)
+        self.sglang.finished(prompt, cached, e2e, ttft, output_tokens,
+                             self._cached_total / self._prompt_total if self._prompt_total else 0.0)
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
 
     def status(self, s: Status) -> None:
+        self.sglang.status(s.running, s.waiting, s.capacity - s.free - s.evictable, s.capacity)
         self.running.set(s.running)
         self.queued.set(s.waiting)
         self.kv_usage.set(1 - s.free / s.capacity if s.capacity else 0)

@@ -50,7 +50,9 @@ class RequestStream:
         self.server, self.req = server, req
         self.queue: asyncio.Queue[Delta | RequestError | APIError] = asyncio.Queue()
         self.start = time.perf_counter()
+        self.first: float | None = None  # when the first token came
         self.last: float | None = None
+        self.tokens = 0
         self.done = False
 
     async def next(self) -> Delta:
@@ -68,14 +70,17 @@ class RequestStream:
         metrics = self.server.metrics
         if item.token_ids:
             if self.last is None:
-                metrics.ttft.observe(now - self.start)
+                self.first = now
+                metrics.first_token(now - self.start)
             else:
-                metrics.itl.observe(now - self.last)
+                metrics.next_token(now - self.last)
             self.last = now
-            metrics.generation_tokens.inc(len(item.token_ids))
+            self.tokens += len(item.token_ids)
+            metrics.generated(len(item.token_ids))
         if item.finish is not None:
             self.done = True
-            metrics.finished(item.finish.type, item.prompt_tokens, item.cached_tokens, now - self.start)
+            metrics.finished(item.finish.type, item.prompt_tokens, item.cached_tokens, now - self.start,
+                             None if self.first is None else self.first - self.start, self.tokens)
         return item
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
@@ -128,7 +133,7 @@ class ApiServer:
         self.pending: dict[str, RequestStream] = {}  # every sequence in flight, by its rid
         self.groups: dict[str, list[str]] = {}  # an HTTP request's rid -> the rids of its sequences
         self.open_streams = 0  # groups admitted with stream=True and not yet left
-        self.metrics = Metrics()
+        self.metrics = Metrics(info.get("model", "default"))  # SGLang's families are labelled by it
         self.shadow: dict[str, Any] | None = None  # the shadow's latest report (--shadow-policies)
         self.status: Status | None = None  # every replica's together
         self.statuses: dict[int, Status] = {}  # by replica

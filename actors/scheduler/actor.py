@@ -18,6 +18,7 @@ from radixserve.actors.wire import array
 from radixserve.actors.scheduler.inspect import dashboard_view
 from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler import build_scheduler
+from radixserve.actors.scheduler.batch_log import BatchLog
 from radixserve.actors.scheduler.scheduler import Scheduler
 from radixserve.actors.scheduler.shadow_tap import FEED_INTERVAL_S, ShadowTap
 from radixserve.actors.transport import ActorSpec, Channel, Publisher, run_actor
@@ -40,6 +41,7 @@ class SchedulerActor:
         self._last_status = 0.0
         self._dirty = True  # something changed since the last Status
         self._sent: tuple[float, ForwardPlan] | None = None  # the plan in flight, and when it was sent
+        self.batch_log = BatchLog()  # SGLang-style "Prefill batch." / "Decode batch." lines
 
     async def run(self) -> None:
         sched = self.scheduler
@@ -85,6 +87,7 @@ class SchedulerActor:
             self.plans.wait_for(self._ranks, self._timeout_s)  # returns at once after the first time
             self.plans.send(plan)
             self.inflight = True
+            self.batch_log.planned(plan, self.scheduler)
             if self.scheduler.tap is not None:
                 self._sent = (time.monotonic(), plan)
 
