@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from radixserve.actors.api import dashboard
+from radixserve.actors.api import dashboard, unknown_fields
 from radixserve.actors.api.boundary import Boundary
 from radixserve.actors.api.errors import APIError, error_middleware
 from radixserve.actors.api.native import NativeRoutes
 from radixserve.actors.api.openai import OpenAIRoutes
+from radixserve.actors.api.responses import ResponsesRoutes
 from radixserve.actors.api.server import SERVER, ApiServer
 
 OPEN_PATHS = {"/health", *dashboard.OPEN_PATHS}  # need no key: the dashboard's page and files hold no data
@@ -42,7 +43,10 @@ def make_app(server: ApiServer, boundary: Boundary | None = None) -> web.Applica
     middlewares = [error_middleware(server.metrics), *boundary.middlewares(OPEN_PATHS), json_only]
     app = web.Application(middlewares=middlewares, client_max_size=boundary.max_body)
     app[SERVER] = server
-    OpenAIRoutes(server).add_to(app)
+    unknown_fields.install(app)
+    openai = OpenAIRoutes(server)
+    openai.add_to(app)
+    ResponsesRoutes(server, openai.check_model).add_to(app)
     NativeRoutes(server).add_to(app)
     dashboard.DashboardRoutes(server).add_to(app)
     return app
