@@ -91,7 +91,7 @@ serve: install
 	$(PY) -m radixserve serve $(ARGS)
 
 test: install browser cross
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 	$(MAKE) --no-print-directory test-matrix
 	$(MAKE) --no-print-directory test-floors
 
