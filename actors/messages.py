@@ -278,7 +278,7 @@ class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
 class GrammarSpec(msgspec.Struct, array_like=True, frozen=True):
     """A request's output constraint, sent to the runner once, with the request's first sampling step."""
 
-    kind: Literal["regex", "json_schema"]
+    kind: Literal["regex", "json_schema", "ebnf"]
     source: str
 
 

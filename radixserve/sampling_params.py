@@ -43,7 +43,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> added to its logit
     n: int = 1  # choices per prompt (prompt-major in the results); a seeded request's choice j gets seed + j
     spaces_between_special_tokens: bool = True  # a slow-tokenizer option: the fast tokenizers used here ignore it
-    ebnf: str | None = None
+    ebnf: str | None = None  # structured output: the whole output is a sentence of this GBNF (or Lark) grammar
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -85,14 +85,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             check(patterns)  # InvalidRequest naming stop_regex if RE2 refuses a pattern (a backreference, lookaround)
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
-        if self.regex is not None and self.json_schema is not None:
-            bad("regex", "and json_schema cannot both be given; choose one constraint")
+        given = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
+        if len(given) > 1:
+            bad(given[0], f"and {' and '.join(given[1:])} cannot both be given; choose one constraint")
         if (spec := self.constraint) is not None:
             from radixserve.structured import grammar
 
-            grammar(spec[0], spec[1])  # InvalidRequest naming the field if the regex / schema is not valid
-        if self.ebnf is not None:
-            bad("ebnf", "grammars are not supported; constrain the output with regex or json_schema")
+            grammar(spec[0], spec[1])  # InvalidRequest naming the field if the regex / schema / grammar is not valid
         for name in ("frequency_penalty", "presence_penalty"):
             if not (math.isfinite(getattr(self, name)) and abs(getattr(self, name)) <= PENALTY_RANGE):
                 bad(name, f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]")
@@ -166,11 +165,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     @property
     def constraint(self) -> tuple[str, str] | None:
-        """("regex" | "json_schema", source) when the output is constrained."""
+        """("regex" | "json_schema" | "ebnf", source) when the output is constrained."""
         if self.regex is not None:
             return "regex", self.regex
         if self.json_schema is not None:
             return "json_schema", self.json_schema
+        if self.ebnf is not None:
+            return "ebnf", self.ebnf
         return None
 
     @classmethod

@@ -1,6 +1,6 @@
-"""Structured output: a request's ``regex`` or ``json_schema`` as an llguidance grammar, checked where the request
-arrives (no tokenizer needed, so the HTTP process answers a bad one with a 400 naming it) and compiled against the
-tokenizer in the runner (``radixserve.model.grammar``).
+"""Structured output: a request's ``regex``, ``json_schema`` or ``ebnf`` as an llguidance grammar, checked where
+the request arrives (no tokenizer needed, so the HTTP process answers a bad one with a 400 naming it) and compiled
+against the tokenizer in the runner (``radixserve.model.grammar``).
 
 Why llguidance (measured here, SmolLM2's 49k vocabulary, 2 cores; see README): a 7.7 MB wheel with no Python
 dependencies that imports in 41 ms without torch; it validates a grammar without a tokenizer and says what is
@@ -13,6 +13,11 @@ llguidance's regex engine is derivative-based (a lazily built automaton: no back
 automaton can still blow up: nested counted repetitions such as ``(a{500}){500}`` took 1-2 s per mask under its
 default limits before failing, or 0.2 s per step without failing. Here the lexer gets less fuel (``limits``), and
 each pattern is run a few bytes at validation (``_probe``), so such a pattern is a 400 naming its field.
+
+``ebnf`` is SGLang's GBNF-style grammar (``root ::= ...``, llama.cpp's syntax), converted to llguidance's Lark by
+llguidance's own converter; a grammar already in Lark (a ``start:`` rule, or ``%llguidance``) is taken as it is.
+In every case tried, llguidance built the automata of all of a grammar's terminals on its first byte, so running the
+whole grammar a few bytes finds an outgrown terminal wherever it sits.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from typing import Literal
 
 from radixserve.errors import InvalidRequest
 
-Kind = Literal["regex", "json_schema"]
+Kind = Literal["regex", "json_schema", "ebnf"]
 # llguidance's default is 1,000,000. At 100,000 a nested counted repetition fails in about 50 ms instead of 1-2 s,
 # and a 56 KB schema with 200 patterns, formats and enums still runs (measured on this machine's 2 cores).
 INITIAL_LEXER_FUEL = 100_000
@@ -36,12 +41,15 @@ def limits():
 
 
 def grammar(kind: Kind, source: str) -> str:
-    """The llguidance grammar (its JSON) for a regex or a JSON schema. InvalidRequest naming the field if the
-    source is not a valid one."""
+    """The llguidance grammar (its JSON) for a regex, a JSON schema or an EBNF grammar. InvalidRequest naming the
+    field if the source is not a valid one."""
     from llguidance import LLMatcher  # lazily: only requests that ask for structure pay the import
 
+    schema = None
     if kind == "regex":
         compiled = LLMatcher.grammar_from_regex(source)
+    elif kind == "ebnf":
+        compiled = LLMatcher.grammar_from_lark(_lark(source))
     else:
         try:
             schema = json.loads(source)
@@ -57,12 +65,26 @@ def grammar(kind: Kind, source: str) -> str:
     error = LLMatcher.validate_grammar(compiled, limits=limits())
     if error:
         raise InvalidRequest(f"invalid {kind}: {_first_reason(error)}", param=kind)
-    for regex in [source] if kind == "regex" else _schema_patterns(schema):
-        if (error := _probe(regex)) is not None:
-            where = "" if kind == "regex" else f" (its pattern {regex[:60]!r})"
+    # what runs a few bytes: a regex or an EBNF grammar whole, each pattern of a schema alone (the schema's own
+    # structure is bounded; a pattern in it is where an automaton can blow up)
+    probes = {None: compiled} if kind != "json_schema" else \
+        {p: LLMatcher.grammar_from_regex(p) for p in _schema_patterns(schema)}
+    for pattern, probe in probes.items():
+        if (error := _probe(probe)) is not None:
+            where = f" (its pattern {pattern[:60]!r})" if pattern is not None else ""
             raise InvalidRequest(f"{kind}{where} is too complex to match: {_first_reason(error)}; use fewer or "
                                  "smaller nested repetitions", param=kind)
     return compiled
+
+
+def _lark(source: str) -> str:
+    """An ``ebnf`` grammar in llguidance's Lark: GBNF converted (``root`` becomes ``start``), Lark as it is."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(source)
+    except Exception as exc:  # the converter raises plain Exceptions naming the rule and the position
+        raise InvalidRequest(f"invalid ebnf: {str(exc)[:300]}", param="ebnf") from None
 
 
 def _schema_patterns(schema: object) -> list[str]:
@@ -82,13 +104,12 @@ def _schema_patterns(schema: object) -> list[str]:
     return list(found)
 
 
-def _probe(regex: str) -> str | None:
-    """llguidance's lexer error if ``regex``'s automaton outgrows ``limits`` on its first bytes (taking the first
+def _probe(compiled: str) -> str | None:
+    """llguidance's lexer error if a grammar's automaton outgrows ``limits`` on its first bytes (taking the first
     byte allowed each time, on a vocabulary of single bytes), else None. About 1 ms for an ordinary pattern."""
     from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
-    matcher = LLMatcher(LLTokenizer(TokenizerWrapper(_Bytes()), slices=[]), LLMatcher.grammar_from_regex(regex),
-                        log_level=0, limits=limits())
+    matcher = LLMatcher(LLTokenizer(TokenizerWrapper(_Bytes()), slices=[]), compiled, log_level=0, limits=limits())
     for _ in range(PROBE_BYTES):
         mask = matcher.compute_bitmask()
         allowed = next((b for b in range(256) if mask[b >> 3] >> (b & 7) & 1), None)

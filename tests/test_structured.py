@@ -96,7 +96,8 @@ def test_a_matcher_out_of_step_fails_only_its_request(engine):
     ({"json_schema": "[1, 2]"}, "json_schema", "must be a JSON object"),
     ({"json_schema": {"type": "string", "minLength": 3, "maxLength": 1}}, "json_schema", "Unsatisfiable"),
     ({"regex": "a", "json_schema": "{}"}, "regex", "cannot both"),
-    ({"ebnf": "root ::= x"}, "ebnf", "not supported"),
+    ({"ebnf": "root ::= x"}, "ebnf", "Rule 'x' not found"),
+    ({"ebnf": "root ::= \"a\"", "regex": "a"}, "regex", "cannot both"),
     ({"stop_regex": ["("]}, "stop_regex", "regular expression"),
     ({"stop_regex": [r"(a)\1"]}, "stop_regex", "no backreferences"),
     ({"regex": "(a{500}){500}"}, "regex", "too complex"),  # llguidance's automaton outgrows its limits at once

@@ -104,10 +104,11 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: Priority = 0  # for the priority schedule / eviction policies
-    # structured output: OpenAI's response_format, or SGLang's regex / json_schema (one of them)
+    # structured output: OpenAI's response_format, or SGLang's regex / json_schema / ebnf (one of them)
     response_format: ResponseFormat | None = None
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None  # GBNF (SGLang's syntax) or Lark
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -136,6 +137,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
             regex=self.regex,
             json_schema=self.constraint_schema,
+            ebnf=self.ebnf,
         )
         if vocab_size is not None:
             params.check_model(vocab_size)
@@ -144,8 +146,10 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def constraint_schema(self) -> str | None:
         from_format = self.response_format.schema() if self.response_format is not None else None
-        if from_format is not None and (self.json_schema is not None or self.regex is not None):
-            raise APIError(400, "give response_format or regex / json_schema, not both", param="response_format")
+        if from_format is not None and (self.json_schema is not None or self.regex is not None or
+                                        self.ebnf is not None):
+            raise APIError(400, "give response_format or regex / json_schema / ebnf, not both",
+                           param="response_format")
         return from_format if from_format is not None else self.json_schema
 
     @property
