@@ -1,0 +1,61 @@
+"""Tool-call parsers by name, through the entry-point group a third-party package can add to (the built-ins are
+registered the same way, in pyproject.toml)::
+
+    [project.entry-points."radixserve.tool_call_parsers"]
+    my-format = "my_package.module:MyParser"      # a ToolParser class (or factory) called with no arguments
+
+``--tool-call-parser auto`` (the default) takes the parser whose ``template_markers`` the chat template holds.
+"""
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from radixserve.errors import did_you_mean
+from radixserve.tool_parsers.base import Scan, Tool, ToolCall, ToolParser
+
+GROUP = "radixserve.tool_call_parsers"
+__all__ = ["Scan", "Tool", "ToolCall", "ToolParser", "available", "infer_tool_parser", "load_tool_parser"]
+
+
+def available() -> list[str]:
+    """The registered names, sorted (aliases included: ``qwen25`` is ``hermes``)."""
+    return sorted({ep.name for ep in entry_points(group=GROUP)})
+
+
+def load_tool_parser(name: str) -> ToolParser:
+    """The parser registered as ``name``; ValueError naming the registered ones if there is none, or if it fails
+    to load (a plugin's own bug)."""
+    matches = [ep for ep in entry_points(group=GROUP) if ep.name == name]
+    if not matches:
+        names = available()
+        raise ValueError(f"unknown tool-call parser {name!r}; available: {', '.join(names) or 'none'}"
+                         f"{did_you_mean(name, names)}")
+    try:
+        parser = matches[0].load()()
+    except Exception as exc:
+        raise ValueError(f"tool-call parser {name!r} ({matches[0].value}) failed to load: {type(exc).__name__}: "
+                         f"{exc}") from exc
+    for attr in ("scan", "grammar", "call_id", "special_markers"):
+        if not hasattr(parser, attr):
+            raise ValueError(f"tool-call parser {name!r} ({matches[0].value}) has no {attr!r}; see "
+                             "radixserve.tool_parsers.base.ToolParser")
+    return parser
+
+
+def infer_tool_parser(template: str | None) -> str | None:
+    """The name of the parser whose every template marker ``template`` holds (the most marker text wins a tie),
+    None when none does (or there is no template). Plugins take part with their own markers."""
+    if not template:
+        return None
+    found: dict[str, int] = {}
+    names = available()
+    for name in names:
+        try:
+            parser = load_tool_parser(name)
+        except ValueError:
+            continue  # a broken plugin is named when someone asks for it by name
+        markers = tuple(getattr(parser, "template_markers", ()))
+        if markers and all(m in template for m in markers):
+            canonical = getattr(parser, "name", name)  # an alias (qwen25) is named by its parser's own name
+            found[canonical if canonical in names else name] = sum(map(len, markers))
+    return max(sorted(found), key=found.__getitem__, default=None)
