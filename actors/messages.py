@@ -43,6 +43,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; k > 0: also the k most likely
     priority: int = 0
     logprob_start: int | None = None  # with top_logprobs: also the prompt's logprobs from this position on
+    continue_final_message: bool = False  # chat: a last assistant message is continued (prefill), not closed
 
 
 class AbortReq(msgspec.Struct, tag="abort"):

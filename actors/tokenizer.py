@@ -66,15 +66,21 @@ class TokenizerCore:
             raise ValueError(f"a prompt must be a string, got {type(text).__name__}")
         return self.tokenizer(text).input_ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Render ``messages`` with the model's chat template and encode the result."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """Render ``messages`` with the model's chat template and encode the result. ``continue_final_message``:
+        a last message of the assistant's is its answer so far, to be continued (SGLang's assistant prefill)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         if self.tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead (or start the server "
                              "with --chat-template, e.g. chatml)")
+        prefill = ""
+        if continue_final_message and messages[-1].get("role") == "assistant":
+            # the assistant's turn opened as for a new answer, then its text so far: the template never closes it
+            messages, prefill, add_generation_prompt = messages[:-1], messages[-1].get("content") or "", True
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt) + prefill
         # the template already wrote any special tokens it wants; don't add a second BOS
         return self.tokenizer(text, add_special_tokens=False).input_ids
 

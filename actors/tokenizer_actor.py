@@ -94,7 +94,7 @@ class TokenizerActor:
 
     def encode(self, msg: GenerateReq) -> list[int]:
         if msg.messages is not None:
-            return self.core.apply_chat_template(msg.messages)
+            return self.core.apply_chat_template(msg.messages, continue_final_message=msg.continue_final_message)
         if msg.input_ids is not None:
             return msg.input_ids  # checked against the vocabulary by the api, and again by the scheduler
         return self.core.encode(msg.text or "")

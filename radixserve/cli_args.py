@@ -116,7 +116,8 @@ HELP = {
     "attention_backend": "auto: triton on cuda, torch on cpu, batch-invariant with --deterministic",
     "max_queued_requests": "sequences that may wait for a slot beyond the running ones; past it new requests get "
                            "429 with Retry-After",
-    "max_sequences_per_request": "prompts x n one HTTP request may ask for; past it: 429",
+    "max_sequences_per_request": "prompts x n one HTTP request may ask for; past it: 429 (default: as many as "
+                                 "the server holds in flight, --max-queued-requests + --max-running-requests)",
     "queue_timeout": "seconds a request may wait in the queue before it fails with 503 (default: no limit)",
     "shutdown_timeout": "seconds SIGTERM/SIGINT waits for requests in flight (new ones get 503) before stopping",
     "random_seed": "seeds the sampling noise of requests without a seed of their own, once at start: two servers "
@@ -138,12 +139,13 @@ HELP = {
     "check_invariants": "check KV pool accounting after every step (slow; for debugging)",
 }
 SERVE = {"usage": "%(prog)s [--model-path PATH_OR_HUB_ID] [--host HOST] [--port PORT] [--tp N] [options]",
-         "description": "Start the OpenAI-compatible (and SGLang-native) HTTP server"}  # its parser's wording
+         "description": "Start the OpenAI-compatible (and SGLang-native) HTTP server",
+         "allow_abbrev": True}  # its parser's wording; a flag's unique prefix is the flag, as SGLang's launcher takes
 
 
 class ArgParser(argparse.ArgumentParser):
     """argparse with one-line errors (exit code 2) and unknown flags named with the closest known flag.
-    Abbreviations are off: ``--max-total-token`` is a mistake to point out, never a prefix to guess from."""
+    Abbreviations are off unless asked for (the server's parser takes them, as SGLang's does: ``--context-len``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)

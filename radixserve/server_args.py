@@ -73,7 +73,8 @@ class ServerArgs:
     device: str = "auto"  # auto: cuda if torch sees a GPU, else cpu
     attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
     max_queued_requests: int = 1024  # sequences waiting beyond the running ones; more: 429
-    max_sequences_per_request: int = 256  # prompts x n in one HTTP request; more: 429
+    # prompts x n in one HTTP request; more: 429. None: --max-queued-requests + --max-running-requests
+    max_sequences_per_request: int | None = None
     queue_timeout: float | None = None  # seconds a request may wait to start; longer: 503. None: no limit
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
     random_seed: int | None = None  # seeds the runner's unseeded sampling noise at start; None: a fresh seed
@@ -136,7 +137,7 @@ class ServerArgs:
         if self.max_connections < 1 or self.max_streams < 1:
             raise ValueError(f"max_connections={self.max_connections} and max_streams={self.max_streams} must be "
                              ">= 1")
-        if self.max_sequences_per_request < 1:
+        if self.max_sequences_per_request is not None and self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request={self.max_sequences_per_request} must be >= 1")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout={self.queue_timeout} must be > 0 seconds (leave it unset for no limit)")
@@ -271,7 +272,9 @@ class ServerArgs:
         return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=dtype, context_length=context,
                                    max_total_tokens=total, device=device, decode_kernel=kernel,
                                    decode_fallback=chain[1:] if self.decode_kernel == "auto" else (),
-                                   disable_compile=kernel == "eager", dist_backend=backend)
+                                   disable_compile=kernel == "eager", dist_backend=backend,
+                                   max_sequences_per_request=self.max_sequences_per_request
+                                   or self.max_queued_requests + self.max_running_requests)
 
     def _decode_kernels(self, dtype: str, device: str) -> tuple[str, ...]:
         """The kernel to serve decode steps with, then what auto falls back to if it cannot load (ModelRunner):

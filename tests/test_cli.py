@@ -132,10 +132,11 @@ def run_main(capsys, *argv: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-total-token", "10"], "radixserve serve: error: unrecognized argument --max-total-token; did you mean "
+    (["--max-totl-tokens", "10"], "radixserve serve: error: unrecognized argument --max-totl-tokens; did you mean "
                                   "--max-total-tokens?"),
-    (["--max-total-tokens=10", "--chunked-prefil=5"], "unrecognized argument --chunked-prefil; did you mean "
-                                                      "--chunked-prefill-size?"),
+    (["--max-total-tokens=10", "--chunkd-prefill-size=5"], "unrecognized argument --chunkd-prefill-size; did you "
+                                                           "mean --chunked-prefill-size?"),
+    (["--max", "10"], "radixserve serve: error: ambiguous option: --max could match --max-total-tokens, "),
     (["--dtype", "fp8"], "radixserve serve: error: argument --dtype: invalid choice: 'fp8'"),
     (["--tp", "x"], "argument --tp/--tp-size/--tensor-parallel-size: invalid int value: 'x'"),
     (["--tp", "0"], "error: tp=0 must be >= 1"),
@@ -155,3 +156,13 @@ def test_demo_and_router_parsers_name_close_flags_too(capsys):
         2, "radixserve demo: error: unrecognized argument --max-new-token; did you mean --max-new-tokens?\n")
     code, err = run_main(capsys, "sreve")
     assert code == 2 and "invalid choice: 'sreve'" in err
+
+
+def test_server_flags_take_sglangs_abbreviations(capsys, tiny_models):
+    """SGLang's launcher takes a flag's unique prefix (``--context-len``); so does the server's, both ways in."""
+    from radixserve.cli_args import from_cli, server_parser
+
+    args = from_cli(server_parser().parse_args(["--context-len", "512", "--max-total-tok=900", "--chunked-pre", "64"]))
+    assert (args.context_length, args.max_total_tokens, args.chunked_prefill_size) == (512, 900, 64)
+    code, err = run_main(capsys, "serve", "--model-path", str(tiny_models["llama"]), "--context-len", "1")
+    assert code == 2 and "context_length=1 is too small" in err, "--context-len was read as --context-length"

@@ -67,7 +67,7 @@ JSON_VALUES = st.recursive(
 TOKEN_IDS = st.one_of(st.integers(0, VOCAB - 1),
                       st.sampled_from([0, 1, 2, VOCAB - 1, VOCAB, -1, 2**31, 2**63, 10**30]))
 ID_LISTS = st.one_of(st.lists(TOKEN_IDS, max_size=12), st.just([5] * 1500), st.just([5] * 2100))
-TOO_MANY = 300  # prompts in one request: past --max-sequences-per-request (256), a 429
+TOO_MANY = 1200  # prompts in one request: past --max-sequences-per-request (default 1024 + 128), a 429
 LONG = st.integers(1, 1100)  # prompts up to near the KV pool (1200 tokens): together they force eviction
 VALID_IDS = st.one_of(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
                       st.builds(lambda n, t: [t] * n, LONG, st.integers(0, VOCAB - 1)))
@@ -233,7 +233,7 @@ def bounded(path: str, body: Any) -> Any:
         for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
             if type(d.get(key)) is int and MAX_VALID_NEW_TOKENS < d[key] < CONTEXT:
                 d[key] = MAX_VALID_NEW_TOKENS
-        if type(d.get("n")) is int and MAX_VALID_N < d["n"] <= (256 if d is not body else 64):  # 256: past it, 429
+        if type(d.get("n")) is int and MAX_VALID_N < d["n"] <= (1152 if d is not body else 64):  # past 1152: 429
             d["n"] = MAX_VALID_N
     return body
 

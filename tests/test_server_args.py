@@ -108,3 +108,15 @@ def test_a_mistyped_keyword_names_the_close_one():
         ServerArgs.from_kwargs(max_totl_tokens=5)
     with pytest.raises(ValueError, match="remote code is never executed"):
         ServerArgs(trust_remote_code=True)
+
+
+def test_sequences_per_request_default_to_what_the_server_holds_in_flight():
+    """A knob, not a wall: SGLang's radix-attention test sends 401 prompts in one request; the in-flight cap
+    (queued + running) is what protects the server, and the per-request cap defaults to it."""
+    args = ServerArgs(device="cpu").resolved(11520, 8192)
+    assert args.max_sequences_per_request == 1024 + 128 > 401
+    small = ServerArgs(device="cpu", max_queued_requests=10, max_running_requests=4).resolved(11520, 8192)
+    assert small.max_sequences_per_request == 14
+    assert ServerArgs(device="cpu", max_sequences_per_request=8).resolved(11520, 8192).max_sequences_per_request == 8
+    with pytest.raises(ValueError, match="max_sequences_per_request"):
+        ServerArgs(max_sequences_per_request=0)

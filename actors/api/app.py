@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from radixserve.actors.api import dashboard
+from radixserve.actors.api import dashboard, unknown_fields
 from radixserve.actors.api.boundary import Boundary
 from radixserve.actors.api.errors import APIError, error_middleware
 from radixserve.actors.api.native import NativeRoutes
@@ -43,6 +43,7 @@ def make_app(server: ApiServer, boundary: Boundary | None = None) -> web.Applica
     middlewares = [error_middleware(server.metrics), *boundary.middlewares(OPEN_PATHS), json_only]
     app = web.Application(middlewares=middlewares, client_max_size=boundary.max_body)
     app[SERVER] = server
+    unknown_fields.install(app)
     openai = OpenAIRoutes(server)
     openai.add_to(app)
     ResponsesRoutes(server, openai.check_model).add_to(app)

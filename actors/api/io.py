@@ -10,6 +10,7 @@ from aiohttp import web
 
 from radixserve.actors.api.errors import APIError, from_validation
 from radixserve.actors.api.server import SERVER, RequestGroup, RequestStream
+from radixserve.actors.api.unknown_fields import note_ignored, undeclared
 from radixserve.actors.messages import Delta
 
 T = TypeVar("T")
@@ -17,17 +18,22 @@ _encoder = msgspec.json.Encoder()
 
 
 async def decode_body(request: web.Request, kind: type[T]) -> T:
+    """The body as ``kind``. A struct declared without ``forbid_unknown_fields`` ignores fields it does not
+    declare, as SGLang does (unknown_fields.py: named in the response's header, or a 400 where they matter)."""
     raw = await request.read()
     if not raw:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        return msgspec.json.decode(raw, type=kind)
+        body = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
         raise from_validation(exc) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+    if not kind.__struct_config__.forbid_unknown_fields:
+        note_ignored(request, undeclared(raw, kind), kind.__struct_fields__)
+    return body
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:

@@ -14,6 +14,7 @@ from radixserve.actors.api.io import decode_body, first_deltas, json_response, m
 from radixserve.actors.api.native_output import native_batch
 from radixserve.actors.api.protocol import AbortBody, NativeGenerateRequest, PoliciesBody
 from radixserve.actors.api.server import ApiServer
+from radixserve.actors.api.sglang_info import sglang_names
 from radixserve.actors.messages import GenerateReq
 from radixserve.sampling_params import SamplingParams
 
@@ -98,7 +99,9 @@ class NativeRoutes:
         return json_response(self.server.info["model_info"])
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return json_response(self.server.server_info())
+        """radixserve's fields, and beside them SGLang's (sglang_info.py); where a name is both, radixserve's."""
+        info = self.server.server_info()
+        return json_response({**sglang_names(info, info.get("replica_status") or [info["status"]]), **info})
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.server.healthy:

@@ -1,7 +1,9 @@
 """Request bodies of the HTTP API as msgspec Structs: decoding *is* validation (types, ranges, unknown fields).
 
 OpenAI's fields, plus the common SGLang/vLLM extras (top_k, min_p, ignore_eos, stop_token_ids). Fields OpenAI
-has but radixserve does not implement are declared so that using them gives a clear 400, not a silent no-op.
+has but radixserve does not implement are declared so that using them gives a clear 400, not a silent no-op. The
+generation requests ignore top-level fields they do not declare, as SGLang's do (unknown_fields.py); everything
+nested in them, and every other body, refuses unknown fields.
 Every field is bounded (ids, priorities, map sizes): nothing a client sends can overflow what the actors exchange.
 The sampling values are checked by SamplingParams itself and the prompts by ``radixserve.prompts``, the same code
 the offline Engine runs.
@@ -80,7 +82,7 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
         return msgspec.json.encode(self.json_schema.schema).decode()
 
 
-class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _Common(msgspec.Struct, kw_only=True):  # undeclared fields: unknown_fields.py
     model: str | None = None  # None: the served model (as SGLang, vLLM and llama.cpp do)
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
@@ -102,6 +104,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_new_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # RE2 patterns; the output ends before the first match
     skip_special_tokens: bool = True
     priority: Priority = 0  # for the priority schedule / eviction policies
     # structured output: OpenAI's response_format, or SGLang's regex / json_schema / ebnf (one of them)
@@ -110,9 +113,9 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     json_schema: str | None = None
     ebnf: str | None = None  # GBNF (SGLang's syntax) or Lark
 
-    def check_supported(self) -> None:
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    def moot_fields(self) -> list[str]:
+        """Declared fields this request's answer ignores (SGLang accepts them too): named in X-Ignored-Fields."""
+        return ["stream_options"] if self.stream_options is not None and not self.stream else []
 
     def sampling_params(self, max_tokens: int | None, vocab_size: int | None) -> SamplingParams:
         """One choice's parameters (choice i of n: ``.choice(i)``, seed + i). InvalidRequest (a 400 naming the
@@ -133,6 +136,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             logit_bias=self.logit_bias,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            stop_regex=self.stop_regex,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             regex=self.regex,
@@ -169,9 +173,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     reasoning_effort: str | None = None
+    # SGLang's assistant prefill: a last message of the assistant's is continued, not closed (else: no effect)
+    continue_final_message: bool = False
 
     def validate(self) -> None:
-        self.check_supported()
         if not self.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages")
         if self.tools:
@@ -201,13 +206,10 @@ class CompletionRequest(_Common, kw_only=True):
 
     def validate(self, vocab_size: int | None) -> Prompts:
         """The prompts: strings, or token-id lists."""
-        self.check_supported()
         if self.suffix:
             raise APIError(400, "suffix is not supported by radixserve", param="suffix")
         if self.best_of not in (None, self.n):
             raise APIError(400, "best_of other than n is not supported by radixserve", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
         return parse_prompts(self.prompt, "prompt", "any", vocab_size)
 
     @property
@@ -219,8 +221,9 @@ class CompletionRequest(_Common, kw_only=True):
         return self.logprobs
 
 
-class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """SGLang's /generate (what its frontend and ``Runtime.generate`` send; null means the default)."""
+class NativeGenerateRequest(msgspec.Struct, kw_only=True):
+    """SGLang's /generate (what its frontend and ``Runtime.generate`` send; null means the default). Fields it
+    does not declare are ignored, or refused where their value matters (unknown_fields.py), as SGLang's are."""
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # token ids, or a list of token-id lists
@@ -232,10 +235,6 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     return_text_in_logprobs: bool = False
     rid: RequestId | list[RequestId] | None = None  # one id, or one per prompt
     priority: Priority = 0
-    # SGLang features radixserve has no use for: accepted when empty, so its clients' defaults pass
-    lora_path: None = None
-    session_id: None = None
-    image_data: None = None
 
     def num_sequences(self) -> int:
         """Prompts x n (a list of sampling_params that does not match the prompts is refused later)."""
