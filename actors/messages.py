@@ -41,7 +41,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; k > 0: also the k most likely
-    priority: int = 0
+    priority: int | None = None  # the client's; None: it gave none (the scheduler ranks it, priority.py)
     logprob_start: int | None = None  # with top_logprobs: also the prompt's logprobs from this position on
     continue_final_message: bool = False  # chat: a last assistant message is continued (prefill), not closed
 
@@ -57,7 +57,7 @@ class AddReq(msgspec.Struct, tag="add"):
     input_ids: np.ndarray
     params: SamplingParams
     top_logprobs: int | None = None
-    priority: int = 0
+    priority: int | None = None
     logprob_start: int | None = None
 
 
@@ -265,6 +265,7 @@ class SamplingBatch(msgspec.Struct, frozen=True):
     all_greedy: bool = False
     constraints: list[str | None] = []  # [S] the request id of a row under a grammar (None: free); empty: none
     penalized: list[str | None] = []  # [S] the request id of a row whose logits are adjusted (PenaltySpec)
+    processed: list[str | None] = []  # [S] the request id of a row a named logit processor changes (ProcessorSpec)
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
@@ -296,6 +297,14 @@ class PenaltySpec(msgspec.Struct, array_like=True, frozen=True):
     bias_values: list[float]
 
 
+class ProcessorSpec(msgspec.Struct, array_like=True, frozen=True):
+    """A request's named logit processor and its custom_params, sent to the runner once, with the request's first
+    sampling step (radixserve/logit_processors.py)."""
+
+    name: str
+    params: dict[str, Any]
+
+
 class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     """One model step over a ragged batch. Per request i (B requests), in batch order:
 
@@ -320,7 +329,8 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     prompt_logprobs: dict[int, PromptLogprobs] = {}  # batch index -> the prompt logprobs it wants this step
     new_grammars: dict[str, GrammarSpec] = {}  # rid -> its constraint, from this step on
     new_penalties: dict[str, PenaltySpec] = {}  # rid -> its logit adjustments, from this step on
-    released: list[str] = []  # requests that ended: the runner drops their grammars and penalty counts
+    new_processors: dict[str, ProcessorSpec] = {}  # rid -> its named logit processor, from this step on
+    released: list[str] = []  # requests that ended: the runner drops their grammars, penalty counts, processors
 
     @property
     def batch_size(self) -> int:

@@ -22,6 +22,7 @@ from radixserve.model.compiled import CompiledDecode
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.grammar import Constraints, Masks
+from radixserve.model.logit_processing import LogitProcessing
 from radixserve.model.penalties import Penalties
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.native_decode import NativeDecode
@@ -92,14 +93,15 @@ class ModelRunner:
                  quantization: str | None = None, source: Path | None = None, decode_kernel: str = "eager",
                  max_batch: int = 1, tp: TPGroup = SINGLE, context_length: int | None = None,
                  decode_fallback: tuple[str, ...] = (), max_threads: int | None = None,
-                 server_root: int | None = None) -> None:
+                 server_root: int | None = None, logit_processors: tuple[str, ...] = ()) -> None:
         """``num_threads``: a fixed thread count (CPU); without it the runner takes up to ``max_threads`` (default:
         this process's CPU budget), fewer while other processes keep CPUs busy (radixserve/cpu_load.py).
         ``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
         choose their factor set from it (ModelConfig.rope_inv_freq). ``decode_fallback``: the decode kernels to
         try in turn when ``decode_kernel`` cannot load here (empty: that fails the start). ``server_root``: the pid
         of the server's launcher, whose processes count as this runner's own when it watches the CPUs (None: this
-        process only, as in an Engine)."""
+        process only, as in an Engine). ``logit_processors``: the named processors requests may use (loaded
+        now)."""
         self.num_threads: int | None = None  # the threads every step runs on (CPU); adaptive: the most
         self.adaptive: AdaptiveThreads | None = None  # None: a fixed count (--num-threads, or not the CPU)
         if device == "cpu":  # default: the CPUs this process may use (affinity and cgroup quota) others leave free
@@ -156,6 +158,7 @@ class ModelRunner:
         self.table = SlotTable()
         self.constraints = Constraints(path, cfg.vocab_size)
         self.penalties = Penalties(cfg.vocab_size, self.device)
+        self.processing = LogitProcessing(logit_processors)
         log.info("model loaded in %.1fs (%s, %s%s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, f", rank {tp.rank} of {tp.size}" if tp.size > 1 else "", num_slots,
                  self.kv.nbytes / 2**20)
@@ -203,7 +206,8 @@ class ModelRunner:
                    deterministic=args.deterministic, quantization=args.quantization, source=source,
                    decode_kernel=args.decode_kernel, max_batch=args.max_running_requests, tp=tp,
                    context_length=args.context_length, decode_fallback=args.decode_fallback,
-                   max_threads=max_threads, server_root=server_root)
+                   max_threads=max_threads, server_root=server_root,
+                   logit_processors=args.logit_processors or ())
 
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
@@ -242,6 +246,7 @@ class ModelRunner:
             return self._share(plan)
         start_errors = self.constraints.update(plan.new_grammars, plan.released)  # even if the step fails
         self.penalties.update(plan.new_penalties, plan.released)
+        self.processing.update(plan.new_processors, plan.released)
         try:
             batch = self._batch(plan)
             sampling = SamplingInputs.from_batch(plan.sampling, self.device)
@@ -262,13 +267,15 @@ class ModelRunner:
         if len(sampling) == 0:
             return ForwardResult(step=plan.step, prompt_logprobs=prompt)
         raw = logits[: len(sampling)]
-        penalized = plan.sampling.penalized
-        if not rows and not penalized:
+        penalized, processed = plan.sampling.penalized, plan.sampling.processed
+        if not rows and not penalized and not processed:
             next_ids, logprobs, errors = sample_rows(raw, sampling)
             return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
                                  errors=errors)
         adjusted = raw.clone()  # logprobs stay the model's own; only the choice is penalized / constrained
         refused = self._penalize(adjusted, penalized, sampling.output_index) if penalized else {}
+        if processed:  # after the penalties, before the grammar: no processor can unmask what a grammar forbids
+            refused.update(self.processing.apply(adjusted, processed, sampling.output_index))
         if rows:
             try:
                 filled = masks.result()

@@ -22,6 +22,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "scheduling and cache policies": ("schedule_policy", "eviction_policy", "disable_radix_cache", "shadow_policies",
                                       "shadow_window", "auto_policy", "auto_policy_metric", "auto_policy_margin",
                                       "auto_policy_hold", "auto_policy_cooldown"),
+    "priority scheduling": ("enable_priority_scheduling", "schedule_low_priority_values_first",
+                            "priority_scheduling_preemption_threshold", "disable_priority_preemption",
+                            "default_priority_value"),
+    "logit processors": ("logit_processors", "enable_custom_logit_processor"),
     "parallelism": ("tp", "dp", "routing_policy", "nnodes", "node_rank", "dist_init_addr", "dist_backend",
                     "dist_timeout", "dist_auth_key_file"),
     "api server": ("host", "port", "api_key_file", "api_key", "allowed_hosts", "served_model_name",
@@ -40,7 +44,8 @@ ALIASES = {  # SGLang's (and vLLM's) names for the same flags
 METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", "chat_template": "NAME_OR_FILE",
             "served_model_name": "NAME", "dist_init_addr": "HOST:PORT", "dist_auth_key_file": "FILE",
             "api_key": "KEY", "api_key_file": "PATH", "allowed_hosts": "HOST", "host": "HOST",
-            "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV"}
+            "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV",
+            "logit_processors": "NAME", "priority_scheduling_preemption_threshold": "N", "default_priority_value": "N"}
 HELP = {
     "model_path": "a HF checkpoint folder, a .gguf file, or a Hugging Face hub id (org/name, org/name@revision) "
                   "already in the local HF cache ($HF_HUB_CACHE, $HF_HOME/hub; nothing is downloaded) (default: "
@@ -64,6 +69,26 @@ HELP = {
     "eviction_policy": "which cached prefixes go first when the pool is full: {eviction}, or a plugin's "
                        "(entry points radixserve.eviction_policies)",
     "disable_radix_cache": "no prefix reuse: every request computes its whole prompt",
+    "enable_priority_scheduling": "SGLang's priority scheduling: a request's \"priority\" (larger = more important) "
+                                  "orders the queue before the schedule policy does (the policy orders requests of "
+                                  "one priority), a more important arrival preempts running work (see "
+                                  "--priority-scheduling-preemption-threshold; the preempted request's KV stays "
+                                  "cached and it resumes), and with a full queue (--max-queued-requests) the least "
+                                  "important waiting request is dropped (503) rather than a more important newcomer",
+    "schedule_low_priority_values_first": "with --enable-priority-scheduling: smaller priority values are more "
+                                          "important",
+    "priority_scheduling_preemption_threshold": "with --enable-priority-scheduling: an arrival preempts a running "
+                                                "request only if its priority exceeds that one's by more than this",
+    "disable_priority_preemption": "with --enable-priority-scheduling: priorities order the queue and choose what a "
+                                   "full queue drops, but never preempt running requests",
+    "default_priority_value": "the priority of a request that gives none (default: with "
+                              "--enable-priority-scheduling the least important of all, as SGLang's; else 0)",
+    "logit_processors": "named logit processors requests may ask for (\"custom_logit_processor\": NAME, "
+                        "parameters in \"custom_params\"): installed entry points radixserve.logit_processors, "
+                        "built in: allow-tokens, ban-tokens (default: none, requests naming one get 400)",
+    "enable_custom_logit_processor": "SGLang's switch for dill-serialized processor code in requests: radixserve "
+                                     "never runs code a request sends, so this is refused unless "
+                                     "--logit-processors lists the named processors that run instead",
     "shadow_policies": "replay the live traffic, in a low-priority process of its own, through every listed "
                        "eviction x schedule pair: `all`, or names (eviction and schedule names are crossed, "
                        "`lru:lpm` is one pair); GET /policies/shadow, /metrics radixserve_shadow_* (default: none)",
@@ -115,7 +140,9 @@ HELP = {
     "device": "auto: cuda if torch sees a GPU, else cpu",
     "attention_backend": "auto: triton on cuda, torch on cpu, batch-invariant with --deterministic",
     "max_queued_requests": "sequences that may wait for a slot beyond the running ones; past it new requests get "
-                           "429 with Retry-After",
+                           "429 with Retry-After. With --enable-priority-scheduling each scheduler keeps its queue "
+                           "to this many by priority: a more important arrival drops the least important waiting "
+                           "request (503), a less important one gets 429",
     "max_sequences_per_request": "prompts x n one HTTP request may ask for; past it: 429 (default: as many as "
                                  "the server holds in flight, --max-queued-requests + --max-running-requests)",
     "queue_timeout": "seconds a request may wait in the queue before it fails with 503 (default: no limit)",

@@ -11,7 +11,9 @@ from typing import Any
 
 import msgspec
 
-from radixserve.actors.api.native_output import LogprobOptions, NativeBatch, NativeOutput, native_batch, sequences
+from radixserve.actors.api.native_output import (
+    LogprobOptions, NativeBatch, NativeOutput, native_batch, sequences, with_processors
+)
 from radixserve.actors.api.protocol import NativeGenerateRequest
 from radixserve.actors.messages import Delta, FinishReason, GenerateReq
 from radixserve.actors.scheduler.actor import token_batch
@@ -69,7 +71,8 @@ class Engine:
     # -- public API --------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: TokenIds = None,
                  return_logprob: bool = False, logprob_start_len: int | None = None, top_logprobs_num: int = 0,
-                 return_text_in_logprobs: bool = False, priority: int = 0, stream: bool = False,
+                 return_text_in_logprobs: bool = False, priority: int | None = None, stream: bool = False,
+                 custom_logit_processor: str | list[str | None] | None = None,
                  ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list, same order).
 
@@ -83,10 +86,13 @@ class Engine:
         prompt). Bad values raise InvalidRequest (a ValueError) naming the field, before anything is queued. A
         request that fails on our side ends alone, with ``meta_info["error"]``. Calls from several threads are
         batched together; after an exception or Ctrl-C the Engine is ready for the next call.
+        ``priority``: with ``enable_priority_scheduling``, as a server's (None: the default).
+        ``custom_logit_processor``: the name of a processor this Engine enables (``logit_processors=[...]``), for
+        every prompt or one per prompt; its parameters are the sampling params' ``custom_params``.
         """
         self._require_open()
         prompts = text_or_ids(prompt, input_ids, self.model_config.vocab_size, text_param="prompt")
-        params = self._params_per_prompt(sampling_params, len(prompts.items))
+        params = with_processors(self._params_per_prompt(sampling_params, len(prompts.items)), custom_logit_processor)
         start = None if logprob_start_len is None or logprob_start_len < 0 else logprob_start_len
         logprobs = LogprobOptions(top_logprobs_num, return_text_in_logprobs, start) if return_logprob else None
         _, gens, single = sequences(prompts, params, f"engine-{next(self._ids)}", logprobs, priority)

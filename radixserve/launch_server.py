@@ -96,8 +96,10 @@ async def _serve(prepared, launcher, boundary: Boundary) -> int:
         "model_info": prepared.model_info(launcher.info.get("tokenizer", {}).get("chat_template")),
         "runtime_dir": launcher.runtime_dir,
     }
-    limits = Limits(max_sequences_per_request=args.max_sequences_per_request,
-                    max_in_flight=args.max_queued_requests + args.max_running_requests,
+    in_flight = args.max_queued_requests + args.max_running_requests
+    if args.enable_priority_scheduling:  # every scheduler keeps its own queue by priority: the api lets it judge
+        in_flight = args.dp * in_flight + args.max_queued_requests  # and one more queue's worth of arrivals
+    limits = Limits(max_sequences_per_request=args.max_sequences_per_request, max_in_flight=in_flight,
                     vocab_size=prepared.model.vocab_size, max_streams=args.max_streams)
     from radixserve.actors.tokenizer_actor import scheduler_names
 

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.actors.chat_templates import load_chat_template
+from radixserve.actors.scheduler.priority import PriorityConfig
 from radixserve.actors.scheduler.scheduler import SchedulerConfig
+from radixserve.logit_processors import ProcessorCatalog
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import ModelFiles, load_configs, resolve_model, resolve_tokenizer
 from radixserve.model.parallel import check_divisible, kv_heads_per_rank
@@ -66,6 +68,7 @@ def prepare(args: ServerArgs) -> Prepared:
         fallback = args.decode_fallback
         args = dataclasses.replace(args, decode_kernel=fallback[0], decode_fallback=fallback[1:])
     load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
+    ProcessorCatalog(args.logit_processors or ())  # and on logit processors that are not installed or do not load
     if args.dp > 1:
         from radixserve.actors.router.policies import load_routing_policy
 
@@ -82,6 +85,10 @@ def prepare(args: ServerArgs) -> Prepared:
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
         queue_timeout_s=args.queue_timeout,
+        priority=PriorityConfig(args.enable_priority_scheduling, args.schedule_low_priority_values_first,
+                                args.priority_scheduling_preemption_threshold, not args.disable_priority_preemption,
+                                args.default_priority_value, args.max_queued_requests),
+        logit_processors=args.logit_processors or (),
         check_invariants=args.check_invariants,
     )
     names = args.served_model_name or (files.hub_id or (files.source.stem.split(".")[0] if files.source.suffix ==

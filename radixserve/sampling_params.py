@@ -41,6 +41,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     repetition_penalty: float = 1.0  # a token that appeared: logit / p if positive, logit * p if not: (0, 2]
     min_new_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> added to its logit
+    # a named logit processor the server enables (--logit-processors) and its parameters (logit_processors.py)
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
     n: int = 1  # choices per prompt (prompt-major in the results); a seeded request's choice j gets seed + j
     spaces_between_special_tokens: bool = True  # a slow-tokenizer option: the fast tokenizers used here ignore it
     ebnf: str | None = None  # structured output: the whole output is a sentence of this GBNF (or Lark) grammar
@@ -105,6 +108,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             bad("n", "must be >= 1")
         if self.logit_bias is not None:
             self._check_logit_bias(bad)
+        self._check_processor(bad)
 
     def _check_logit_bias(self, bad) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -114,6 +118,19 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 bad("logit_bias", f"has the key {key!r}; keys are token ids (\"1234\")")
             if not (math.isfinite(value) and -100 <= value <= 100):
                 bad("logit_bias", f"gives token {key} the bias {value}; biases lie in [-100, 100]")
+
+    def _check_processor(self, bad) -> None:
+        from radixserve.logit_processors import MAX_PARAMS_BYTES, check_name
+
+        if self.custom_logit_processor is not None:
+            check_name(self.custom_logit_processor)  # InvalidRequest: not a name (SGLang's serialized code, say)
+        if self.custom_params is not None:
+            try:
+                size = len(msgspec.json.encode(self.custom_params))
+            except (TypeError, msgspec.EncodeError):
+                bad("custom_params", "must hold JSON values only (numbers, strings, booleans, null, lists, objects)")
+            if size > MAX_PARAMS_BYTES:
+                bad("custom_params", f"takes {size} bytes as JSON; at most {MAX_PARAMS_BYTES} are allowed")
 
     def check_model(self, vocab_size: int) -> None:
         """The ranges that depend on the model: InvalidRequest naming the field if one is out of them."""

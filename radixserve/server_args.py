@@ -44,6 +44,15 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     eviction_policy: str = "lru"
     disable_radix_cache: bool = False
+    # SGLang's priority scheduling (actors/scheduler/priority.py): priorities order the queue, preempt, drop
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False  # with it: smaller priority values are more important
+    priority_scheduling_preemption_threshold: int = 10  # an arrival preempts work it outranks by more than this
+    disable_priority_preemption: bool = False  # with it: priorities order and drop, never preempt
+    default_priority_value: int | None = None  # a request's priority when it gives none; None: 0, or the lowest
+    # with priority scheduling (SGLang's)
+    logit_processors: tuple[str, ...] | None = None  # named processors requests may use (radixserve.logit_processors)
+    enable_custom_logit_processor: bool = False  # SGLang's switch for code sent in requests: refused, see HELP
     shadow_policies: str | None = None  # "all" or names: every pair replayed on the live trace (a shadow process)
     shadow_window: float = 60.0  # seconds of trace the shadow statistics cover
     auto_policy: bool = False  # switch to the shadow leader (hysteresis)
@@ -145,6 +154,8 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
+        self._check_priority()
+        self._check_logit_processors()
         self._check_distributed()
         self._check_shadow()
 
@@ -161,6 +172,30 @@ class ServerArgs:
                 continue  # no quantization; a rank's own GPU (the runner sets cuda:N)
             if value not in choices:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+    def _check_priority(self) -> None:
+        if not self.enable_priority_scheduling:
+            for name in ("schedule_low_priority_values_first", "disable_priority_preemption"):
+                if getattr(self, name):
+                    raise ValueError(f"--{name.replace('_', '-')} changes priority scheduling, which is off: add "
+                                     "--enable-priority-scheduling")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError(f"--priority-scheduling-preemption-threshold "
+                             f"{self.priority_scheduling_preemption_threshold} must be >= 0 (below 0, requests of one "
+                             "priority would preempt each other in turn)")
+        value = self.default_priority_value
+        if value is not None and not -(2**31) <= value < 2**31:
+            raise ValueError(f"--default-priority-value {value} must be a 32-bit integer, as request priorities are")
+
+    def _check_logit_processors(self) -> None:
+        names = self.logit_processors
+        if names is not None:  # one name (Engine) or several; frozen as a tuple
+            names = (names,) if isinstance(names, str) else tuple(dict.fromkeys(names))
+            object.__setattr__(self, "logit_processors", names or None)  # normalising, not patching
+        if self.enable_custom_logit_processor and not self.logit_processors:
+            raise ValueError("--enable-custom-logit-processor: radixserve never runs code sent in a request (SGLang's "
+                             "dill-serialized processors); list the installed processors requests may use by name "
+                             "with --logit-processors NAME... (built in: allow-tokens, ban-tokens)")
 
     def _check_shadow(self) -> None:
         from radixserve.compare.auto_policy import METRICS

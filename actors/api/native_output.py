@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from radixserve.actors.api.protocol import NativeGenerateRequest
 from radixserve.actors.messages import Delta, GenerateReq, TokenLogprob
 from radixserve.errors import InvalidRequest
@@ -41,7 +43,7 @@ class NativeBatch:
 
 
 def sequences(prompts: Prompts, params: list[SamplingParams], rid: str | list[str] | None,
-              logprobs: LogprobOptions | None, priority: int) -> tuple[str, list[GenerateReq], bool]:
+              logprobs: LogprobOptions | None, priority: int | None) -> tuple[str, list[GenerateReq], bool]:
     """Every prompt's ``n`` choices as sequences, prompt-major (SGLang's order): the request's id, a GenerateReq
     per sequence, and whether the result is one dict (one prompt, one choice). The HTTP route and the Engine
     both build their requests here."""
@@ -53,6 +55,19 @@ def sequences(prompts: Prompts, params: list[SamplingParams], rid: str | list[st
     return base, gens, prompts.single and params[0].n == 1
 
 
+def with_processors(params: list[SamplingParams], processor: str | list[str | None] | None) -> list[SamplingParams]:
+    """SGLang's top-level ``custom_logit_processor`` (one name for every prompt, or one per prompt) moved into
+    each prompt's sampling params, where its ``custom_params`` are."""
+    if processor is None:
+        return params
+    names = processor if isinstance(processor, list) else [processor] * len(params)
+    if len(names) != len(params):
+        raise InvalidRequest(f"got {len(names)} custom_logit_processor entries for {len(params)} prompts; give one "
+                             "or one per prompt", param="custom_logit_processor")
+    return [p if name is None else msgspec.structs.replace(p, custom_logit_processor=name)
+            for p, name in zip(params, names)]
+
+
 def native_batch(body: NativeGenerateRequest, vocab_size: int | None) -> NativeBatch:
     """InvalidRequest (a 400 naming the field) for what cannot run on any model of this vocabulary."""
     prompts = text_or_ids(body.text, body.input_ids, vocab_size)
@@ -62,6 +77,7 @@ def native_batch(body: NativeGenerateRequest, vocab_size: int | None) -> NativeB
     elif len(params) != len(prompts.items):
         raise InvalidRequest(f"got {len(params)} sampling_params for {len(prompts.items)} prompts; give one or one "
                              "per prompt", param="sampling_params")
+    params = with_processors(params, body.custom_logit_processor)
     if vocab_size is not None:
         for p in params:
             p.check_model(vocab_size)

@@ -20,7 +20,7 @@ from radixserve.prompts import Prompts, parse_prompts
 from radixserve.sampling_params import SamplingParams
 
 PositiveInt = Annotated[int, Meta(ge=1)]
-Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # larger = more important
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # larger = more important (unless the server says not)
 RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
 
 
@@ -106,12 +106,15 @@ class _Common(msgspec.Struct, kw_only=True):  # undeclared fields: unknown_field
     stop_token_ids: list[int] | None = None
     stop_regex: str | list[str] | None = None  # RE2 patterns; the output ends before the first match
     skip_special_tokens: bool = True
-    priority: Priority = 0  # for the priority schedule / eviction policies
+    priority: Priority | None = None  # priority scheduling / policies; None: the server's default
     # structured output: OpenAI's response_format, or SGLang's regex / json_schema / ebnf (one of them)
     response_format: ResponseFormat | None = None
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None  # GBNF (SGLang's syntax) or Lark
+    # SGLang's: a named logit processor the server enables (--logit-processors), and its parameters
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
 
     def moot_fields(self) -> list[str]:
         """Declared fields this request's answer ignores (SGLang accepts them too): named in X-Ignored-Fields."""
@@ -142,6 +145,8 @@ class _Common(msgspec.Struct, kw_only=True):  # undeclared fields: unknown_field
             regex=self.regex,
             json_schema=self.constraint_schema,
             ebnf=self.ebnf,
+            custom_logit_processor=self.custom_logit_processor,
+            custom_params=self.custom_params,
         )
         if vocab_size is not None:
             params.check_model(vocab_size)
@@ -234,7 +239,10 @@ class NativeGenerateRequest(msgspec.Struct, kw_only=True):
     top_logprobs_num: Annotated[int, Meta(ge=0, le=20)] | None = 0
     return_text_in_logprobs: bool = False
     rid: RequestId | list[RequestId] | None = None  # one id, or one per prompt
-    priority: Priority = 0
+    priority: Priority | None = None
+    # a named logit processor (--logit-processors): one for every prompt, or one per prompt; its parameters are
+    # sampling_params.custom_params (SGLang's fields)
+    custom_logit_processor: str | list[str | None] | None = None
 
     def num_sequences(self) -> int:
         """Prompts x n (a list of sampling_params that does not match the prompts is refused later)."""

@@ -6,7 +6,9 @@ from typing import Literal
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan, GrammarSpec, PenaltySpec, PromptLogprobs, SamplingBatch
+from radixserve.actors.messages import (
+    ForwardPlan, GrammarSpec, PenaltySpec, ProcessorSpec, PromptLogprobs, SamplingBatch
+)
 from radixserve.actors.scheduler.req import Req
 
 
@@ -56,6 +58,8 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
         prompt_logprobs=prompt_logprobs(mode, reqs, starts, kv_lens),
         new_grammars={r.rid: GrammarSpec(*r.params.constraint) for r in starting if r.params.constraint is not None},
         new_penalties={r.rid: penalty_spec(r) for r in starting if r.params.penalized},
+        new_processors={r.rid: ProcessorSpec(r.params.custom_logit_processor, r.params.custom_params or {})
+                        for r in starting if r.params.custom_logit_processor is not None},
         released=released or [],
     )
 
@@ -89,6 +93,8 @@ def sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
         if any(p.constraint is not None for p in params) else [],
         penalized=[r.rid if p.penalized else None for r, p in zip(reqs, params)]
         if any(p.penalized for p in params) else [],
+        processed=[r.rid if p.custom_logit_processor is not None else None for r, p in zip(reqs, params)]
+        if any(p.custom_logit_processor is not None for p in params) else [],
     )
 
 

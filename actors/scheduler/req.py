@@ -19,7 +19,7 @@ class Req:
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     arrival: float
     top_logprobs: int | None = None  # None: no logprobs; else how many alternatives come with each token's
-    priority: int = 0  # larger = more important (priority schedule / eviction policies)
+    priority: int = 0  # the rank: larger = more important, whatever the client's convention (priority.py)
     logprob_start: int | None = None  # with top_logprobs: the prompt's logprobs from this position on
     admitted_at: float | None = None  # when it first left the queue (its queue wait ends; kept across retraction)
     first_token_at: float | None = None
@@ -32,7 +32,7 @@ class Req:
     finish_reason: FinishReason | None = None
     sampler_state: bool = False  # the runner holds this request's grammar matcher and/or penalty counts
     table_row: int | None = None  # the runner's row of this request's slot indices, while it holds KV
-    preemptions: int = 0  # times it was retracted for a higher-priority arrival (priority-preempt)
+    preemptions: int = 0  # times it was retracted for a more important arrival (preempt.py)
     _key: array = field(init=False, repr=False)  # fill_ids packed (fill_key), extended as the output grows
 
     def __post_init__(self) -> None:

@@ -28,7 +28,8 @@ class RunnerState:
         """``plan`` is on its way: the runner will hold these requests' whole rows and the sampling states it
         starts, and drop the ones it releases."""
         for req in reqs:
-            req.sampler_state |= req.rid in plan.new_grammars or req.rid in plan.new_penalties
+            req.sampler_state |= (req.rid in plan.new_grammars or req.rid in plan.new_penalties
+                                  or req.rid in plan.new_processors)
             req.kv.synced = req.kv.kv_len
         gone = set(plan.released)
         self._released = [rid for rid in self._released if rid not in gone]

@@ -21,7 +21,8 @@ from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError
 from radixserve.actors.scheduler.plan import Step, build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
-from radixserve.actors.scheduler.preempt import preempt_for
+from radixserve.actors.scheduler.preempt import preempt_for, preempt_rule
+from radixserve.actors.scheduler.priority import PriorityConfig
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.runner_state import RunnerState
 from radixserve.actors.scheduler.shadow_tap import ShadowTap
@@ -30,6 +31,7 @@ from radixserve.actors.scheduler.validate import check_request
 from radixserve.cache.invariants import require
 from radixserve.cache.manager import CacheManager
 from radixserve.errors import InvalidRequest
+from radixserve.logit_processors import ProcessorCatalog
 from radixserve.policies.base import SchedulePolicy
 from radixserve.sampling_params import SamplingParams
 
@@ -53,6 +55,8 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001
     clip_max_new_tokens: int = 4096
     queue_timeout_s: float | None = None  # a request not started within this long fails (503); None: never
+    priority: PriorityConfig = PriorityConfig()  # --enable-priority-scheduling and its flags (priority.py)
+    logit_processors: tuple[str, ...] = ()  # the named logit processors requests may use (--logit-processors)
     check_invariants: bool = False
 
 
@@ -77,6 +81,7 @@ class Scheduler:
         self._inflight: Step | None = None
         self.runner_state = RunnerState(config.max_running_requests + 1)  # table rows and grammars, per request
         self.tap: ShadowTap | None = None  # --shadow-policies: the live trace for the shadow process
+        self.processors = ProcessorCatalog(config.logit_processors)  # checks requests' custom_logit_processor
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -84,12 +89,15 @@ class Scheduler:
 
     # -- requests in and out -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
-                    priority: int = 0, logprob_start: int | None = None, arrival: float | None = None) -> Req:
+                    priority: int | None = None, logprob_start: int | None = None, arrival: float | None = None,
+                    ) -> Req:
         """Queue a request; InvalidRequest (nothing queued) if it can never run. ``top_logprobs``: None for no
         logprobs, else how many top alternatives to record with each output token's logprob; with it,
         ``logprob_start`` asks for the prompt's logprobs from that position on. ``max_new_tokens`` 0 computes
         and caches the prompt and ends without a token (a prefill only). ``arrival``: when it arrived, if
-        earlier than now (a simulator that learns of an arrival only after the step it came during)."""
+        earlier than now (a simulator that learns of an arrival only after the step it came during). ``priority``:
+        the client's (None: none given), ranked by ``config.priority``; with priority scheduling a full queue
+        fails the least important queued request, or this one (see ``failures``)."""
         if rid in self.live:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="rid")
         max_new = self.validate(prompt_ids, params, top_logprobs, logprob_start)
@@ -97,7 +105,8 @@ class Scheduler:
         if not params.ignore_eos:
             stop_ids |= self.config.eos_ids
         req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids),
-                  arrival=self.clock() if arrival is None else arrival, top_logprobs=top_logprobs, priority=priority,
+                  arrival=self.clock() if arrival is None else arrival, top_logprobs=top_logprobs,
+                  priority=self.config.priority.rank(priority),
                   logprob_start=logprob_start if top_logprobs is not None else None)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
@@ -106,13 +115,16 @@ class Scheduler:
         self._queue_version += 1
         if self.tap is not None:
             self.tap.arrived(req)
+        self._limit_queue(req)
         return req
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
                  logprob_start: int | None = None) -> int:
         """Check a request against the model and the pool (again: the offline Engine has no API in front of
         it); returns the resolved max_new_tokens. InvalidRequest names the field that is wrong."""
-        return check_request(self.config, self.cache.capacity, prompt_ids, params, top_logprobs, logprob_start)
+        max_new = check_request(self.config, self.cache.capacity, prompt_ids, params, top_logprobs, logprob_start)
+        self.processors.check(params.custom_logit_processor, params.custom_params, self.config.vocab_size)
+        return max_new
 
     def finish(self, rid: str, reason: FinishReason) -> Req | None:
         """End a request now (stop string found, client gone, abort); its KV stays cached as evictable."""
@@ -249,6 +261,27 @@ class Scheduler:
                            f"--queue-timeout of {timeout:g}s: the server is overloaded; retry later",
                       status=503, code="queue_timeout")
 
+    def _limit_queue(self, arrival: Req) -> None:
+        """Priority scheduling with --max-queued-requests (SGLang's): a full queue drops its least important
+        request (503) when ``arrival`` is more important, else refuses ``arrival`` (429). Only requests waiting
+        for their first admission count and may be dropped: a preempted or retracted one has started."""
+        prio, cfg = self.config.priority, self.config
+        queued = [r for r in self.waiting if r.admitted_at is None and r is not arrival]
+        free = cfg.max_running_requests - len(self.running) - (self.chunked is not None)
+        if not prio.queue_full(len(queued), free):
+            return
+        drop = prio.to_drop(queued, arrival)
+        limit = f"--max-queued-requests {prio.max_queued}"
+        if drop is arrival:
+            self.fail(arrival, f"the queue is full ({limit}) and no request in it is less important than this one "
+                               f"(priority {prio.describe(arrival.priority)}); retry later, or with a higher "
+                               "priority", status=429, code="queue_full")
+        else:
+            self.fail(drop, f"this request (priority {prio.describe(drop.priority)}) was the least important in a "
+                            f"full queue ({limit}) when a more important one (priority "
+                            f"{prio.describe(arrival.priority)}) arrived, so it was dropped; retry later, or with a "
+                            "higher priority", status=503, code="dropped_for_priority")
+
     def _rollback_inflight(self, req: Req) -> None:
         """``req`` leaves while its step runs: the slots that step writes for it must not reach the tree as if
         they held its KV (the step may yet fail), so they go back now; the runner is done with them before any
@@ -278,12 +311,22 @@ class Scheduler:
         if self.chunked is not None and not adder.add(self.chunked):
             return None  # the chunked request goes first; until it fits, decoding frees room
         room = cfg.max_running_requests - len(self.running) - (self.chunked is not None)
-        if self.waiting and room > 0:
+        rule = preempt_rule(cfg.priority, self.policy)
+        if self.waiting and (room > 0 or (rule is not None and rule.for_places)):
             dedup = InBatchDedup(self.cache) if getattr(self.policy, "cache_aware", False) and self.cache.tree else None
-            for i, req in enumerate(self.lab.order(self.waiting[:POLICY_WINDOW])[:room]):
+            for req in cfg.priority.order(self.lab.order(self.waiting[:POLICY_WINDOW])):
                 if dedup is not None and dedup.defer(req, bool(adder.reqs)):
                     continue  # shares a prefix that this step computes for another request: reuse it next step
-                if not adder.add(req) and not (i == 0 and self._preempt_for(req, adder)):
+                if room <= 0:  # every running place is taken: a more important arrival may take one
+                    admitted, retracted = self._preempt_for(req, adder, need_place=True)
+                    room += retracted - int(admitted)
+                    if not admitted:
+                        break
+                elif adder.add(req):
+                    room -= 1
+                elif adder.short_of_kv and (taken := self._preempt_for(req, adder))[0]:
+                    room += taken[1] - 1
+                else:
                     break
                 if dedup is not None:
                     dedup.admitted(req)
@@ -343,22 +386,28 @@ class Scheduler:
     # -- retraction --------------------------------------------------------------------------------------
     def _retract_one(self) -> bool:
         """Send back to the queue the request whose retraction loses least: the one mid-prefill, else the one
-        with the fewest generated tokens (longest first on ties, it frees most). Its KV goes to the tree, so
-        whatever survives eviction is reused when it comes back. False if only one request is left."""
+        with the fewest generated tokens (longest first on ties, it frees most); with priority scheduling the
+        least important of them first. Its KV goes to the tree, so whatever survives eviction is reused when it
+        comes back. False if only one request is left."""
         candidates = ([self.chunked] if self.chunked else []) + (self.running if len(self.running) > 1 else [])
         if not candidates:
             return False
-        victim = min(candidates, key=lambda r: (r is not self.chunked, len(r.output_ids), -r.seq_len))
+        ranked = self.config.priority.enabled
+        victim = min(candidates, key=lambda r: (r.priority if ranked else 0, r is not self.chunked,
+                                                len(r.output_ids), -r.seq_len))
         self._requeue(victim)
         self.stats.retractions += 1
         self.new_token_ratio = self.config.init_new_token_ratio
         return True
 
-    def _preempt_for(self, req: Req, adder: PrefillAdder) -> bool:
-        """priority-preempt (preempt.py): lower-priority running requests make room for ``req``."""
-        admitted, retracted = preempt_for(self.policy, self.running, req, adder, self.cache, self._requeue)
+    def _preempt_for(self, req: Req, adder: PrefillAdder, need_place: bool = False) -> tuple[bool, int]:
+        """Less important running requests make room for ``req`` (preempt.py): (admitted, how many retracted)."""
+        rule = preempt_rule(self.config.priority, self.policy)
+        if rule is None:
+            return False, 0
+        admitted, retracted = preempt_for(rule, self.running, req, adder, self.cache, self._requeue, need_place)
         self.stats.preemptions += retracted
-        return admitted
+        return admitted, retracted
 
     def _requeue(self, req: Req) -> None:
         """Retract ``req``: its KV goes to the tree, its output is kept, it rejoins the queue where it arrived."""
