@@ -40,6 +40,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # chat: the functions the template shows the model (OpenAI's shape)
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; k > 0: also the k most likely
     priority: int | None = None  # the client's; None: it gave none (the scheduler ranks it, priority.py)
     logprob_start: int | None = None  # with top_logprobs: also the prompt's logprobs from this position on
@@ -164,6 +165,7 @@ class TextReq(msgspec.Struct, tag="text_req"):
     op: Literal["tokenize", "detokenize"]
     texts: list[str] = []  # tokenize: each encoded
     messages: list[dict[str, Any]] | None = None  # tokenize: one chat, rendered with the chat template
+    tools: list[dict[str, Any]] | None = None  # with messages: the functions the template shows
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     token_ids: list[list[int]] = []  # detokenize: each decoded

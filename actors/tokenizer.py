@@ -48,6 +48,7 @@ class TokenizerCore:
         if chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(chat_template)
         self.vocab_size = len(self.tokenizer)
+        self._hidden: dict[int, bool] = {}  # token id -> is it special (``hidden``), as asked
 
     def chat_template(self) -> dict[str, Any] | None:
         """The role markers of the model's own chat template (None without one), as radixserve.lang uses them.
@@ -67,9 +68,11 @@ class TokenizerCore:
         return self.tokenizer(text).input_ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None
+                            ) -> list[int]:
         """Render ``messages`` with the model's chat template and encode the result. ``continue_final_message``:
-        a last message of the assistant's is its answer so far, to be continued (SGLang's assistant prefill)."""
+        a last message of the assistant's is its answer so far, to be continued (SGLang's assistant prefill);
+        ``tools``: the functions offered (OpenAI's shape), shown as the template shows them (or not at all)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         if self.tokenizer.chat_template is None:
@@ -79,7 +82,7 @@ class TokenizerCore:
         if continue_final_message and messages[-1].get("role") == "assistant":
             # the assistant's turn opened as for a new answer, then its text so far: the template never closes it
             messages, prefill, add_generation_prompt = messages[:-1], messages[-1].get("content") or "", True
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt) + prefill
         # the template already wrote any special tokens it wants; don't add a second BOS
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -91,7 +94,7 @@ class TokenizerCore:
                 return ControlReply(req.reply_id, {"texts": [self.decode(ids, req.skip_special_tokens)
                                                              for ids in req.token_ids]})
             if req.messages is not None:
-                tokens = [self.apply_chat_template(req.messages, req.add_generation_prompt)]
+                tokens = [self.apply_chat_template(req.messages, req.add_generation_prompt, tools=req.tools)]
             else:
                 tokens = [self.tokenizer(t, add_special_tokens=req.add_special_tokens).input_ids for t in req.texts]
             return ControlReply(req.reply_id, {"tokens": tokens})
@@ -101,6 +104,12 @@ class TokenizerCore:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def hidden(self, token_id: int) -> bool:
+        """Is this a special token (one ``skip_special_tokens`` leaves out of the text)?"""
+        if token_id not in self._hidden:
+            self._hidden[token_id] = self.decode([token_id]) == "" and self.decode([token_id], False) != ""
+        return self._hidden[token_id]
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
@@ -187,7 +196,11 @@ class OutputText:
         stop = None
         if token_id is not None:
             self.completion_tokens += 1
-            stop = self.detok.add([token_id])
+            # the special token that ended the output (EOS) is no part of its text, even with skip_special_tokens
+            # false (SGLang trims it too): a tool-call parser reads the text up to it
+            ended = finish is not None and finish.type == "stop" and finish.matched == token_id
+            if not (ended and self.detok.core.hidden(token_id)):
+                stop = self.detok.add([token_id])
         stopped_here = stop is not None and finish is None
         if stop is not None:  # the stop string wins over an EOS or length ending on the same token
             finish = FinishReason("stop", matched=stop)

@@ -20,6 +20,7 @@ from radixserve.actors.wire import array
 from radixserve.actors.router.policies import Worker, load_routing_policy
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.actors.transport import ActorSpec, Channel, replica_name, run_actor
+from radixserve.tool_parsers import resolve_tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class TokenizerActor:
 
     def encode(self, msg: GenerateReq) -> list[int]:
         if msg.messages is not None:
-            return self.core.apply_chat_template(msg.messages, continue_final_message=msg.continue_final_message)
+            return self.core.apply_chat_template(msg.messages, continue_final_message=msg.continue_final_message,
+                                                 tools=msg.tools)
         if msg.input_ids is not None:
             return msg.input_ids  # checked against the vocabulary by the api, and again by the scheduler
         return self.core.encode(msg.text or "")
@@ -131,8 +133,11 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[TokenizerActor, dict[str, 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     core = TokenizerCore(spec.tokenizer_dir or spec.model_dir, spec.server_args.chat_template)
     replicas = Replicas(scheduler_names(spec.server_args.dp), spec.server_args.routing_policy)
+    # --tool-call-parser auto is resolved here, where the chat template is: the api reads it from this Ready
+    parser = resolve_tool_parser(spec.server_args.tool_call_parser, core.tokenizer.chat_template)
     return TokenizerActor(core, channel, replicas), {"vocab_size": core.vocab_size,
-                                                     "chat_template": core.chat_template()}
+                                                     "chat_template": core.chat_template(),
+                                                     "tool_call_parser": parser}
 
 
 def scheduler_names(dp: int) -> list[str]:

@@ -14,7 +14,8 @@ from radixserve.errors import did_you_mean
 from radixserve.server_args import CHOICES, DTYPE_ALIASES, RESOLVED, ServerArgs
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "model and tokenizer": ("model_path", "revision", "tokenizer_path", "chat_template", "trust_remote_code",
+    "model and tokenizer": ("model_path", "revision", "tokenizer_path", "chat_template", "tool_call_parser",
+                            "trust_remote_code",
                             "context_length", "dtype", "quantization", "kv_cache_dtype"),
     "runtime and memory": ("device", "attention_backend", "decode_kernel", "disable_compile", "num_threads",
                            "max_total_tokens", "mem_fraction_static", "chunked_prefill_size", "max_prefill_tokens",
@@ -44,7 +45,7 @@ ALIASES = {  # SGLang's (and vLLM's) names for the same flags
 METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", "chat_template": "NAME_OR_FILE",
             "served_model_name": "NAME", "dist_init_addr": "HOST:PORT", "dist_auth_key_file": "FILE",
             "api_key": "KEY", "api_key_file": "PATH", "allowed_hosts": "HOST", "host": "HOST",
-            "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV",
+            "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV", "tool_call_parser": "NAME",
             "logit_processors": "NAME", "priority_scheduling_preemption_threshold": "N", "default_priority_value": "N"}
 HELP = {
     "model_path": "a HF checkpoint folder, a .gguf file, or a Hugging Face hub id (org/name, org/name@revision) "
@@ -55,6 +56,10 @@ HELP = {
                       "(default: the model's own)",
     "chat_template": "the chat template for chat requests in place of the tokenizer's: a Jinja file, or a "
                      "built-in: chatml, qwen, llama-3, llama-2, mistral (default: the tokenizer's own)",
+    "tool_call_parser": "how the model writes tool calls, read into message.tool_calls on the chat route: "
+                        "{tool_parsers}, or a plugin's (entry points radixserve.tool_call_parsers); auto: the "
+                        "format the chat template shows tools in (none if it shows none); none: tools are only shown "
+                        "to the model (tool_choice none)",
     "trust_remote_code": "refused: radixserve runs only the architectures it implements and never executes a "
                          "checkpoint's code (accepted so SGLang command lines fail with a clear message)",
     "dtype": "weights and activations; auto: bfloat16 (the CPU's fast path; float32 checkpoints too)",
@@ -279,6 +284,7 @@ def _policy_names() -> dict[str, str]:
     """The registered policy names (built-ins and installed plugins), for the help texts."""
     from radixserve.actors.router.policies import available as routing
     from radixserve.policies.registry import available
+    from radixserve.tool_parsers import available as tool_parsers
 
     return {"eviction": ", ".join(available("eviction")), "schedule": ", ".join(available("schedule")),
-            "routing": ", ".join(routing())}
+            "routing": ", ".join(routing()), "tool_parsers": ", ".join(tool_parsers())}

@@ -94,6 +94,7 @@ async def _serve(prepared, launcher, boundary: Boundary) -> int:
         "ranks": {str(node): ranks for node, ranks in launcher.ranks_by_node().items()},  # per node
         "tp_ranks": args.tp,
         "model_info": prepared.model_info(launcher.info.get("tokenizer", {}).get("chat_template")),
+        "tool_call_parser": launcher.info.get("tokenizer", {}).get("tool_call_parser"),  # --tool-call-parser, resolved
         "runtime_dir": launcher.runtime_dir,
     }
     in_flight = args.max_queued_requests + args.max_running_requests

@@ -68,6 +68,10 @@ def prepare(args: ServerArgs) -> Prepared:
         fallback = args.decode_fallback
         args = dataclasses.replace(args, decode_kernel=fallback[0], decode_fallback=fallback[1:])
     load_eviction_policy(args.eviction_policy), load_schedule_policy(args.schedule_policy)  # fail fast on names
+    if args.tool_call_parser not in ("auto", "none"):
+        from radixserve.tool_parsers import load_tool_parser
+
+        load_tool_parser(args.tool_call_parser)
     ProcessorCatalog(args.logit_processors or ())  # and on logit processors that are not installed or do not load
     if args.dp > 1:
         from radixserve.actors.router.policies import load_routing_policy

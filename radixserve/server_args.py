@@ -33,6 +33,8 @@ class ServerArgs:
     revision: str | None = None  # of a hub id: a branch, tag or commit (None: main, or the id's @revision)
     tokenizer_path: str | None = None  # None: the model's own
     chat_template: str | None = None  # a Jinja file or a built-in name (actors/chat_templates.py); None: the model's
+    # auto: the format the chat template shows tools in (the tokenizer actor resolves it), none, or a parser's name
+    tool_call_parser: str = "auto"
     trust_remote_code: bool = False  # accepted for SGLang's muscle memory, refused when set: no remote code runs
     dtype: str = "auto"  # auto: bfloat16 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype (the only one implemented)

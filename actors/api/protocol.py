@@ -10,6 +10,7 @@ the offline Engine runs.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -29,11 +30,53 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False
 
 
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for function names
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionRef(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    """``tool_choice`` naming the function to call: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI's: a JSON object as text (an object is taken too)
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A call an earlier assistant message made, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[MessageToolCall] | None = None  # an assistant message: the calls it made
 
     def text(self, index: int) -> str:
         if isinstance(self.content, str):
@@ -51,10 +94,36 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
         return "".join(parts)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The chat as the chat template takes it (``developer`` is OpenAI's newer name for ``system``)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-            for i, m in enumerate(messages)]
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The chat as the chat template takes it (``developer`` is OpenAI's newer name for ``system``). An assistant's
+    ``tool_calls`` go with their arguments as objects (the templates write them with ``tojson``), a tool message
+    with its ``tool_call_id``; ``name`` where given."""
+    out = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
+        out.append(message)
+    return out
+
+
+def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (json.JSONDecodeError, RecursionError):
+            args = None
+    if not isinstance(args, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object (as text)",
+                       param=f"{where}.function.arguments")
+    return {**({"id": call.id} if call.id is not None else {}), "type": "function",
+            "function": {"name": call.function.name, "arguments": args}}
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -171,9 +240,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # None: true; false: a required call is exactly one
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -184,12 +253,23 @@ class ChatCompletionRequest(_Common, kw_only=True):
     def validate(self) -> None:
         if not self.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages")
-        if self.tools:
-            raise APIError(400, "tools / function calling are not supported by radixserve", param="tools")
+        self.check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise APIError(400, f"tools offer the function {twice!r} twice; give each function once", param="tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which tools do not offer "
+                                f"({', '.join(names) or 'no tools given'})", param="tool_choice")
+        if choice == "required" and not names:
+            raise APIError(400, "tool_choice required needs tools to choose from", param="tool_choice")
+
+    def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
     @property
@@ -263,6 +343,7 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | list[str] | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None  # with messages: rendered by the chat template, as a chat's are
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn opening, as a chat does
 
@@ -271,6 +352,8 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if self.messages is not None and not self.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages")
+        if self.tools is not None and self.messages is None:
+            raise APIError(400, "tools go with messages (a chat), not with a prompt", param="tools")
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

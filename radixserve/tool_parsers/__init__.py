@@ -14,7 +14,8 @@ from radixserve.errors import did_you_mean
 from radixserve.tool_parsers.base import Scan, Tool, ToolCall, ToolParser
 
 GROUP = "radixserve.tool_call_parsers"
-__all__ = ["Scan", "Tool", "ToolCall", "ToolParser", "available", "infer_tool_parser", "load_tool_parser"]
+__all__ = ["Scan", "Tool", "ToolCall", "ToolParser", "available", "infer_tool_parser", "load_tool_parser",
+           "resolve_tool_parser"]
 
 
 def available() -> list[str]:
@@ -40,6 +41,16 @@ def load_tool_parser(name: str) -> ToolParser:
             raise ValueError(f"tool-call parser {name!r} ({matches[0].value}) has no {attr!r}; see "
                              "radixserve.tool_parsers.base.ToolParser")
     return parser
+
+
+def resolve_tool_parser(setting: str, template: str | dict[str, str] | None) -> str | None:
+    """``--tool-call-parser`` made concrete: ``auto`` the parser the chat template shows (None if it shows none),
+    ``none`` None, a name itself. ``template``: the tokenizer's (a dict of named templates is read whole)."""
+    if setting == "none":
+        return None
+    if setting != "auto":
+        return setting
+    return infer_tool_parser(" ".join(template.values()) if isinstance(template, dict) else template)
 
 
 def infer_tool_parser(template: str | None) -> str | None:
