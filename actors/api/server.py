@@ -37,7 +37,7 @@ SERVER: web.AppKey[ApiServer] = web.AppKey("server")  # the app's ApiServer, for
 class Limits:
     """What one HTTP request, and all of them together, may ask of the server."""
 
-    max_sequences_per_request: int = 256  # prompts x n in one HTTP request
+    max_sequences_per_request: int = 1024 + 128  # prompts x n in one HTTP request (the server: the in-flight cap)
     max_in_flight: int = 1024 + 128  # sequences admitted and not finished: --max-queued-requests + running
     vocab_size: int | None = None  # token ids are checked against it before anything is queued
     max_streams: int = 256  # streamed (SSE) responses open at once: each holds a connection until it ends
