@@ -51,11 +51,12 @@ def exact(reqs) -> bool:
     return all(r.output_ids == reference(r.prompt_ids, r.max_new_tokens) for r in reqs)
 
 
-def sglang_scenario(priority: PriorityConfig, values: tuple[int, int, int] = (0, 10, 20), after_arrival=None):
+def sglang_scenario(priority: PriorityConfig, values: tuple[int, int, int] = (0, 10, 20), after_arrival=None,
+                    policy: str = "fcfs"):
     """SGLang's test_priority_scheduling_preemption_meeting_threshold_validation: one running place; the first
     request runs, then the other two arrive. Returns the finish order (by priority), the scheduler and the three
     requests; ``after_arrival(sched, first)`` runs after the step the two arrived for."""
-    sched, runner = make(priority)
+    sched, runner = make(priority, policy=policy)
     finished: list[str] = []
     first = sched.add_request(str(values[0]), prompt(20, 0), greedy(60), priority=values[0])
     for _ in range(5):
@@ -82,6 +83,8 @@ def test_sglangs_scenario_finishes_20_10_0_and_the_preempted_request_resumes_exa
 def test_without_priority_scheduling_the_order_is_the_policys():
     finished, sched, _ = sglang_scenario(PriorityConfig())
     assert finished == ["0", "10", "20"] and sched.stats.preemptions == 0
+    finished, sched, _ = sglang_scenario(PriorityConfig(), policy="priority")
+    assert finished == ["0", "20", "10"] and sched.stats.preemptions == 0, "what issue 27 saw before"
 
 
 def test_a_priority_at_or_below_the_threshold_waits():

@@ -109,12 +109,13 @@ def queues_view(sched: Scheduler) -> dict[str, Any]:
     now = sched.clock()
     running = ([sched.chunked] if sched.chunked is not None else []) + sched.running
     return {"running_count": len(running), "waiting_count": len(sched.waiting),
-            "running": [request_view(r, now, "prefilling" if r is sched.chunked else "decoding")
+            "running": [request_view(r, now, "prefilling" if r is sched.chunked else "decoding", sched)
                         for r in running[:MAX_LISTED]],
-            "waiting": [request_view(r, now, "waiting") for r in sched.waiting[:MAX_LISTED]]}
+            "waiting": [request_view(r, now, "waiting", sched) for r in sched.waiting[:MAX_LISTED]]}
 
 
-def request_view(req: Req, now: float, state: str) -> dict[str, Any]:
+def request_view(req: Req, now: float, state: str, sched: Scheduler) -> dict[str, Any]:
+    """``priority``: the client's value (None: it gave none and priority scheduling ranks it lowest)."""
     return {"rid": req.rid, "state": state, "prompt_tokens": len(req.prompt_ids),
             "cached_tokens": req.cached_tokens, "output_tokens": len(req.output_ids), "wait_s": now - req.arrival,
-            "priority": req.priority}
+            "priority": sched.config.priority.client_value(req.priority)}

@@ -59,11 +59,16 @@ class PriorityConfig:
                 return LOWEST if self.enabled else 0
         return -priority if self.enabled and self.low_values_first else priority
 
+    def client_value(self, rank: int) -> int | None:
+        """The priority a client gives for ``rank`` (None: the lowest rank, which no client value has)."""
+        if rank == LOWEST:
+            return None
+        return -rank if self.enabled and self.low_values_first else rank
+
     def describe(self, rank: int) -> str:
         """A rank in the client's terms, for messages."""
-        if rank == LOWEST:
-            return "none given (the lowest)"
-        return str(-rank if self.enabled and self.low_values_first else rank)
+        value = self.client_value(rank)
+        return "none given (the lowest)" if value is None else str(value)
 
     def order(self, ordered: list[R]) -> list[R]:
         """The schedule policy's order with the most important first; among equals the policy's order stands."""
@@ -90,3 +95,13 @@ class PriorityConfig:
         newest among equals) if ``arrival`` is strictly more important, else ``arrival`` itself."""
         least = min(queued, key=lambda r: (r.priority, -r.arrival), default=None)
         return least if least is not None and arrival.priority > least.priority else arrival
+
+    def drop_error(self, dropped: Ranked, arrival: Ranked) -> tuple[str, int, str]:
+        """What the dropped request's client is told: (message, HTTP status, code)."""
+        limit = f"--max-queued-requests {self.max_queued}"
+        if dropped is arrival:
+            return (f"the queue is full ({limit}) and no request in it is less important than this one (priority "
+                    f"{self.describe(arrival.priority)}); retry later, or with a higher priority", 429, "queue_full")
+        return (f"this request (priority {self.describe(dropped.priority)}) was the least important in a full queue "
+                f"({limit}) when a more important one (priority {self.describe(arrival.priority)}) arrived, so it "
+                "was dropped; retry later, or with a higher priority", 503, "dropped_for_priority")

@@ -265,22 +265,12 @@ class Scheduler:
         """Priority scheduling with --max-queued-requests (SGLang's): a full queue drops its least important
         request (503) when ``arrival`` is more important, else refuses ``arrival`` (429). Only requests waiting
         for their first admission count and may be dropped: a preempted or retracted one has started."""
-        prio, cfg = self.config.priority, self.config
+        prio = self.config.priority
         queued = [r for r in self.waiting if r.admitted_at is None and r is not arrival]
-        free = cfg.max_running_requests - len(self.running) - (self.chunked is not None)
-        if not prio.queue_full(len(queued), free):
-            return
-        drop = prio.to_drop(queued, arrival)
-        limit = f"--max-queued-requests {prio.max_queued}"
-        if drop is arrival:
-            self.fail(arrival, f"the queue is full ({limit}) and no request in it is less important than this one "
-                               f"(priority {prio.describe(arrival.priority)}); retry later, or with a higher "
-                               "priority", status=429, code="queue_full")
-        else:
-            self.fail(drop, f"this request (priority {prio.describe(drop.priority)}) was the least important in a "
-                            f"full queue ({limit}) when a more important one (priority "
-                            f"{prio.describe(arrival.priority)}) arrived, so it was dropped; retry later, or with a "
-                            "higher priority", status=503, code="dropped_for_priority")
+        free = self.config.max_running_requests - len(self.running) - (self.chunked is not None)
+        if prio.queue_full(len(queued), free):
+            drop = prio.to_drop(queued, arrival)
+            self.fail(drop, *prio.drop_error(drop, arrival))
 
     def _rollback_inflight(self, req: Req) -> None:
         """``req`` leaves while its step runs: the slots that step writes for it must not reach the tree as if

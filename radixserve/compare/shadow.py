@@ -215,8 +215,10 @@ class ShadowLab:
     calibrated: bool = False  # ``cost`` already fits the server; else nothing is simulated before a fit (``ready``)
 
     def __post_init__(self) -> None:
+        # the trace holds ranks (priority.py), not the clients' values; the live queue limit already ran
+        priority = dataclasses.replace(self.config.priority, low_values_first=False, max_queued=None)
         self.config = dataclasses.replace(self.config, eos_ids=frozenset(), queue_timeout_s=None,
-                                          check_invariants=False)
+                                          check_invariants=False, priority=priority, logit_processors=())
         self.pending: deque[TraceEntry] = deque()  # arrived, in arrival order, not yet released
         self.by_rid: dict[tuple[str, float], TraceEntry] = {}  # (rid, arrival): a client may reuse a rid
         self.released: list[TraceEntry] = []
