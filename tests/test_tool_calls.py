@@ -145,3 +145,25 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, body, param):
     r = httpx.post(server.url + CHAT, json={"messages": ASK, "tools": TOOLS, "max_tokens": 5, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_the_eos_that_ended_an_output_is_not_its_text(server):
+    """With skip_special_tokens false (as the Mistral format needs) the EOS is still no part of the text, as in
+    SGLang: a parser reads the text up to it."""
+    prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+    out = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 60, "temperature": 0, "skip_special_tokens": False}}, timeout=60).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert out["text"] and "<|im_end|>" not in out["text"]
+
+
+def test_without_a_parser_tools_are_only_shown(tiny_server):
+    """tiny_server's template (SmolLM2's) shows no format and it has no --tool-call-parser: tool_choice none is
+    served, anything that would read calls is a 400 saying how to get a parser."""
+    body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 4}
+    r = httpx.post(tiny_server.url + CHAT, json={**body, "tool_choice": "none"}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] is None
+    for choice, param in ((None, "tools"), ("auto", "tool_choice"), ("required", "tool_choice")):
+        r = httpx.post(tiny_server.url + CHAT, json={**body, **({"tool_choice": choice} if choice else {})})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+        assert "--tool-call-parser" in r.json()["error"]["message"]

@@ -49,7 +49,7 @@ class ToolUse:
             raise APIError(400, f"tool_choice {_label(choice)} needs a tool-call parser, and this server has none: "
                                 "its chat template shows no tool-call format it knows; start it with "
                                 "--tool-call-parser (hermes, llama3, mistral, pythonic, ...), or send tool_choice none",
-                           param="tool_choice")
+                           param="tools" if body.tool_choice is None else "tool_choice")
         offered = [Tool(t.function.name, t.function.parameters or {}) for t in body.tools]
         if isinstance(choice, NamedToolChoice):
             offered = [t for t in offered if t.name == choice.function.name]
