@@ -12,6 +12,7 @@ A call the model wrote malformed (not JSON, a function the request did not offer
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 
 from radixserve.errors import InvalidRequest
 
+_SPACES = re.compile(r"\s*")
 # JSON the way chat templates render it (Python's json.dumps, which Jinja's tojson uses): what models were trained on
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -76,6 +78,12 @@ class ToolParser(ABC):
     def call_id(self) -> str:
         """A fresh id for a call (OpenAI's shape: ``call_`` and 24 hex digits)."""
         return "call_" + secrets.token_hex(12)
+
+
+def opening(text: str, n: int) -> str:
+    """The first ``n`` characters after the leading whitespace (without copying the rest: scans run every step)."""
+    start = _SPACES.match(text).end()
+    return text[start:start + n]
 
 
 def held(text: str, markers: Iterable[str]) -> int:

@@ -10,7 +10,8 @@ only be judged whole): the calls that parse are calls, and the text from the fir
 from __future__ import annotations
 
 from radixserve.tool_parsers.base import (
-    Scan, Tool, ToolCall, ToolParser, any_of, call_schema, decode_prefix, json_call, lark_json, one_or_more, with_defs,
+    Scan, Tool, ToolCall, ToolParser, any_of, call_schema, decode_prefix, json_call, lark_json, one_or_more, opening,
+    with_defs,
 )
 
 TAG = "<|python_tag|>"
@@ -23,7 +24,7 @@ class Llama3Json(ToolParser):
 
     def scan(self, text: str, at: int, names: frozenset[str], final: bool) -> Scan:
         out = Scan(consumed=len(text))
-        lead = text.lstrip()
+        lead = opening(text, len(TAG))
         if at > 0 or not (lead.startswith(("{", TAG)) or TAG.startswith(lead)):
             out.content(text[at:])  # content from the start: it all goes out as it comes
         elif not final:

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from radixserve.errors import InvalidRequest
-from radixserve.tool_parsers.base import Scan, Tool, ToolCall, ToolParser, lark_json, lark_str, with_defs
+from radixserve.tool_parsers.base import Scan, Tool, ToolCall, ToolParser, lark_json, lark_str, opening, with_defs
 
 START, END = "<|python_start|>", "<|python_end|>"
 NAMES = {"true": True, "false": False, "null": None}
@@ -27,13 +27,13 @@ class Pythonic(ToolParser):
 
     def scan(self, text: str, at: int, names: frozenset[str], final: bool) -> Scan:
         out = Scan(consumed=len(text))
-        lead = text.lstrip()
+        lead = opening(text, len(START))
         if at > 0 or not (lead.startswith(("[", START)) or START.startswith(lead)):
             out.content(text[at:])
         elif not final:
             out.consumed = 0
         else:
-            calls = parse(lead.removeprefix(START).strip().removesuffix(END), names)
+            calls = parse(text.strip().removeprefix(START).strip().removesuffix(END), names)
             out.pieces = calls if calls else [text]
         return out
 
