@@ -183,6 +183,7 @@ def tiny_server(tiny_models):
 
 @pytest.fixture(scope="session")
 def smol_server():
-    server = ServerProcess("--max-total-tokens", "8192")
+    # hermes: tests/test_tool_calls.py reads tool calls on it (SmolLM2's template shows no format: auto finds none)
+    server = ServerProcess("--max-total-tokens", "8192", "--tool-call-parser", "hermes")
     yield server
     server.stop()

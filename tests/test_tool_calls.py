@@ -1,4 +1,5 @@
-"""Tool calling through the stock `openai` client on the bundled SmolLM2, served with --tool-call-parser hermes.
+"""Tool calling through the stock `openai` client on the bundled SmolLM2, served with --tool-call-parser hermes (the
+session's smol_server).
 
 SmolLM2-135M-Instruct's chat template renders no tools (the model never sees them; --tool-call-parser auto finds no
 format in it): under tool_choice required or a named function the grammar makes it write parseable Hermes calls
@@ -11,8 +12,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
-from radixserve.server_process import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
@@ -30,10 +29,8 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = ServerProcess("--max-total-tokens", "4096", "--tool-call-parser", "hermes")
-    yield server
-    server.stop()
+def server(smol_server):
+    return smol_server  # the session's SmolLM2 server, started with --tool-call-parser hermes
 
 
 @pytest.fixture(scope="module")
