@@ -83,7 +83,7 @@ def test_libraries_are_cached_per_cpu(tmp_path, monkeypatch):
 def test_a_build_that_cannot_be_cached_says_why(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.raises(cpp_build.NativeUnavailable, match="cannot use .*file/kernels for the C\+\+ kernels"):
+    with pytest.raises(cpp_build.NativeUnavailable, match=r"cannot use .*file/kernels for the C\+\+ kernels"):
         cpp_build.build_library(invariant.SOURCE, invariant.FLAGS, blocker / "kernels", "probe")
 
 
