@@ -16,10 +16,10 @@ This module has no torch: the scheduler imports it to check requests. The runner
 from __future__ import annotations
 
 import re
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
 from radixserve.errors import InvalidRequest, did_you_mean
+from radixserve.plugins import load_plugin, registered
 
 if TYPE_CHECKING:
     import torch
@@ -52,25 +52,13 @@ class LogitProcessor(Protocol):
 
 def available() -> list[str]:
     """Names installed (built-ins and plugins), sorted."""
-    return sorted({ep.name for ep in entry_points(group=GROUP)})
+    return registered(GROUP)
 
 
 def load(name: str) -> LogitProcessor:
     """The processor registered as ``name``; ValueError naming the problem (unknown name, a plugin that fails to
     import or lacks ``__call__``)."""
-    matches = [ep for ep in entry_points(group=GROUP) if ep.name == name]
-    if not matches:
-        names = available()
-        raise ValueError(f"unknown logit processor {name!r}; installed: {', '.join(names) or 'none'}"
-                         f"{did_you_mean(name, names)}")
-    ep = matches[0]
-    try:
-        processor = ep.load()()
-    except Exception as exc:  # a plugin's own bug: name it
-        raise ValueError(f"logit processor {name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}") from exc
-    if not callable(processor):
-        raise ValueError(f"logit processor {name!r} ({ep.value}) is not callable; see radixserve.logit_processors")
-    return processor
+    return load_plugin(GROUP, name, "logit processor", needs=("__call__",), see="radixserve.logit_processors")
 
 
 def check_name(value: str) -> None:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from radixserve.actors.router.tree import ApproxTree
-from radixserve.errors import did_you_mean
+from radixserve.plugins import load_plugin, registered
 
 GROUP = "radixserve.routing_policies"
 
@@ -99,21 +98,10 @@ class CacheAware:
 
 
 def available() -> list[str]:
-    return sorted({ep.name for ep in entry_points(group=GROUP)})
+    return registered(GROUP)
 
 
 def load_routing_policy(name: str, config: RoutingConfig | None = None) -> Any:
     """The policy registered as ``name``, built with ``config``; ValueError naming the choices if there is none."""
-    matches = [ep for ep in entry_points(group=GROUP) if ep.name == name]
-    if not matches:
-        names = available()
-        raise ValueError(f"unknown routing policy {name!r}; available: {', '.join(names) or 'none'}"
-                         f"{did_you_mean(name, names)}")
-    try:
-        policy = matches[0].load()(config or RoutingConfig())
-    except Exception as exc:  # a plugin's own bug: name it
-        raise ValueError(f"routing policy {name!r} ({matches[0].value}) failed to load: {type(exc).__name__}: "
-                         f"{exc}") from exc
-    if not hasattr(policy, "choose"):
-        raise ValueError(f"routing policy {name!r} has no choose(text, workers); see radixserve.actors.router")
-    return policy
+    return load_plugin(GROUP, name, "routing policy", config or RoutingConfig(), needs=("choose",),
+                       see="radixserve.actors.router")

@@ -8,9 +8,7 @@ registered the same way, in pyproject.toml)::
 """
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-
-from radixserve.errors import did_you_mean
+from radixserve.plugins import load_plugin, registered
 from radixserve.tool_parsers.base import Scan, Tool, ToolCall, ToolParser
 
 GROUP = "radixserve.tool_call_parsers"
@@ -20,27 +18,14 @@ __all__ = ["Scan", "Tool", "ToolCall", "ToolParser", "available", "infer_tool_pa
 
 def available() -> list[str]:
     """The registered names, sorted (aliases included: ``qwen25`` is ``hermes``)."""
-    return sorted({ep.name for ep in entry_points(group=GROUP)})
+    return registered(GROUP)
 
 
 def load_tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name``; ValueError naming the registered ones if there is none, or if it fails
     to load (a plugin's own bug)."""
-    matches = [ep for ep in entry_points(group=GROUP) if ep.name == name]
-    if not matches:
-        names = available()
-        raise ValueError(f"unknown tool-call parser {name!r}; available: {', '.join(names) or 'none'}"
-                         f"{did_you_mean(name, names)}")
-    try:
-        parser = matches[0].load()()
-    except Exception as exc:
-        raise ValueError(f"tool-call parser {name!r} ({matches[0].value}) failed to load: {type(exc).__name__}: "
-                         f"{exc}") from exc
-    for attr in ("scan", "grammar", "call_id", "special_markers"):
-        if not hasattr(parser, attr):
-            raise ValueError(f"tool-call parser {name!r} ({matches[0].value}) has no {attr!r}; see "
-                             "radixserve.tool_parsers.base.ToolParser")
-    return parser
+    return load_plugin(GROUP, name, "tool-call parser", needs=("scan", "grammar", "call_id", "special_markers"),
+                       see="radixserve.tool_parsers.base.ToolParser")
 
 
 def resolve_tool_parser(setting: str, template: str | dict[str, str] | None) -> str | None:
