@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from radixserve.actors.messages import Heartbeat, NodeDown, NodeReady
+from radixserve.actors.messages import Heartbeat, NodeDown
 from radixserve.actors.node_auth import NodeKeys, node_keys
 from radixserve.actors.nodes import NodeLink
 from radixserve.actors.transport import Endpoints, PlanLost, PlanSequence, Publisher
