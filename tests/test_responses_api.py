@@ -1,6 +1,7 @@
 """OpenAI's Responses API (actors/api/responses.py) through the ``openai`` client: a response, its stream of typed
 events, conversations chained by previous_response_id (the radix cache reusing the earlier turns), JSON output
-under text.format, stored responses fetched and deleted, and the fields not served refused by name."""
+under text.format, function calls (whole and streamed, and their outputs sent back), stored responses fetched and
+deleted, and the fields not served refused by name."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,8 @@ from radixserve.server_process import ServerProcess
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    proc = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens", "4096")
+    proc = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens", "4096",
+                         "--tool-call-parser", "hermes")
     yield proc
     proc.stop()
 
@@ -69,8 +71,43 @@ def test_text_format_constrains_the_output_to_the_schema(client):
     assert out.text.format.type == "json_schema"
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_required_function_call_is_an_output_item_whole_and_streamed(client):
+    kw = {"input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
+          "parallel_tool_calls": False, "max_output_tokens": 64, "temperature": 0}
+    out = client.responses.create(**kw)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo") and out.status == "completed"
+    events = list(client.responses.create(**kw, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == calls[0].arguments  # greedy: the same call
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert added[0].item.arguments == "" and events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # the call's output goes back, and the conversation goes on from the stored one
+    answer = client.responses.create(previous_response_id=out.id, tools=[WEATHER], max_output_tokens=6,
+                                     temperature=0, input=[{"type": "function_call_output",
+                                                            "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
+    assert answer.status == "incomplete" and answer.usage.input_tokens > out.usage.input_tokens
+
+
+def test_function_call_items_in_the_input_need_json_object_arguments(server):
+    items = [{"role": "user", "content": "Weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "[1, 2]"}]
+    bad = httpx.post(server.url + "/v1/responses", json={"input": items, "tools": [WEATHER]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[1].arguments"
+    odd = httpx.post(server.url + "/v1/responses", json={"input": [{"type": "reasoning", "summary": []}]})
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "input[0].type"
+
+
 @pytest.mark.parametrize("extra, field", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
 ])

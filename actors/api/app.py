@@ -46,7 +46,7 @@ def make_app(server: ApiServer, boundary: Boundary | None = None) -> web.Applica
     unknown_fields.install(app)
     openai = OpenAIRoutes(server)
     openai.add_to(app)
-    ResponsesRoutes(server, openai.check_model).add_to(app)
+    ResponsesRoutes(server, openai).add_to(app)
     NativeRoutes(server).add_to(app)
     dashboard.DashboardRoutes(server).add_to(app)
     return app

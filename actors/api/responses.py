@@ -3,17 +3,22 @@
 
 A response is one chat turn: ``instructions`` (a system message), then, with ``previous_response_id``, the stored
 conversation of that response (its inputs and its output; not its instructions, as OpenAI does), then ``input``
-(a string, or messages whose content is a string or ``input_text`` parts). The chat template renders it and the
-radix cache does the rest: a conversation chained by ``previous_response_id`` recomputes only the new turn.
-``text.format`` constrains the output as ``response_format`` does on chat (``json_schema``, ``json_object``).
+(a string, or items: messages whose content is a string or ``input_text`` parts, ``function_call`` items the model
+made and ``function_call_output`` items answering them). The chat template renders it and the radix cache does
+the rest: a conversation chained by ``previous_response_id`` recomputes only the new turn. ``text.format``
+constrains the output as ``response_format`` does on chat (``json_schema``, ``json_object``). Function ``tools``
+and ``tool_choice`` are served as on chat (actors/api/tool_calls.py: the template shows them, the server's
+tool-call parser reads the output, ``required`` or a named function puts the output under the calls' grammar);
+each call is a ``function_call`` output item.
 
 Stored responses (``store``, default true) live in this api process only, the ``STORED`` most recent ones: a
-restart, or more responses than that, forgets them (404 naming the id). Not served here: tools (use
-/v1/chat/completions), ``background``, reasoning items, ``top_logprobs``; they are refused with a 400 naming the
-field rather than ignored.
+restart, or more responses than that, forgets them (404 naming the id). Not served here: tools other than
+functions (web search, file search, ...), ``background``, reasoning items, ``top_logprobs``; they are refused with
+a 400 naming the field rather than ignored.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -25,9 +30,12 @@ from msgspec import Meta
 
 from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.io import decode_body, first_deltas, json_response, open_sse
+from radixserve.actors.api.protocol import FunctionDef, FunctionRef, NamedToolChoice, ToolDef
 from radixserve.actors.api.server import ApiServer
+from radixserve.actors.api.tool_calls import ToolUse
 from radixserve.actors.messages import Delta, GenerateReq
 from radixserve.sampling_params import SamplingParams
+from radixserve.tool_parsers import ToolCall, ToolParser
 
 STORED = 1024  # responses kept for previous_response_id and GET, the oldest forgotten first
 _encoder = msgspec.json.Encoder()
@@ -42,10 +50,74 @@ class InputMessage(msgspec.Struct):
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
     type: Literal["message"] = "message"
+    id: str | None = None
+    status: str | None = None
 
-    def turn(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class FunctionCallItem(msgspec.Struct):
+    """A call the model made earlier, sent back in the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = "{}"
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionOutputItem(msgspec.Struct):
+    """What a call returned."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+ITEMS = {"message": InputMessage, "function_call": FunctionCallItem, "function_call_output": FunctionOutputItem}
+
+
+def template_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` items as the chat template takes them: messages; each run of function calls as one assistant
+    message with ``tool_calls`` (arguments as objects); each output as a ``tool`` message. A 400 naming the item."""
+    out: list[dict[str, Any]] = []
+    for i, raw in enumerate(items):
+        kind = raw.get("type", "message") if isinstance(raw, dict) else None
+        if kind not in ITEMS:
+            raise APIError(400, f"input[{i}] is a {kind!r} item; served: messages, function_call and "
+                                "function_call_output", param=f"input[{i}].type")
+        try:
+            item = msgspec.convert(raw, ITEMS[kind])
+        except msgspec.ValidationError as exc:
+            raise APIError(400, f"input[{i}]: {exc}", param=f"input[{i}]") from None
+        if isinstance(item, InputMessage):
+            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+        elif isinstance(item, FunctionOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        else:
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": _arguments(item.arguments, i)}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    return out
+
+
+def _arguments(text: str, index: int | None = None) -> dict[str, Any]:
+    """A call's arguments as the templates write them (an object); a 400 naming the item if they are not one
+    (``index`` None: the model's own call, whose unparsable arguments are taken as none)."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except (json.JSONDecodeError, RecursionError):
+        value = None
+    if isinstance(value, dict):
+        return value
+    if index is None:
+        return {}
+    raise APIError(400, f"input[{index}].arguments must be a JSON object (as text)", param=f"input[{index}].arguments")
 
 
 class TextFormat(msgspec.Struct):
@@ -76,7 +148,7 @@ class TextConfig(msgspec.Struct):
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """The fields OpenAI's clients send; others are ignored, as SGLang does."""
 
-    input: str | list[InputMessage]
+    input: str | list[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -89,7 +161,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     text: TextConfig = msgspec.field(default_factory=TextConfig)
     metadata: dict[str, str] | None = None
     user: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
@@ -98,11 +170,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
     def refuse_unserved(self) -> None:
         """A 400 naming each field whose value would change the answer in a way not served here."""
-        if self.tools:
-            raise APIError(400, "tools are not served on /v1/responses; call tools through /v1/chat/completions",
-                           param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice needs tools, which /v1/responses does not serve", param="tool_choice")
         if self.background:
             raise APIError(400, "background responses are not served; send the request and wait (or stream it)",
                            param="background")
@@ -113,10 +180,38 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             raise APIError(400, "truncation 'auto' is not served: a conversation longer than the context fails "
                                 "with a 400 instead", param="truncation")
 
-    def turns(self) -> list[dict[str, str]]:
+    def turns(self) -> list[dict[str, Any]]:
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [m.turn() for m in self.input]
+        return template_items(self.input)
+
+    def tool_use(self, parser: ToolParser | None) -> ToolUse | None:
+        """The function tools as the chat route serves them (Responses' flat ``{"type": "function", "name": ...}``
+        made into chat's ``{"function": {...}}``); a 400 naming any other kind of tool."""
+        defs = []
+        for i, tool in enumerate(self.tools or ()):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise APIError(400, f"tools[{i}] is a {kind!r} tool; only function tools are served",
+                               param=f"tools[{i}].type")
+            try:
+                fields = {k: v for k, v in tool.items() if k in ("name", "description", "parameters", "strict")}
+                defs.append(ToolDef("function", msgspec.convert(fields, FunctionDef)))
+            except msgspec.ValidationError as exc:
+                raise APIError(400, f"tools[{i}]: {exc}", param=f"tools[{i}]") from None
+        choice: str | NamedToolChoice | None = None
+        if isinstance(self.tool_choice, dict):
+            if self.tool_choice.get("type") != "function" or not isinstance(self.tool_choice.get("name"), str):
+                raise APIError(400, 'tool_choice names a function as {"type": "function", "name": ...}',
+                               param="tool_choice")
+            choice = NamedToolChoice("function", FunctionRef(self.tool_choice["name"]))
+        elif self.tool_choice is not None:
+            if self.tool_choice not in ("none", "auto", "required"):
+                raise APIError(400, "tool_choice is none, auto, required or a function", param="tool_choice")
+            choice = self.tool_choice
+        if not defs and choice not in (None, "none", "auto"):
+            raise APIError(400, f"tool_choice {self.tool_choice!r} needs tools", param="tool_choice")
+        return ToolUse.build(defs, choice, self.parallel_tool_calls, self.text.format.type != "text", parser)
 
 
 class ResponseStore:
@@ -145,9 +240,9 @@ class ResponseStore:
 
 
 class ResponsesRoutes:
-    def __init__(self, server: ApiServer, check_model) -> None:
-        """``check_model``: the OpenAI routes' (a 404 for a model not served)."""
-        self.server, self.check_model = server, check_model
+    def __init__(self, server: ApiServer, openai) -> None:
+        """``openai``: the OpenAI routes (their check of the model's name, their tool-call parser)."""
+        self.server, self.openai = server, openai
         self.store = ResponseStore()
 
     def add_to(self, app: web.Application) -> None:
@@ -166,7 +261,7 @@ class ResponsesRoutes:
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await decode_body(request, ResponsesRequest)
         body.refuse_unserved()
-        self.check_model(body.model)
+        self.openai.check_model(body.model)
         history = self.store.get(body.previous_response_id, "previous_response_id")[1] \
             if body.previous_response_id else []
         conversation = history + body.turns()
@@ -177,9 +272,13 @@ class ResponsesRoutes:
                                 json_schema=body.text.format.constraint())
         if self.server.limits.vocab_size is not None:
             params.check_model(self.server.limits.vocab_size)
-        turn = Turn(body, self.server.info["model"] if body.model is None else body.model)
-        async with self.server.open(turn.id, [GenerateReq(turn.id, params, messages=messages)],
-                                    stream=body.stream) as group:
+        tools = body.tool_use(self.openai.tool_parser)
+        if tools is not None:
+            params = tools.sampling_params(params)
+        turn = Turn(body, self.server.info["model"] if body.model is None else body.model, tools)
+        gen = GenerateReq(turn.id, params, messages=messages,
+                          tools=tools.template_tools if tools is not None else None)
+        async with self.server.open(turn.id, [gen], stream=body.stream) as group:
             (first,) = await first_deltas(group)  # a request the tokenizer or scheduler refuses is still a 4xx
             if not body.stream:
                 turn.add(first)
@@ -192,49 +291,124 @@ class ResponsesRoutes:
                     await send(resp, event)
                 delta: Delta | None = first
                 while delta is not None:
-                    if delta.text:
-                        await send(resp, turn.event("response.output_text.delta", item_id=turn.item_id,
-                                                    output_index=0, content_index=0, delta=delta.text))
-                    turn.add(delta)
+                    for event in turn.add(delta):
+                        await send(resp, event)
                     delta = None if turn.finish is not None else await group.streams[0].next()
-                for event in turn.closing(self.finish(turn, conversation)):
-                    await send(resp, event)
+                final = self.finish(turn, conversation)
+                await send(resp, turn.event("response.completed" if final["status"] == "completed"
+                                            else "response.incomplete", response=final))
             except APIError as exc:  # after the headers went out: the stream's own error event says why
                 self.server.metrics.rejected(exc.reason)
                 await send(resp, turn.event("error", code=exc.reason, message=exc.message, param=exc.param))
             await resp.write_eof()
             return resp
 
-    def finish(self, turn: Turn, conversation: list[dict[str, str]]) -> dict[str, Any]:
-        final = turn.body("completed" if turn.finish is None or turn.finish.type != "length" else "incomplete")
+    def finish(self, turn: Turn, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+        final = turn.body("incomplete" if turn.finish is not None and turn.finish.type == "length" else "completed")
         if turn.request.store:
-            self.store.put(final, conversation + [{"role": "assistant", "content": turn.text}])
+            self.store.put(final, conversation + [turn.as_said()])
         return final
 
 
 class Turn:
-    """One response as it is written: the text so far, the usage, and the events and body that show it."""
+    """One response as it is written: its output items (messages and function calls, in the order the model wrote
+    them), the usage, and the events and body that show it. ``add`` takes each delta and returns its events."""
 
-    def __init__(self, request: ResponsesRequest, model: str) -> None:
-        self.request, self.model = request, model
-        self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+    def __init__(self, request: ResponsesRequest, model: str, tools: ToolUse | None = None) -> None:
+        self.request, self.model, self.tools = request, model, tools
+        self.reader = tools.reader() if tools is not None else None  # None: every word is the message's
+        self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.text, self.finish = "", None
+        self.finish = None
         self.input_tokens = self.output_tokens = self.cached_tokens = 0
+        self.items: list[dict[str, Any]] = []  # output items, each final once the next one starts
+        self.writing: dict[str, Any] | None = None  # the message item text is going to
+        self.calls: list[ToolCall] = []
         self.sequence = 0
 
-    def add(self, delta: Delta) -> None:
-        self.text += delta.text
+    def add(self, delta: Delta) -> list[dict[str, Any]]:
         self.input_tokens, self.output_tokens, self.cached_tokens = (delta.prompt_tokens, delta.completion_tokens,
                                                                      delta.cached_tokens)
         self.finish = delta.finish or self.finish
+        done = self.finish is not None
+        if self.reader is None:
+            content, calls = delta.text, []
+        else:
+            content, calls = self.reader.feed(delta.text, final=done)
+        events = self._say(content) if content else []
+        for call in calls:
+            events += self._call(call)
+        if done:
+            if not self.items:  # nothing written at all: one empty message, as OpenAI answers
+                events += self._say("")
+            events += self._close()
+        return events
 
-    def message(self, status: str) -> dict[str, Any]:
-        content = [self.part()] if status == "completed" else []
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+    def _say(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self.writing is None:
+            self.writing = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
+                            "role": "assistant", "content": [], "text": ""}
+            self.items.append(self.writing)
+            where = self._where(self.writing)
+            events += [self.event("response.output_item.added", output_index=where["output_index"],
+                                  item=self._shown(self.writing)),
+                       self.event("response.content_part.added", **where,
+                                  part={"type": "output_text", "text": "", "annotations": []})]
+        self.writing["text"] += text
+        if text:
+            events.append(self.event("response.output_text.delta", **self._where(self.writing), delta=text))
+        return events
 
-    def part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": []}
+    def _close(self) -> list[dict[str, Any]]:
+        item, self.writing = self.writing, None
+        if item is None:
+            return []
+        item["status"] = "completed"
+        where = self._where(item)
+        part = {"type": "output_text", "text": item["text"], "annotations": []}
+        return [self.event("response.output_text.done", **where, text=item["text"]),
+                self.event("response.content_part.done", **where, part=part),
+                self.event("response.output_item.done", output_index=where["output_index"], item=self._shown(item))]
+
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+        events = self._close()
+        self.calls.append(call)
+        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": self.tools.parser.call_id(),
+                "name": call.name, "arguments": call.arguments, "status": "completed"}
+        self.items.append(item)
+        index = len(self.items) - 1
+        return events + [
+            self.event("response.output_item.added", output_index=index,
+                       item={**item, "arguments": "", "status": "in_progress"}),
+            self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                       delta=call.arguments),
+            self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                       arguments=call.arguments),
+            self.event("response.output_item.done", output_index=index, item=item)]
+
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
+
+    @staticmethod
+    def _shown(item: dict[str, Any]) -> dict[str, Any]:
+        """A message item as the API shows it (its text inside its one content part, once completed)."""
+        if item["type"] != "message":
+            return item
+        content = [{"type": "output_text", "text": item["text"], "annotations": []}] \
+            if item["status"] == "completed" else []
+        return {k: v for k, v in item.items() if k != "text"} | {"content": content}
+
+    def as_said(self) -> dict[str, Any]:
+        """This turn as the next one's conversation holds it: the assistant's text and calls."""
+        said: dict[str, Any] = {"role": "assistant",
+                                "content": "".join(i["text"] for i in self.items if i["type"] == "message")}
+        calls = [i for i in self.items if i["type"] == "function_call"]
+        if calls:
+            said["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                   "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                                  for c in calls]
+        return said
 
     def body(self, status: Literal["in_progress", "completed", "incomplete"]) -> dict[str, Any]:
         r = self.request
@@ -243,11 +417,13 @@ class Turn:
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
-            "output": [self.message("completed")] if done else [], "parallel_tool_calls": bool(r.parallel_tool_calls),
+            "output": [self._shown(i) for i in self.items] if done else [],
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id, "reasoning": None, "store": r.store,
             "temperature": 1.0 if r.temperature is None else r.temperature,
-            "text": {"format": r.text.format.shown()}, "tool_choice": r.tool_choice or "auto", "tools": [],
-            "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": r.truncation or "disabled",
+            "text": {"format": r.text.format.shown()}, "tool_choice": r.tool_choice or "auto",
+            "tools": r.tools or [], "top_p": 1.0 if r.top_p is None else r.top_p,
+            "truncation": r.truncation or "disabled",
             "usage": {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
                       "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": self.input_tokens + self.output_tokens} if done else None,
@@ -259,22 +435,10 @@ class Turn:
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
     def opening(self) -> list[dict[str, Any]]:
-        """The events before the first text: the response, its message item, the message's text part."""
+        """The events before the first output item."""
         started = self.body("in_progress")
         return [self.event("response.created", response=started),
-                self.event("response.in_progress", response=started),
-                self.event("response.output_item.added", output_index=0, item=self.message("in_progress")),
-                self.event("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
-                           part={"type": "output_text", "text": "", "annotations": []})]
-
-    def closing(self, final: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events after the last text, ending with the response as stored."""
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        last = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        return [self.event("response.output_text.done", **where, text=self.text),
-                self.event("response.content_part.done", **where, part=self.part()),
-                self.event("response.output_item.done", output_index=0, item=self.message("completed")),
-                self.event(last, response=final)]
+                self.event("response.in_progress", response=started)]
 
 
 async def send(resp: web.StreamResponse, event: dict[str, Any]) -> None:

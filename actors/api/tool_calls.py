@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.protocol import ChatCompletionRequest, NamedToolChoice
+from radixserve.actors.api.protocol import ChatCompletionRequest, NamedToolChoice, ToolDef
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.tool_parsers import Tool, ToolCall, ToolParser
@@ -37,30 +37,39 @@ class ToolUse:
 
     @classmethod
     def of(cls, body: ChatCompletionRequest, parser: ToolParser | None) -> ToolUse | None:
-        """None for a request without tools. APIError (400) for a tool_choice this server cannot serve: no
-        parser, or a grammar that cannot be built (the message names the field)."""
-        if not body.tools:
+        """A chat request's tools (None without any); see ``build``."""
+        formatted = body.response_format is not None and body.response_format.type != "text"
+        constrained = formatted or any(v is not None for v in (body.regex, body.json_schema, body.ebnf))
+        return cls.build(body.tools, body.tool_choice, body.parallel_tool_calls, constrained, parser)
+
+    @classmethod
+    def build(cls, tools: list[ToolDef] | None, choice: str | NamedToolChoice | None, parallel: bool | None,
+              constrained: bool, parser: ToolParser | None) -> ToolUse | None:
+        """None without tools. APIError (400) for a tool_choice this server cannot serve: no parser, a grammar
+        that cannot be built, or calls required of an output already constrained (``constrained``: a response
+        format, regex, json_schema or ebnf); the message names the field."""
+        if not tools:
             return None
-        template_tools = [msgspec.to_builtins(t) for t in body.tools]
-        choice = body.tool_choice or "auto"
+        template_tools = [msgspec.to_builtins(t) for t in tools]
+        asked = choice
+        choice = choice or "auto"
         if choice == "none":
             return cls(template_tools, None, frozenset())
         if parser is None:
             raise APIError(400, f"tool_choice {_label(choice)} needs a tool-call parser, and this server has none: "
                                 "its chat template shows no tool-call format it knows; start it with "
                                 "--tool-call-parser (hermes, llama3, mistral, pythonic, ...), or send tool_choice none",
-                           param="tools" if body.tool_choice is None else "tool_choice")
-        offered = [Tool(t.function.name, t.function.parameters or {}) for t in body.tools]
+                           param="tools" if asked is None else "tool_choice")
+        offered = [Tool(t.function.name, t.function.parameters or {}) for t in tools]
         if isinstance(choice, NamedToolChoice):
             offered = [t for t in offered if t.name == choice.function.name]
         names = frozenset(t.name for t in offered)
         if choice == "auto":
             return cls(template_tools, parser, names)
-        formatted = body.response_format is not None and body.response_format.type != "text"
-        if formatted or any(v is not None for v in (body.regex, body.json_schema, body.ebnf)):
+        if constrained:
             raise APIError(400, f"tool_choice {_label(choice)} constrains the output to tool calls; it cannot be "
                                 "combined with response_format, regex, json_schema or ebnf", param="tool_choice")
-        grammar = parser.grammar(offered, body.parallel_tool_calls is not False and choice == "required")
+        grammar = parser.grammar(offered, parallel is not False and choice == "required")
         return cls(template_tools, parser, names, grammar)
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
