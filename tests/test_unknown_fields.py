@@ -52,3 +52,13 @@ def test_each_name_is_logged_once_and_the_memory_is_bounded(caplog):
     assert len(lines) == 2 and all(r.levelno == logging.DEBUG for r in caplog.records)
     assert "'temprature'; did you mean 'temperature'?" in lines[0] and "'lora_path'" in lines[0]
     assert "'a'" in lines[1] and "'b'" not in lines[1] and once.seen == {"temprature", "lora_path", "a"}
+
+
+def test_a_field_name_that_is_not_utf8_is_a_400_not_a_500():
+    """The struct skips an unknown key without reading it; the list of undeclared names must read it (the fuzzer
+    sent ``"a\\xed\\xbf\\xbfb"``, a surrogate in UTF-8's form, which is not UTF-8)."""
+    raw = b'{"text": "hi", "a\xed\xbf\xbfb": 1}'
+    msgspec.json.decode(raw, type=NativeGenerateRequest)  # decodes: the key is skipped unread
+    with pytest.raises(APIError) as refused:
+        undeclared(raw, NativeGenerateRequest)
+    assert refused.value.status == 400 and "not valid JSON" in refused.value.message

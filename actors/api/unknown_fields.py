@@ -70,6 +70,8 @@ def undeclared(raw: bytes, kind: type[msgspec.Struct]) -> list[str]:
         top = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])  # the values are skipped, not parsed
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+    except msgspec.DecodeError as exc:  # a field name that is not UTF-8: the struct skipped it without reading it
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     names = [name for name in top if name not in kind.__struct_fields__]
     for name in names:
         if (what := UNSUPPORTED.get(name)) is not None:
