@@ -52,7 +52,8 @@ UNSUPPORTED: dict[str, str] = {
     "background": "background requests",
 }
 
-IGNORED: web.RequestKey[list[str]] = web.RequestKey("ignored_fields", list)
+# a typed request key where aiohttp has them (newer versions warn about plain keys); the floor, 3.10.6, has none
+IGNORED = web.RequestKey("ignored_fields", list) if hasattr(web, "RequestKey") else "radixserve.ignored_fields"
 
 
 def empty(value: Any) -> bool:
