@@ -236,10 +236,12 @@ def browser(chromium):
 
 
 def wait_for(driver, condition, what: str, timeout: float = 15):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: condition())
+    try:  # the page re-renders every second: an element found a moment ago may be gone, so look again
+        return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: condition())
     except Exception as exc:
         raise AssertionError(f"the page never showed {what}; it says: {text(driver, 'message')!r}, "
                              f"log: {driver.get_log('browser')}") from exc
@@ -468,7 +470,7 @@ def test_dashboard_shows_shadow_pairs(browser, stub):
     assert text(browser, "replicas") == "--dp 2: replica 0 shown"
     assert "radix cache is off" in text(browser, "tree-summary")
     assert cell(browser, "waiting", "rid").text == "<b>not markup</b>", "client text stays text"
-    assert cell(browser, "epochs", "ttft_p50_s").text == "\u2013"
+    wait_for(browser, lambda: cell(browser, "epochs", "ttft_p50_s").text == "\u2013", "no TTFT yet")
     shadow.clear()
     shadow.update({"enabled": False, "pairs": []})
     wait_for(browser, lambda: text(browser, "shadow-status") == SHADOW_OFF, "shadow off")
