@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (the request: responses_request.py): ``POST /v1/responses`` (JSON, or SSE with the typed ``response.*`` events),
-``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}``.
+"""OpenAI's Responses API: ``POST /v1/responses`` (JSON, or SSE with the typed ``response.*`` events),
+``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}``; its request is read in responses_request.py.
 
 A response is one chat turn: ``instructions`` (a system message), then, with ``previous_response_id``, the stored
 conversation of that response (its inputs and its output; not its instructions, as OpenAI does), then ``input``
