@@ -19,9 +19,9 @@ def qa(s):
     s += sgl.assistant(sgl.gen("answer", max_tokens=64))
 
 
-def main(backend) -> dict:
-    state = qa.run(backend=backend, temperature=0.1, top_p=0.95)
-    again = qa.run(backend=backend, temperature=0.1, top_p=0.95)  # the same prompt: its KV comes from the cache
+def main(backend, temperature: float = 0.1) -> dict:
+    state = qa.run(backend=backend, temperature=temperature, top_p=0.95)
+    again = qa.run(backend=backend, temperature=temperature, top_p=0.95)  # the same prompt: its KV comes from the cache
     return {
         "answer": state["answer"],
         "prompt_tokens": again.get_meta_info("answer")["prompt_tokens"],

@@ -125,7 +125,7 @@ def load_example(name: str):
 
 def test_examples_run_against_the_server(smol_server):
     endpoint = RuntimeEndpoint(smol_server.url)
-    qa = load_example("article_qa").main(endpoint)
+    qa = load_example("article_qa").main(endpoint, temperature=0)  # the article samples; a test can't
     assert "Paris" in qa["answer"] and qa["cached_tokens_second_run"] >= qa["prompt_tokens"] - 1
     trip = load_example("select_fork").main(endpoint)
     assert trip["country"] == "France" and len(trip["tips"]) == 3
