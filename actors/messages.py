@@ -307,6 +307,37 @@ class ProcessorSpec(msgspec.Struct, array_like=True, frozen=True):
     params: dict[str, Any]
 
 
+class PageLoad(msgspec.Struct, array_like=True, frozen=True):
+    """Pages a request's read-back brought into the runner, copied into the pool before the step's forward: the
+    tokens from ``skip`` into the first page on, into ``slots`` (one per token, in order)."""
+
+    fetch: int  # the read-back's id (Prefetch.fetch)
+    keys: list[bytes]
+    skip: int
+    slots: np.ndarray
+
+
+class TierOps(msgspec.Struct, array_like=True, frozen=True):
+    """The lower KV tiers' share of a step, done before its forward: ``writes`` (pages of the pool, a key and
+    page_size slots each, ``write_slots`` back to back: copied out now, since the step may reuse their slots) go
+    below; ``loads`` come back into the pool; ``drops``: requests whose read-back will not be used (its pages are
+    no longer held for them): read-backs by id."""
+
+    write_keys: list[bytes] = []
+    write_slots: np.ndarray | None = None
+    loads: list[PageLoad] = []
+    drops: list[int] = []
+
+
+class Prefetch(msgspec.Struct, tag="prefetch", frozen=True):
+    """Read a waiting request's pages back from the lower tiers (in the runner's background, in order, stopping
+    at the first page found nowhere); the runner answers ``Prefetched``."""
+
+    fetch: int  # an id of its own (a request's rid may be asked for again, and its drop must not end the new one)
+    keys: list[bytes]
+    flush: int = 0  # 2: forget every page in host memory first; 3: in storage too (then keys is empty)
+
+
 class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     """One model step over a ragged batch. Per request i (B requests), in batch order:
 
@@ -333,6 +364,7 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     new_penalties: dict[str, PenaltySpec] = {}  # rid -> its logit adjustments, from this step on
     new_processors: dict[str, ProcessorSpec] = {}  # rid -> its named logit processor, from this step on
     released: list[str] = []  # requests that ended: the runner drops their grammars, penalty counts, processors
+    tiers: TierOps | None = None  # --enable-hierarchical-cache: pages written below and loaded back
 
     @property
     def batch_size(self) -> int:
@@ -351,6 +383,17 @@ class ForwardResult(msgspec.Struct, tag="result", frozen=True):
     grammar_done: list[int] = []  # sampling rows whose grammar is complete with this token: the request ends
     errors: dict[int, str] = {}
     error: str | None = None
+
+
+class Prefetched(msgspec.Struct, tag="prefetched", frozen=True):
+    """A ``Prefetch`` is done: ``tiers[i]`` is where page i was found (2: host memory, 3: storage); the pages
+    after the last one listed were found nowhere (or were damaged, and dropped). ``counters``: the runner's tier
+    totals so far (bytes read and written, pages dropped as damaged, ...)."""
+
+    fetch: int
+    tiers: list[int]
+    seconds: float
+    counters: dict[str, float] = {}
 
 
 # -- actors -> launcher -------------------------------------------------------------------------------------
@@ -388,8 +431,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
 # What each inbox accepts (decoders are typed by these unions).
 ApiInbox = TextBatch | RequestError | Status | ControlReply | ShadowReport
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | RequestError | TextReq
-SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq | PolicySwitch
+SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq | PolicySwitch | Prefetched
 ShadowInbox = ShadowFeed
-RunnerInbox = ForwardPlan
+RunnerInbox = ForwardPlan | Prefetch
 LauncherInbox = Ready | Failed
 NodeInbox = NodeReady | NodeDown | Heartbeat

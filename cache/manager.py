@@ -19,6 +19,7 @@ import numpy as np
 from radixserve.cache.allocator import SLOT_DTYPE, SlotAllocator
 from radixserve.cache.invariants import require
 from radixserve.cache.radix_tree import RadixTree, TreeNode
+from radixserve.cache.tiers import LowerTiers
 from radixserve.policies.base import EvictionPolicy
 
 
@@ -61,8 +62,16 @@ class CacheManager:
             None if disable_radix_cache else RadixTree(eviction_policy, self.allocator.free, clock)
         )
         self._eviction_policy = eviction_policy  # kept for when there is no tree
+        self.tiers: LowerTiers | None = None  # --enable-hierarchical-cache (attach_tiers)
         self.owned_by_requests = 0
         self.evicted_tokens = 0
+
+    def attach_tiers(self, tiers: LowerTiers) -> None:
+        """Pages below the pool: what the tree caches and evicts is offered to ``tiers``' write policy."""
+        if self.tree is None:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache")
+        self.tiers = tiers
+        self.tree.on_evict = tiers.evicting
 
     @property
     def capacity(self) -> int:
@@ -121,10 +130,12 @@ class CacheManager:
             self._relock(handle, node)
         return handle
 
-    def admit(self, handle: KVHandle) -> None:
-        """The request ``open`` matched for is admitted: its cached prefix counts as a hit now (once)."""
+    def admit(self, handle: KVHandle, tokens: Sequence[int] = ()) -> None:
+        """The request ``open`` matched ``tokens`` for is admitted: its cached prefix counts as a hit now (once)."""
         if self.tree and handle.node is not None:
             self.tree.touch(handle.node, hit=True, priority=handle.priority)
+            if self.tiers is not None and handle.tree_len:
+                self.tiers.hit(handle.node, tokens, handle.row[: handle.tree_len])
 
     def extend(self, handle: KVHandle, n: int) -> bool:
         """Allocate slots for the next ``n`` tokens, evicting if needed. False (nothing changed) if no room."""
@@ -152,6 +163,8 @@ class CacheManager:
         start = handle.node or self.tree.root
         _, node = self.tree.insert_from(start, tokens[:kv], handle.row[:kv], handle.priority)
         handle.rewrite(handle.tree_len, self.tree.slots_between(start, node))
+        if self.tiers is not None:
+            self.tiers.inserted(node, tokens, handle.row[:kv], handle.tree_len, kv)
         self.owned_by_requests -= kv - handle.tree_len
         handle.tree_len = kv
         self._relock(handle, node)
@@ -176,7 +189,11 @@ class CacheManager:
         if self.tree:
             kv = handle.kv_len
             run = tokens if len(tokens) == kv else tokens[:kv]  # the usual case (finished) needs no copy
-            self.tree.insert_from(handle.node or self.tree.root, run, handle.row[:kv], handle.priority)
+            start = handle.node or self.tree.root
+            _, node = self.tree.insert_from(start, run, handle.row[:kv], handle.priority)
+            if self.tiers is not None and kv > handle.tree_len:  # the tree's slots (ours that duplicated them are free)
+                handle.rewrite(handle.tree_len, self.tree.slots_between(start, node))
+                self.tiers.inserted(node, run, handle.row[:kv], handle.tree_len, kv)
         else:
             self.allocator.free(handle.row[handle.tree_len : handle.kv_len])
         self.owned_by_requests -= own
@@ -192,8 +209,15 @@ class CacheManager:
         handle.node = node
 
     def flush(self) -> int:
-        """Evict everything evictable (locked prefixes of running requests stay). Returns tokens freed."""
-        return self.tree.evict(self.tree.evictable_size) if self.tree else 0
+        """Evict everything evictable (locked prefixes of running requests stay), writing nothing below. Returns
+        tokens freed."""
+        if not self.tree:
+            return 0
+        spill, self.tree.on_evict = self.tree.on_evict, None
+        try:
+            return self.tree.evict(self.tree.evictable_size)
+        finally:
+            self.tree.on_evict = spill
 
     # -- invariants --------------------------------------------------------------------------------------
     def check(self, handles: Iterable[KVHandle]) -> None:

@@ -106,6 +106,7 @@ class RadixTree:
         self.protected_size = 0
         self.version = 0  # bumped whenever the set of cached tokens changes (insert of new tokens, eviction)
         self.num_nodes = 0  # root excluded: bounds the eviction queue (it never holds more than ~2x this)
+        self.on_evict: Callable[[TreeNode], None] | None = None  # sees each victim before its slots are freed
         self._queue = EvictionQueue(policy, self.evictable_leaves, clock, lambda: self.num_nodes)
 
     # -- policy ------------------------------------------------------------------------------------------
@@ -250,6 +251,8 @@ class RadixTree:
                 break
             leaf, key = popped
             self._queue.evicted(leaf, key)
+            if self.on_evict is not None:
+                self.on_evict(leaf)
             self.free_slots(leaf.slots)
             freed += leaf.num_tokens
             self.version += 1

@@ -159,6 +159,7 @@ class ModelRunner:
         self.constraints = Constraints(path, cfg.vocab_size)
         self.penalties = Penalties(cfg.vocab_size, self.device)
         self.processing = LogitProcessing(logit_processors)
+        self.tiers = None  # --enable-hierarchical-cache: pages below the pool (attach_tiers)
         log.info("model loaded in %.1fs (%s, %s%s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
                  cfg.model_type, dtype, f", rank {tp.rank} of {tp.size}" if tp.size > 1 else "", num_slots,
                  self.kv.nbytes / 2**20)
@@ -209,6 +210,14 @@ class ModelRunner:
                    max_threads=max_threads, server_root=server_root,
                    logit_processors=args.logit_processors or ())
 
+    def attach_tiers(self, args, config, report) -> None:
+        """Pages below the pool (model/kv_tiers.py): ``args`` resolved ServerArgs, ``config`` the scheduler's
+        TierConfig, ``report`` called (from a background thread) with each read-back's answer."""
+        from radixserve.model.kv_tiers import build_tiers
+
+        self.tiers = build_tiers(self.kv, self.cfg.num_layers, self.num_kv_heads, self.cfg.head_dim, self.dtype,
+                                 args, config, report)
+
     @torch.inference_mode()
     def logits(self, plan: ForwardPlan) -> torch.Tensor:
         """The next-token logits of the plan's sampling rows, then of its prompt-logprob rows (no sampling)."""
@@ -248,6 +257,8 @@ class ModelRunner:
         self.penalties.update(plan.new_penalties, plan.released)
         self.processing.update(plan.new_processors, plan.released)
         try:
+            if plan.tiers is not None and self.tiers is not None:  # pages out and back in, before the forward
+                self.tiers.apply(plan.tiers)
             batch = self._batch(plan)
             sampling = SamplingInputs.from_batch(plan.sampling, self.device)
         except Exception as exc:

@@ -9,11 +9,20 @@ from typing import Any, Literal
 
 from radixserve.plugins import load_plugin, registered
 from radixserve.policies.base import EvictionPolicy, SchedulePolicy
+from radixserve.policies.tiers import PrefetchPolicy, WritePolicy
 
-Kind = Literal["eviction", "schedule"]
+Kind = Literal["eviction", "schedule", "write", "prefetch"]
 GROUPS: dict[Kind, str] = {
     "eviction": "radixserve.eviction_policies",
     "schedule": "radixserve.schedule_policies",
+    "write": "radixserve.write_policies",  # the lower KV tiers' (policies/tiers.py)
+    "prefetch": "radixserve.prefetch_policies",
+}
+NEEDS: dict[Kind, tuple[str, ...]] = {
+    "eviction": ("name", "key"),
+    "schedule": ("name", "order"),
+    "write": ("name", "on_insert", "on_hit", "on_evict"),
+    "prefetch": ("name", "ready"),
 }
 
 
@@ -23,8 +32,8 @@ def available(kind: Kind) -> list[str]:
 
 
 def _load(kind: Kind, name: str) -> Any:
-    return load_plugin(GROUPS[kind], name, f"{kind} policy", needs=("name", "key" if kind == "eviction" else "order"),
-                       see="radixserve.policies.base")
+    see = "radixserve.policies.tiers" if kind in ("write", "prefetch") else "radixserve.policies.base"
+    return load_plugin(GROUPS[kind], name, f"{kind} policy", needs=NEEDS[kind], see=see)
 
 
 def load_eviction_policy(name: str) -> EvictionPolicy:
@@ -33,3 +42,11 @@ def load_eviction_policy(name: str) -> EvictionPolicy:
 
 def load_schedule_policy(name: str) -> SchedulePolicy:
     return _load("schedule", name)
+
+
+def load_write_policy(name: str) -> WritePolicy:
+    return _load("write", name)
+
+
+def load_prefetch_policy(name: str) -> PrefetchPolicy:
+    return _load("prefetch", name)

@@ -23,6 +23,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "scheduling and cache policies": ("schedule_policy", "eviction_policy", "disable_radix_cache", "shadow_policies",
                                       "shadow_window", "auto_policy", "auto_policy_metric", "auto_policy_margin",
                                       "auto_policy_hold", "auto_policy_cooldown"),
+    "hierarchical cache (KV below the pool)": (
+        "enable_hierarchical_cache", "hicache_ratio", "hicache_size", "hicache_write_policy",
+        "hicache_storage_backend", "hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config",
+        "hicache_page_size", "hicache_kv_format", "kv_disk_bytes"),
     "priority scheduling": ("enable_priority_scheduling", "schedule_low_priority_values_first",
                             "priority_scheduling_preemption_threshold", "disable_priority_preemption",
                             "default_priority_value"),
@@ -41,6 +45,7 @@ ALIASES = {  # SGLang's (and vLLM's) names for the same flags
     "dp": ["--dp-size", "--data-parallel-size"],
     "eviction_policy": ["--radix-eviction-policy"],
     "deterministic": ["--enable-deterministic-inference"],
+    "hicache_page_size": ["--page-size"],
 }
 METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", "chat_template": "NAME_OR_FILE",
             "served_model_name": "NAME", "dist_init_addr": "HOST:PORT", "dist_auth_key_file": "FILE",
@@ -48,6 +53,28 @@ METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", 
             "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV", "tool_call_parser": "NAME",
             "logit_processors": "NAME", "priority_scheduling_preemption_threshold": "N", "default_priority_value": "N"}
 HELP = {
+    "enable_hierarchical_cache": "keep the radix cache's pages below the pool too: host memory (L2) and storage (L3, "
+                                 "kept across restarts); a request whose prefix left the pool reads it back instead "
+                                 "of recomputing it",
+    "hicache_ratio": "L2's size as a multiple of the pool's bytes",
+    "hicache_size": "L2's size in GB (0: by --hicache-ratio)",
+    "hicache_write_policy": "when pages go below: write_through (when computed), write_through_selective (when "
+                            "reused twice), write_back (when evicted), or a plugin's (entry points "
+                            "radixserve.write_policies)",
+    "hicache_storage_backend": "L3: file (a folder on local disk), redis (a Redis or Valkey server several servers "
+                               "share), none (L2 only), or a plugin's (entry points radixserve.kv_storage)",
+    "hicache_storage_prefetch_policy": "how long a request waits for its pages to be read back: best_effort (never), "
+                                       "wait_complete (until all are back), timeout (until all are back, at most 1 s "
+                                       "+ 10 ms a page), or a plugin's (entry points radixserve.prefetch_policies)",
+    "hicache_storage_backend_extra_config": "JSON for the storage backend: file {{\"path\": folder, \"max_bytes\": "
+                                            "N}}; redis {{\"url\": \"redis://host:6379/0\", \"prefix\", \"ttl_s\"}} "
+                                            "(default: none: the file backend in $RADIXSERVE_CACHE/kv-pages, redis "
+                                            "at localhost:6379)",
+    "hicache_page_size": "tokens per page below the pool",
+    "hicache_kv_format": "pages below the pool: auto (the pool's dtype: exact), int8 or fp8_e4m3 (with a scale per "
+                         "head and token: 2x (bf16) to 4x (float32) more pages in the same bytes, not exact)",
+    "kv_disk_bytes": "the file backend's budget in bytes; the least recently used pages go first (default: 8 GiB, or "
+                     "half the free disk)",
     "model_path": "a HF checkpoint folder, a .gguf file, or a Hugging Face hub id (org/name, org/name@revision) "
                   "already in the local HF cache ($HF_HUB_CACHE, $HF_HOME/hub; nothing is downloaded) (default: "
                   "the bundled SmolLM2-135M-Instruct)",

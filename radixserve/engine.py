@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -61,6 +62,9 @@ class Engine:
             self.runner = ModelRunner.from_args(prepared.model, prepared.files.path, args, prepared.files.source)
             seed_sampling(args.random_seed)  # the ranks' processes seed their own
         self.scheduler = build_scheduler(args, prepared.scheduler_config)
+        self._tier_answers: queue.SimpleQueue = queue.SimpleQueue()  # read-backs the runner's tiers answered
+        if prepared.scheduler_config.tiers is not None:
+            self.runner.attach_tiers(args, prepared.scheduler_config.tiers, self._tier_answers.put)
         self._ids = itertools.count()
         self._closed = False
         self._lock = threading.RLock()  # one step at a time; any caller may run it (see _drive)
@@ -144,7 +148,9 @@ class Engine:
         """Drop every cached prefix that no running request holds; returns tokens freed."""
         self._require_open()
         with self._lock:
-            return self.scheduler.cache.flush()
+            freed = self.scheduler.cache.flush()
+            self._exchange_tiers()
+            return freed
 
     def shutdown(self) -> None:
         """Free the model weights and the KV pool (idempotent); the Engine refuses further calls."""
@@ -241,12 +247,31 @@ class Engine:
                         self._end(s.output.rid)
             raise
 
+    def _exchange_tiers(self, wait: bool = False) -> None:
+        """The scheduler's read-back requests to the runner's tiers, and their answers back (``wait``: for one
+        answer, briefly: a request is held for it and nothing else can run)."""
+        sched = self.scheduler
+        if sched.cache.tiers is None:
+            return
+        for msg in sched.cache.tiers.take_outbox():
+            self.runner.tiers.prefetch(msg)
+        try:
+            if wait:
+                sched.prefetched(self._tier_answers.get(timeout=0.02))
+            while True:
+                sched.prefetched(self._tier_answers.get_nowait())
+        except queue.Empty:
+            pass
+
     def _step(self) -> None:
         sched = self.scheduler
         try:
+            self._exchange_tiers()
             plan = sched.schedule()
             updated = sched.process(self.runner.forward(plan)) if plan is not None else []
-            if plan is None and not sched.failures:
+            if plan is None and sched.held:
+                self._exchange_tiers(wait=True)
+            elif plan is None and not sched.failures:
                 raise RuntimeError("the scheduler has unfinished requests but planned nothing (a bug)")
             out = self.tokenizer.detokenize(token_batch(updated), self._live)
         except BaseException:  # an error or Ctrl-C mid-step: give back every slot, keep the Engine usable

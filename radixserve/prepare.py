@@ -10,6 +10,8 @@ from typing import Any
 from radixserve.actors.chat_templates import load_chat_template
 from radixserve.actors.scheduler.priority import PriorityConfig
 from radixserve.actors.scheduler.scheduler import SchedulerConfig
+from radixserve.cache.pages import model_fingerprint, namespace
+from radixserve.cache.tiers import TierConfig
 from radixserve.logit_processors import ProcessorCatalog
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import ModelFiles, load_configs, resolve_model, resolve_tokenizer
@@ -49,6 +51,23 @@ class Prepared:
             "has_audio_understanding": False,
             "chat_template": chat_template,
         }
+
+
+def tier_config(args: ServerArgs, model_dir: Path) -> TierConfig | None:
+    """--enable-hierarchical-cache: the pages' size, policies and namespace (pages of another model, dtype, page
+    size or format have other keys). Fails fast on unknown policy or backend names."""
+    if not args.enable_hierarchical_cache:
+        return None
+    from radixserve.plugins import registered
+    from radixserve.policies import load_prefetch_policy, load_write_policy
+
+    load_write_policy(args.hicache_write_policy), load_prefetch_policy(args.hicache_storage_prefetch_policy)
+    backend = args.hicache_storage_backend
+    if backend != "none" and backend not in registered("radixserve.kv_storage"):
+        names = ", ".join(["none", *registered("radixserve.kv_storage")])
+        raise ValueError(f"unknown --hicache-storage-backend {backend!r}; available: {names}")
+    ns = namespace(model_fingerprint(model_dir), args.dtype, args.hicache_page_size, args.hicache_kv_format)
+    return TierConfig(args.hicache_page_size, ns, args.hicache_write_policy, args.hicache_storage_prefetch_policy)
 
 
 def prepare(args: ServerArgs) -> Prepared:
@@ -93,6 +112,7 @@ def prepare(args: ServerArgs) -> Prepared:
                                 args.priority_scheduling_preemption_threshold, not args.disable_priority_preemption,
                                 args.default_priority_value, args.max_queued_requests),
         logit_processors=args.logit_processors or (),
+        tiers=tier_config(args, files.path),
         check_invariants=args.check_invariants,
     )
     names = args.served_model_name or (files.hub_id or (files.source.stem.split(".")[0] if files.source.suffix ==

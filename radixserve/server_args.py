@@ -21,6 +21,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "decode_kernel": ("auto", "native", "compiled", "eager"),
     "dist_backend": ("auto", "gloo", "nccl"),
     "log_level": ("debug", "info", "warning", "error", "critical"),
+    "hicache_kv_format": ("auto", "int8", "fp8_e4m3"),
 }
 DEFAULT_MAX_TOTAL_TOKENS = 65536
 KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
@@ -46,6 +47,17 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     eviction_policy: str = "lru"
     disable_radix_cache: bool = False
+    # SGLang's HiCache: host-memory (L2) and storage (L3) tiers below the pool (cache/tiers.py, model/kv_tiers.py)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # L2's bytes as a multiple of the pool's (unless hicache_size is given)
+    hicache_size: float = 0.0  # L2's size in GB; 0: by hicache_ratio
+    hicache_write_policy: str = "write_through"  # entry points radixserve.write_policies
+    hicache_storage_backend: str = "file"  # entry points radixserve.kv_storage; "none": host memory only
+    hicache_storage_prefetch_policy: str = "timeout"  # entry points radixserve.prefetch_policies
+    hicache_storage_backend_extra_config: str | None = None  # JSON: file {"path", "max_bytes"}; redis {"url", ...}
+    hicache_page_size: int = 64  # tokens per page below the pool
+    hicache_kv_format: str = "auto"  # pages below the pool: auto (the pool's dtype, exact), int8, fp8_e4m3
+    kv_disk_bytes: int | None = None  # the file backend's budget; None: 8 GiB or half the free disk
     # SGLang's priority scheduling (actors/scheduler/priority.py): priorities order the queue, preempt, drop
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False  # with it: smaller priority values are more important
@@ -157,6 +169,7 @@ class ServerArgs:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
         self._check_priority()
+        self._check_hicache()
         self._check_logit_processors()
         self._check_distributed()
         self._check_shadow()
@@ -188,6 +201,40 @@ class ServerArgs:
         value = self.default_priority_value
         if value is not None and not -(2**31) <= value < 2**31:
             raise ValueError(f"--default-priority-value {value} must be a 32-bit integer, as request priorities are")
+
+    def _check_hicache(self) -> None:
+        if not self.enable_hierarchical_cache:
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache keeps the radix cache's pages below the pool: it cannot be "
+                             "combined with --disable-radix-cache")
+        if self.tp > 1:
+            raise ValueError("--enable-hierarchical-cache is not implemented with --tp > 1 yet (each rank would keep "
+                             "its own share of every page); use --dp for several replicas sharing one L3")
+        if self.hicache_page_size < 1:
+            raise ValueError(f"--hicache-page-size {self.hicache_page_size} must be >= 1 token")
+        if not self.hicache_ratio > 0 or self.hicache_size < 0:
+            raise ValueError(f"--hicache-ratio {self.hicache_ratio} must be > 0 and --hicache-size "
+                             f"{self.hicache_size} >= 0 (GB; 0: by ratio)")
+        if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:
+            raise ValueError(f"--kv-disk-bytes {self.kv_disk_bytes} must be >= 1")
+        self.hicache_extra_config()  # fails fast on bad JSON
+
+    def hicache_extra_config(self) -> dict[str, Any]:
+        """--hicache-storage-backend-extra-config parsed (a JSON object), with --kv-disk-bytes as max_bytes."""
+        import json
+
+        text = self.hicache_storage_backend_extra_config
+        try:
+            config = json.loads(text) if text else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hicache-storage-backend-extra-config is not JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError("--hicache-storage-backend-extra-config must be a JSON object, e.g. "
+                             "'{\"path\": \"/var/cache/kv\"}'")
+        if self.kv_disk_bytes is not None:
+            config.setdefault("max_bytes", self.kv_disk_bytes)
+        return config
 
     def _check_logit_processors(self) -> None:
         names = self.logit_processors

@@ -7,7 +7,7 @@ from typing import Literal
 import numpy as np
 
 from radixserve.actors.messages import (
-    ForwardPlan, GrammarSpec, PenaltySpec, ProcessorSpec, PromptLogprobs, SamplingBatch
+    ForwardPlan, GrammarSpec, PenaltySpec, ProcessorSpec, PromptLogprobs, SamplingBatch, TierOps
 )
 from radixserve.actors.scheduler.req import Req
 
@@ -19,16 +19,19 @@ class Step:
     plan: ForwardPlan
     reqs: list[Req]
     starts: list[int]
+    floors: list[int] | None = None  # per request, what was in the pool before the step's loads (default: starts)
 
-    def start_of(self, req: Req) -> int | None:
-        for r, s in zip(self.reqs, self.starts):
+    def floor_of(self, req: Req) -> int | None:
+        """How many of ``req``'s tokens hold KV whatever becomes of this step (its loads from the lower tiers and
+        its forward happen together, or neither does)."""
+        for r, s in zip(self.reqs, self.floors or self.starts):
             if r is req:
                 return s
         return None
 
 
 def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int],
-               vocab_size: int, released: list[str] | None = None) -> ForwardPlan:
+               vocab_size: int, released: list[str] | None = None, tiers: TierOps | None = None) -> ForwardPlan:
     """``starts[i]``: how many of reqs[i]'s tokens were in the pool before this step (the rest are new).
 
     Every request's KV handle must already hold slots for all the tokens it computes now, and a runner table row
@@ -61,6 +64,7 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
         new_processors={r.rid: ProcessorSpec(r.params.custom_logit_processor, r.params.custom_params or {})
                         for r in starting if r.params.custom_logit_processor is not None},
         released=released or [],
+        tiers=tiers,
     )
 
 

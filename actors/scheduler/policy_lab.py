@@ -114,4 +114,5 @@ class PolicyLab:
                        "generated_tokens": stats.generated_tokens, "evicted_tokens": cache.evicted_tokens,
                        "retractions": stats.retractions, "preemptions": stats.preemptions, "steps": stats.steps},
             "epochs": [e.to_dict(now, cache.evicted_tokens) for e in self.epochs],
+            **({"tiers": cache.tiers.stats()} if cache.tiers is not None else {}),
         }

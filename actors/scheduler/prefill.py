@@ -28,7 +28,8 @@ class PrefillAdder:
         self.ratio = new_token_ratio
         self.clip = clip_max_new_tokens
         self.reqs: list[Req] = []
-        self.starts: list[int] = []  # kv_len of each admitted request before this step
+        self.starts: list[int] = []  # kv_len of each admitted request before this step's forward
+        self.floors: list[int] = []  # ... and before its loads from the lower tiers (what a failed step keeps)
         self.partial: Req | None = None  # the one request that only got part of its prompt (chunked prefill)
         self.short_of_kv = False  # the last add() failed for want of KV room, not of this step's token budget
 
@@ -45,9 +46,12 @@ class PrefillAdder:
         if self.partial is not None or self.tokens_left <= 0:
             return False
         fresh = req.kv is None
+        load = 0  # tokens its read-back from the lower tiers brings (loaded, not computed)
         if fresh:
             req.kv = self.cache.open(req.fill_key, req.max_seq_len, req.priority, limit=req.match_limit)
-        want = req.extend_len
+            if self.cache.tiers is not None:
+                load = self.cache.tiers.loadable(req.rid, req.kv_len, min(req.match_limit, req.seq_len - 1))
+        want = req.extend_len - load
         if want <= self.tokens_left:
             n = want
         elif self.chunking:
@@ -57,17 +61,26 @@ class PrefillAdder:
         else:
             return self._reject(req, fresh)
         reserve = self.future_tokens(req) if n == want else 0.0  # 0 for a prefill-only request
-        if self.cache.available - self.reserved < n + reserve:
+        if self.cache.available - self.reserved < n + load + reserve:
             self.short_of_kv = True
             return self._reject(req, fresh)
+        floor = req.kv_len
+        below = (0, 0)
+        if load:
+            require(self.cache.extend(req.kv, load), "the pool had room a moment ago")
+            below = self.cache.tiers.load(req.rid, floor, req.kv.row[floor : floor + load])
         start = req.kv_len
         require(self.cache.extend(req.kv, n), "the pool had room a moment ago")
         if fresh:
-            self.cache.admit(req.kv)  # only now does its cached prefix count as used (a hit, for LFU & co)
+            self.cache.admit(req.kv, req.fill_key)  # only now does its cached prefix count as used (a hit)
         if req.cached_tokens is None:
             req.cached_tokens = start
+            req.cached_tiers = (floor, *below)
+            if self.cache.tiers is not None:
+                self.cache.tiers.admitted(req.cached_tiers, req.seq_len)
         self.reqs.append(req)
         self.starts.append(start)
+        self.floors.append(floor)
         self.tokens_left -= n
         self.reserved += reserve
         if n < want:

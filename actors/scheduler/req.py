@@ -29,6 +29,7 @@ class Req:
     # max(logprob_start, 1) on (token t's comes from the logits at position t - 1)
     kv: KVHandle | None = None  # set while the request holds KV (running or mid-prefill)
     cached_tokens: int | None = None  # prefix reused from the cache when first admitted
+    cached_tiers: tuple[int, int, int] | None = None  # ... of which from the pool (L1), host memory, storage
     finish_reason: FinishReason | None = None
     sampler_state: bool = False  # the runner holds this request's grammar matcher and/or penalty counts
     table_row: int | None = None  # the runner's row of this request's slot indices, while it holds KV

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan, ForwardResult, RequestError
+from radixserve.actors.messages import ForwardPlan, ForwardResult, Prefetched, RequestError
 from radixserve.actors.scheduler.plan import Step, build_plan, plannable
 from radixserve.actors.scheduler.policy_lab import PolicyLab
 from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
@@ -30,6 +30,7 @@ from radixserve.actors.scheduler.stats import SchedulerStats
 from radixserve.actors.scheduler.validate import check_request
 from radixserve.cache.invariants import require
 from radixserve.cache.manager import CacheManager
+from radixserve.cache.tiers import TierConfig
 from radixserve.errors import InvalidRequest
 from radixserve.logit_processors import ProcessorCatalog
 from radixserve.policies.base import SchedulePolicy
@@ -57,6 +58,7 @@ class SchedulerConfig:
     queue_timeout_s: float | None = None  # a request not started within this long fails (503); None: never
     priority: PriorityConfig = PriorityConfig()  # --enable-priority-scheduling and its flags (priority.py)
     logit_processors: tuple[str, ...] = ()  # the named logit processors requests may use (--logit-processors)
+    tiers: TierConfig | None = None  # --enable-hierarchical-cache: pages below the pool (cache/tiers.py)
     check_invariants: bool = False
 
 
@@ -115,8 +117,29 @@ class Scheduler:
         self._queue_version += 1
         if self.tap is not None:
             self.tap.arrived(req)
+        self._ask_tiers(req)
         self._limit_queue(req)
         return req
+
+    def _ask_tiers(self, req: Req) -> None:
+        """--enable-hierarchical-cache: read back the request's pages that the pool does not hold while it waits."""
+        tiers = self.cache.tiers
+        if tiers is not None and not req.finished:
+            cap = req.match_limit
+            tiers.ask(req.rid, req.fill_key, self.cache.match_len(req.fill_key[:cap]), cap)
+
+    def prefetched(self, msg: Prefetched) -> None:
+        """The runner has read a waiting request's pages back (or found them nowhere)."""
+        if self.cache.tiers is not None:
+            self.cache.tiers.answered(msg)
+            self._queue_version += 1  # a request that could not start may start now
+
+    @property
+    def held(self) -> bool:
+        """Is a waiting request held for its read-back from the lower tiers? (Then a step may plan nothing while
+        there is work: the caller waits for the runner's answer, or for the prefetch policy to let it go.)"""
+        tiers = self.cache.tiers
+        return tiers is not None and bool(tiers.fetches) and any(not f.done for f in tiers.fetches.values())
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
                  logprob_start: int | None = None) -> int:
@@ -136,6 +159,8 @@ class Scheduler:
         self._release(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        if self.cache.tiers is not None:
+            self.cache.tiers.forget(rid)
         return req
 
     def fail(self, req: Req, message: str, status: int = 500, code: str | None = "internal_error") -> None:
@@ -154,9 +179,9 @@ class Scheduler:
         """The plan in flight will never produce tokens (the runner failed, or the caller gave up on it): every
         request in it fails, and the slots it allocated for this step go back uncomputed."""
         step, self._inflight = self._inflight, None
-        for req, start in zip(step.reqs, step.starts) if step else ():
+        for req, floor in zip(step.reqs, step.floors or step.starts) if step else ():
             if not req.finished:
-                self.cache.truncate(req.kv, start)
+                self.cache.truncate(req.kv, floor)
                 self.fail(req, message)
 
     def fail_all(self, message: str) -> None:
@@ -276,9 +301,9 @@ class Scheduler:
         """``req`` leaves while its step runs: the slots that step writes for it must not reach the tree as if
         they held its KV (the step may yet fail), so they go back now; the runner is done with them before any
         later step can reuse them."""
-        start = self._inflight.start_of(req) if self._inflight else None
-        if start is not None and req.kv is not None:
-            self.cache.truncate(req.kv, start)
+        floor = self._inflight.floor_of(req) if self._inflight else None
+        if floor is not None and req.kv is not None:
+            self.cache.truncate(req.kv, floor)
 
     def _schedule_prefill(self) -> ForwardPlan | None:
         if not self.waiting and self.chunked is None:
@@ -302,9 +327,14 @@ class Scheduler:
             return None  # the chunked request goes first; until it fits, decoding frees room
         room = cfg.max_running_requests - len(self.running) - (self.chunked is not None)
         rule = preempt_rule(cfg.priority, self.policy)
+        held = False
         if self.waiting and (room > 0 or (rule is not None and rule.for_places)):
             dedup = InBatchDedup(self.cache) if getattr(self.policy, "cache_aware", False) and self.cache.tree else None
+            tiers, now = self.cache.tiers, self.clock()
             for req in cfg.priority.order(self.lab.order(self.waiting[:POLICY_WINDOW])):
+                if tiers is not None and not tiers.ready(req.rid, now):
+                    held = True
+                    continue  # its pages are still being read back: the prefetch policy holds it
                 if dedup is not None and dedup.defer(req, bool(adder.reqs)):
                     continue  # shares a prefix that this step computes for another request: reuse it next step
                 if room <= 0:  # every running place is taken: a more important arrival may take one
@@ -321,7 +351,8 @@ class Scheduler:
                 if dedup is not None:
                     dedup.admitted(req)
         if not adder.reqs:
-            self._blocked = (state, room_tokens)
+            if not held:  # a held request may be let go by the clock alone: try again next time
+                self._blocked = (state, room_tokens)
             return None
         self._blocked = None
         now = self.clock()
@@ -333,7 +364,7 @@ class Scheduler:
         self.waiting = [r for r in head if id(r) not in admitted] + self.waiting[POLICY_WINDOW:]
         if adder.partial is not None:
             self.chunked = adder.partial
-        return self._launch("extend", adder.reqs, adder.starts)
+        return self._launch("extend", adder.reqs, adder.starts, adder.floors)
 
     def _schedule_decode(self) -> ForwardPlan | None:
         if not self.running:
@@ -346,31 +377,34 @@ class Scheduler:
                     "a lone request always fits: validate() caps prompt + max_new_tokens at the pool size")
         return self._launch("decode", list(self.running), starts)
 
-    def _launch(self, mode, reqs: list[Req], starts: list[int]) -> ForwardPlan | None:
+    def _launch(self, mode, reqs: list[Req], starts: list[int], floors: list[int] | None = None) -> ForwardPlan | None:
         """The plan for ``reqs``. A request that cannot be planned (a bug around its values) fails alone: its
-        slots of this step go back and the others run without it."""
+        slots of this step go back and the others run without it. ``floors``: what each request held before the
+        step's loads from the lower tiers (default: ``starts``)."""
         self._step += 1
         for req in reqs:
             self.runner_state.take_row(req)
+        tiers = self.cache.tiers.take_ops() if self.cache.tiers is not None else None
         try:
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size,
-                              self.runner_state.released())
+                              self.runner_state.released(), tiers)
         except Exception:
             log.exception("could not plan step %d; finding the request(s) that break it", self._step)
             bad = [r for r, s in zip(reqs, starts) if not plannable(mode, r, s, self.config.vocab_size)] or reqs
             log.error("failing request(s) %s: they cannot be planned", ", ".join(r.rid for r in bad))
-            for req, start in zip(reqs, starts):
-                if any(req is b for b in bad):
-                    self.cache.truncate(req.kv, start)
+            floors = floors or starts
+            for req, floor in zip(reqs, floors):
+                if any(req is b for b in bad):  # its loads still run: into slots nobody reads before they are reused
+                    self.cache.truncate(req.kv, floor)
                     self.fail(req, "internal error while planning the request (logged)")
-            keep = [(r, s) for r, s in zip(reqs, starts) if not r.finished]
+            keep = [i for i, r in enumerate(reqs) if not r.finished]
             if not keep:
-                return None
-            reqs, starts = [r for r, _ in keep], [s for _, s in keep]
+                return None  # the tier ops are lost with the plan: only pages not written and read-backs not used
+            reqs, starts, floors = [reqs[i] for i in keep], [starts[i] for i in keep], [floors[i] for i in keep]
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size,
-                              self.runner_state.released())  # with the requests that just failed
+                              self.runner_state.released(), tiers)  # with the requests that just failed
         self.runner_state.sent(reqs, plan)
-        self._inflight = Step(plan, reqs, starts)
+        self._inflight = Step(plan, reqs, starts, floors)
         return plan
 
     # -- retraction --------------------------------------------------------------------------------------
@@ -404,6 +438,7 @@ class Scheduler:
         self._release(req)
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
         self._queue_version += 1
+        self._ask_tiers(req)  # what it computed went to the tree; what is evicted before it returns may be below
 
     def _release(self, req: Req) -> None:
         """Drop ``req`` from the running set and close its KV (computed tokens go to the tree)."""
@@ -417,6 +452,8 @@ class Scheduler:
             self.running.remove(req)
         if req.finished:
             self.live.pop(req.rid, None)
+            if self.cache.tiers is not None:
+                self.cache.tiers.forget(req.rid)
             if self.tap is not None:
                 self.tap.ended(req)
             if req.cached_tokens is not None:  # it was admitted: it reused (or not) and computed

@@ -1,0 +1,340 @@
+"""The runner's side of the lower KV tiers: pages of the pool copied to host memory (L2) and storage (L3), and read
+back. The scheduler decides (cache/tiers.py); this holds the pages and does the copies.
+
+    step start (main thread):  drops ─▶ writes: pool slots ─▶ encoded pages ─▶ L2 (and queued for L3)
+                                        loads:  L2 pages (held for the request) ─▶ pool slots
+    background thread:          prefetch: L2 hit? hold it : L3 read ─▶ unseal (checksum) ─▶ L2, held ─▶ report
+                                store:    seal ─▶ L3 write
+
+The pool is touched only by the main thread, between steps; the background thread touches only L2 (under its lock)
+and storage. A page from storage is checked before anything uses it (model/kv_storage.unseal): a damaged one is
+deleted and counted, and the read stops there (its tokens are recomputed).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from radixserve.actors.messages import Prefetch, Prefetched, TierOps
+from radixserve.model.forward_batch import KVPool
+from radixserve.model.kv_storage import DamagedPage, StorageBackend, seal, unseal
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("auto", "int8", "fp8_e4m3")
+READ_BATCH = 8  # pages asked of storage at once
+MAX_QUEUED_STORE_BYTES = 256 << 20  # pages waiting for a slow store beyond this are not written (counted)
+
+
+class PageCodec:
+    """A page's KV as it is kept below the pool: page-first ``[2 (K, V), layers, page, kv_heads, head_dim]`` (one
+    page is one contiguous read), in the pool's dtype ("auto": exact) or int8 / fp8 (e4m3) with a float32 scale per
+    K or V row of a head (``[2, layers, page, kv_heads]``)."""
+
+    def __init__(self, fmt: str, dtype: torch.dtype, layers: int, kv_heads: int, head_dim: int, page: int) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown KV page format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        self.fmt, self.dtype, self.page = fmt, dtype, page
+        self.shape = (2, layers, page, kv_heads, head_dim)
+        self.stored = {"auto": dtype, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[fmt]
+        self.values = 2 * layers * page * kv_heads * head_dim
+        self.value_bytes = self.values * self.stored.itemsize
+        self.scale_bytes = 0 if fmt == "auto" else 2 * layers * page * kv_heads * 4
+        self.nbytes = self.value_bytes + self.scale_bytes
+        self.limit = {"int8": 127.0, "fp8_e4m3": 448.0}.get(fmt)
+
+    def encode(self, kv: KVPool, slots: np.ndarray) -> torch.Tensor:
+        """The pages of ``slots`` (page after page, ``page`` slots each): ``[pages, nbytes]`` uint8."""
+        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        n = len(slots) // self.page
+        x = torch.stack((kv.k[:, idx], kv.v[:, idx]))  # [2, L, n * page, H, D]
+        x = x.view(2, x.shape[1], n, self.page, *x.shape[3:]).permute(2, 0, 1, 3, 4, 5).contiguous()
+        if self.fmt == "auto":
+            return x.view(n, -1).view(torch.uint8)
+        xf = x.float()
+        scale = xf.abs().amax(-1).clamp_min(1e-12) / self.limit  # [n, 2, L, page, H]
+        q = xf / scale[..., None]
+        q = q.round().clamp(-127, 127).to(torch.int8) if self.fmt == "int8" else q.to(self.stored)
+        return torch.cat((q.reshape(n, -1).view(torch.uint8), scale.reshape(n, -1).view(torch.uint8)), dim=1)
+
+    def decode_into(self, kv: KVPool, pages: list[torch.Tensor], skip: int, slots: np.ndarray) -> None:
+        """Tokens ``skip`` .. ``skip + len(slots)`` of ``pages`` (in order) into the pool's ``slots``."""
+        n = len(pages)
+        buf = torch.stack(pages)
+        if self.fmt == "auto":
+            x = buf.view(self.dtype).view(n, *self.shape)
+        else:
+            q = buf[:, : self.value_bytes].contiguous().view(self.stored).view(n, *self.shape)
+            scale = buf[:, self.value_bytes :].contiguous().view(torch.float32).view(n, *self.shape[:-1])
+            x = (q.float() * scale[..., None]).to(self.dtype)
+        x = x.permute(1, 2, 0, 3, 4, 5).reshape(2, self.shape[1], n * self.page, *self.shape[3:])
+        x = x[:, :, skip : skip + len(slots)]
+        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        kv.k[:, idx] = x[0]
+        kv.v[:, idx] = x[1]
+
+
+class HostTier:
+    """L2: encoded pages in this process's memory, least recently used first out beyond ``budget`` bytes. A page
+    a read-back found is held for it (``fetch`` id) until loaded or let go; held pages are never dropped (with a
+    budget of 0, L2 only holds what read-backs bring from storage, until they are loaded)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.lock = threading.Lock()
+        self.pages: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.nbytes = 0
+        self.held: dict[int, list[bytes]] = {}  # fetch id -> keys held for it
+        self.holds: Counter[bytes] = Counter()
+        self.live: set[int] = set()  # read-backs under way (a page is held only for one of these)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.pages
+
+    def hold(self, key: bytes, fid: int) -> bool:
+        """Hold ``key`` for read-back ``fid`` if L2 has it (and ``fid`` is still wanted)."""
+        with self.lock:
+            if key not in self.pages or fid not in self.live:
+                return False
+            self.pages.move_to_end(key)
+            self._hold(key, fid)
+            return True
+
+    def put(self, key: bytes, page: torch.Tensor, fid: int | None = None) -> bool:
+        """Keep ``page`` (held for ``fid`` if given); False if ``fid`` is no longer wanted."""
+        with self.lock:
+            if fid is not None and fid not in self.live:
+                return False
+            if key not in self.pages:
+                self.pages[key] = page
+                self.nbytes += page.numel()
+            self.pages.move_to_end(key)
+            if fid is not None:
+                self._hold(key, fid)
+            self._trim()
+            return True
+
+    def take(self, key: bytes) -> torch.Tensor:
+        with self.lock:
+            return self.pages[key]
+
+    def release(self, fid: int) -> None:
+        with self.lock:
+            self.live.discard(fid)
+            for key in self.held.pop(fid, ()):
+                self.holds[key] -= 1
+                if self.holds[key] <= 0:
+                    del self.holds[key]
+            self._trim()
+
+    def clear(self) -> None:
+        with self.lock:
+            for key in [k for k in self.pages if k not in self.holds]:
+                self.nbytes -= self.pages.pop(key).numel()
+
+    def _hold(self, key: bytes, fid: int) -> None:
+        self.held.setdefault(fid, []).append(key)
+        self.holds[key] += 1
+
+    def _trim(self) -> None:
+        if self.nbytes <= self.budget:
+            return
+        for key in list(self.pages):
+            if self.nbytes <= self.budget:
+                break
+            if key not in self.holds:
+                self.nbytes -= self.pages.pop(key).numel()
+
+
+class KVTiers:
+    def __init__(self, kv: KVPool, codec: PageCodec, host: HostTier, storage: StorageBackend | None,
+                 namespace: bytes, report: Callable[[Prefetched], None]) -> None:
+        self.kv, self.codec, self.host, self.storage = kv, codec, host, storage
+        self.namespace = namespace
+        self.report = report
+        self.counters: Counter[str] = Counter()
+        self._stored: OrderedDict[bytes, None] = OrderedDict()  # keys this process wrote to storage lately
+        self._queued_bytes = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="kv-tiers", daemon=True)
+        self._thread.start()
+
+    # -- the main thread: between steps ------------------------------------------------------------------
+    def prefetch(self, msg: Prefetch) -> None:
+        if msg.flush:
+            self._jobs.put(("flush", msg))
+            return
+        with self.host.lock:
+            self.host.live.add(msg.fetch)
+        self._jobs.put(("fetch", msg))
+
+    @torch.inference_mode()
+    def apply(self, ops: TierOps) -> None:
+        """A plan's tier work, before its forward (the forward may write into slots written out here)."""
+        for fid in ops.drops:
+            self.host.release(fid)
+        if ops.write_keys:
+            self._write(ops.write_keys, ops.write_slots)
+        for load in ops.loads:
+            pages = [self.host.take(k) for k in load.keys]
+            self.codec.decode_into(self.kv, pages, load.skip, load.slots)
+            self.host.release(load.fetch)
+            self.counters["pages_loaded"] += len(pages)
+
+    def _write(self, keys: list[bytes], slots: np.ndarray) -> None:
+        page = self.codec.page
+        new = [i for i, k in enumerate(keys) if k not in self.host and k not in self._stored]
+        if not new:
+            return
+        pages = self.codec.encode(self.kv, np.concatenate([slots[i * page : (i + 1) * page] for i in new]))
+        store = []
+        for row, i in enumerate(new):
+            data = pages[row].clone()  # one page, owned: the batch is not kept alive by its last page
+            if self.host.budget > 0:
+                self.host.put(keys[i], data)
+                self.counters["l2_pages_written"] += 1
+            if self.storage is not None:
+                store.append((keys[i], data))
+        if store:
+            size = len(store) * self.codec.nbytes
+            if self._queued_bytes + size > MAX_QUEUED_STORE_BYTES:
+                self.counters["l3_pages_not_written"] += len(store)  # storage is slower than the pool fills
+                return
+            self._queued_bytes += size
+            for key, _ in store:
+                self._stored[key] = None
+                if len(self._stored) > 1 << 16:
+                    self._stored.popitem(last=False)
+            self._jobs.put(("store", store))
+
+    def stats(self) -> dict[str, float]:
+        with self.host.lock:
+            held = len(self.host.holds)
+            self.counters["l2_pages"], self.counters["l2_bytes"] = len(self.host.pages), self.host.nbytes
+        return {**self.counters, "l2_pages_held": held, "l2_budget_bytes": self.host.budget}
+
+    # -- the background thread ---------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            kind, job = self._jobs.get()
+            try:
+                if kind == "fetch":
+                    self._fetch(job)
+                elif kind == "store":
+                    self._store(job)
+                elif kind == "flush":
+                    self._flush(job)
+            except Exception:  # a bug here must not end the thread: every later read-back would hang
+                log.exception("KV tiers: %s failed", kind)
+                if kind == "fetch":
+                    self.report(Prefetched(job.fetch, [], 0.0, self.stats()))
+
+    def _fetch(self, msg: Prefetch) -> None:
+        """Hold the read-back's pages in L2, from storage where L2 has none, in order, up to the first page found
+        nowhere; then report."""
+        start = time.perf_counter()
+        tiers: list[int] = []
+        keys, fid = msg.keys, msg.fetch
+        while len(tiers) < len(keys) and fid in self.host.live:
+            i = len(tiers)
+            if self.host.hold(keys[i], fid):
+                tiers.append(2)
+                self.counters["l2_pages_read"] += 1
+                continue
+            if self.storage is None:
+                break
+            batch = keys[i : i + READ_BATCH]
+            batch = batch[: next((j for j, k in enumerate(batch) if j and k in self.host), len(batch))]
+            for key, page in zip(batch, self._read(batch)):
+                if not self.host.put(key, page, fid):
+                    break
+                tiers.append(3)
+            if len(tiers) < i + len(batch):  # one was missing or damaged, or the read-back was let go
+                break
+        self.report(Prefetched(fid, tiers, time.perf_counter() - start, self.stats()))
+
+    def _read(self, keys: list[bytes]) -> list[torch.Tensor]:
+        """The leading pages of ``keys`` that storage holds intact (a damaged one is deleted; the list ends
+        before it, as before the first one missing)."""
+        try:
+            blobs = self.storage.get(keys)
+        except Exception as exc:
+            self.counters["l3_errors"] += 1
+            log.warning("KV storage read failed (%s: %s); recomputing instead", type(exc).__name__, exc)
+            return []
+        out: list[torch.Tensor] = []
+        for key, blob in zip(keys, blobs):
+            if blob is None:
+                break
+            try:
+                payload = unseal(self.namespace, key, blob)
+                if len(payload) != self.codec.nbytes:
+                    raise DamagedPage(f"{len(payload)} bytes, a page of this format has {self.codec.nbytes}")
+            except DamagedPage as exc:
+                self.counters["l3_pages_damaged"] += 1
+                log.warning("KV storage: page %s is damaged (%s); dropped, its tokens are recomputed",
+                            key.hex()[:12], exc)
+                self._delete([key])
+                break
+            self.counters["l3_pages_read"] += 1
+            self.counters["l3_bytes_read"] += len(blob)
+            out.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        return out
+
+    def _store(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
+        start = time.perf_counter()
+        blobs = [(key, seal(self.namespace, key, page.numpy().data)) for key, page in items]
+        try:
+            self.storage.set(blobs)
+            self.counters["l3_pages_written"] += len(blobs)
+            self.counters["l3_bytes_written"] += sum(len(b) for _, b in blobs)
+        except Exception as exc:
+            self.counters["l3_errors"] += 1
+            log.warning("KV storage write failed (%s: %s); those pages stay in the pool and host memory only",
+                        type(exc).__name__, exc)
+            for key, _ in items:
+                self._stored.pop(key, None)
+        finally:
+            self._queued_bytes -= len(items) * self.codec.nbytes
+            self.counters["l3_write_seconds"] += time.perf_counter() - start
+
+    def _delete(self, keys: list[bytes]) -> None:
+        try:
+            self.storage.delete(keys)
+        except Exception as exc:
+            log.warning("KV storage delete failed (%s: %s)", type(exc).__name__, exc)
+
+    def _flush(self, msg: Prefetch) -> None:
+        self.host.clear()
+        self._stored.clear()
+        if msg.flush >= 3 and self.storage is not None:
+            self.storage.clear()
+
+
+def build_tiers(kv: KVPool, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, args, config,
+                report: Callable[[Prefetched], None]) -> KVTiers:
+    """The runner's tiers for ``args`` (resolved ServerArgs) and the scheduler's ``config`` (TierConfig)."""
+    from radixserve.model.kv_storage import load_storage
+
+    codec = PageCodec(args.hicache_kv_format, dtype, layers, kv_heads, head_dim, config.page_size)
+    budget = int(args.hicache_size * 1e9) if args.hicache_size else int(args.hicache_ratio * kv.nbytes)
+    backend = args.hicache_storage_backend
+    storage = None if backend == "none" else load_storage(backend, args.hicache_extra_config())
+    log.info("KV tiers: pages of %d tokens (%s, %.1f MiB each); L2 %.0f MiB of host memory; L3 %s; write %s, "
+             "prefetch %s", config.page_size, codec.fmt, codec.nbytes / 2**20, budget / 2**20,
+             describe_storage(backend, storage), config.write_policy, config.prefetch_policy)
+    return KVTiers(kv, codec, HostTier(budget), storage, config.namespace, report)
+
+
+def describe_storage(name: str, storage: StorageBackend | None) -> str:
+    if storage is None:
+        return "off"
+    where = getattr(storage, "root", None) or getattr(storage, "url", None)
+    return f"{name} ({where})" if where else name
