@@ -155,6 +155,9 @@ class ControlReq(msgspec.Struct, tag="control"):
     op: Literal["flush_cache", "get_policies", "set_policies", "cache_stats", "dashboard"]
     eviction: str | None = None
     schedule: str | None = None
+    write: str | None = None  # the lower KV tiers' write and prefetch policies (--enable-hierarchical-cache)
+    prefetch: str | None = None
+    keep_storage: bool = False  # flush_cache: L3 keeps its pages
 
 
 class TextReq(msgspec.Struct, tag="text_req"):

@@ -9,11 +9,15 @@ plan, which the scheduler publishes to all of them anyway.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from radixserve.actors.messages import RunnerInbox
+import zmq
+
+from radixserve.actors.messages import Prefetch, Prefetched, RunnerInbox
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
+from radixserve.actors.wire import encoder
 from radixserve.cpu_budget import read_budget, wait_policy
 
 
@@ -30,10 +34,31 @@ class RunnerActor:
 
     async def run(self) -> None:
         while True:
-            plan = await self.channel.recv()
-            result = self.runner.forward(plan)
+            msg = await self.channel.recv()
+            if isinstance(msg, Prefetch):  # read back in the tiers' own thread, answered from there
+                if self.runner.tiers is not None:
+                    self.runner.tiers.prefetch(msg)
+                continue
+            result = self.runner.forward(msg)
             if result is not None:  # rank 0
                 await self.channel.send(self.scheduler, result)
+
+
+def tier_reporter(address: str) -> Callable[[Prefetched], None]:
+    """How the runner's KV-tier thread answers a read-back: on a socket of its own, to the scheduler's inbox, at
+    once (the actor's loop may be in the middle of a step)."""
+    encode = encoder().encode
+    sock = None
+
+    def report(msg: Prefetched) -> None:  # only ever called from that one thread
+        nonlocal sock
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        sock.send(encode(msg))
+
+    return report
 
 
 def seed_sampling(seed: int | None) -> None:
@@ -72,6 +97,9 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     # the launcher and the actors it started (this one's siblings) are the server itself, not a neighbour
     runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp, max_threads, os.getppid())
     seed_sampling(args.random_seed)
+    if spec.scheduler_config.tiers is not None:
+        runner.attach_tiers(args, spec.scheduler_config.tiers,
+                            tier_reporter(spec.endpoints.address(spec.named("scheduler"))))
     return RunnerActor(runner, channel, spec.named("scheduler")), {
                                           "threads": torch.get_num_threads(), "omp_wait": wait_policy(os.environ),
                                           "adaptive_threads": runner.adaptive is not None,

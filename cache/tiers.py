@@ -223,6 +223,14 @@ class LowerTiers:
         self._write_keys, self._write_slots, self._loads, self._drops = [], [], [], []
         return ops
 
+    def flush(self, storage: bool) -> None:
+        """Forget every page below the pool (in storage too, with ``storage``); read-backs under way are let go."""
+        for rid in list(self.fetches):
+            self.forget(rid)
+        self._write_keys, self._write_slots = [], []
+        self._recent.clear()
+        self.outbox.append(Prefetch(0, [], flush=3 if storage else 2))
+
     def take_outbox(self) -> list[Any]:
         out, self.outbox = self.outbox, []
         return out

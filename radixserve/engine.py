@@ -127,11 +127,13 @@ class Engine:
             ids = self.tokenizer.apply_chat_template(messages)
         return self.generate(input_ids=ids, sampling_params=sampling_params)
 
-    def set_policies(self, eviction: str | None = None, schedule: str | None = None) -> dict[str, Any]:
-        """Switch the eviction and/or schedule policy by name (built-in or plugin); returns ``policies()``."""
+    def set_policies(self, eviction: str | None = None, schedule: str | None = None, write: str | None = None,
+                     prefetch: str | None = None) -> dict[str, Any]:
+        """Switch the eviction, schedule, and (with KV tiers) write and prefetch policies by name (built-in or
+        plugin); returns ``policies()``."""
         self._require_open()
         with self._lock:
-            self.scheduler.lab.switch(eviction, schedule)
+            self.scheduler.lab.switch(eviction, schedule, write=write, prefetch=prefetch)
         return self.policies()
 
     def policies(self) -> dict[str, Any]:
@@ -144,11 +146,12 @@ class Engine:
         self._require_open()
         return self.scheduler.lab.cache_stats()
 
-    def flush_cache(self) -> int:
-        """Drop every cached prefix that no running request holds; returns tokens freed."""
+    def flush_cache(self, keep_storage: bool = False) -> int:
+        """Drop every cached prefix that no running request holds, from the pool and the lower KV tiers (storage
+        too unless ``keep_storage``); returns tokens freed from the pool."""
         self._require_open()
         with self._lock:
-            freed = self.scheduler.cache.flush()
+            freed = self.scheduler.flush(keep_storage)["tokens_freed"]
             self._exchange_tiers()
             return freed
 

@@ -70,7 +70,10 @@ class NativeRoutes:
         return json_response({"aborted": aborted})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        reply = await self.server.control("flush_cache")
+        keep = request.query.get("keep_storage", "false").lower()
+        if keep not in ("true", "false", "1", "0"):
+            raise APIError(400, f"keep_storage={keep!r}: give true or false", param="keep_storage")
+        reply = await self.server.control("flush_cache", keep_storage=keep in ("true", "1"))
         return json_response({"message": "cache flushed", **reply.body, **reply.body.get("total", {})})
 
     async def get_policies(self, request: web.Request) -> web.Response:
@@ -78,12 +81,13 @@ class NativeRoutes:
 
     async def set_policies(self, request: web.Request) -> web.Response:
         body = await decode_body(request, PoliciesBody)
-        if body.eviction is None and body.schedule is None:
-            raise APIError(400, "send {\"eviction\": NAME} and/or {\"schedule\": NAME}", param="eviction")
+        if body.eviction is None and body.schedule is None and body.write is None and body.prefetch is None:
+            raise APIError(400, "send {\"eviction\": NAME}, {\"schedule\": NAME}, {\"write\": NAME} and/or "
+                                "{\"prefetch\": NAME}", param="eviction")
         reply = await self.server.control("set_policies", replica=body.replica, eviction=body.eviction,
-                                          schedule=body.schedule)
+                                          schedule=body.schedule, write=body.write, prefetch=body.prefetch)
         if reply.error is not None:
-            param = "schedule" if "schedule policy" in reply.error else "eviction"
+            param = next((k for k in ("schedule", "write", "prefetch") if f"{k} policy" in reply.error), "eviction")
             raise APIError(400, reply.error, param=param, code="unknown_policy" if "unknown" in reply.error
                            else "policy_failed")
         return json_response(reply.body)

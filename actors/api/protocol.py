@@ -378,4 +378,6 @@ class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
 class PoliciesBody(msgspec.Struct, forbid_unknown_fields=True):
     eviction: Annotated[str, Meta(min_length=1)] | None = None
     schedule: Annotated[str, Meta(min_length=1)] | None = None
+    write: Annotated[str, Meta(min_length=1)] | None = None  # the KV tiers' (--enable-hierarchical-cache)
+    prefetch: Annotated[str, Meta(min_length=1)] | None = None
     replica: Annotated[int, Meta(ge=0)] | None = None  # with --dp: only this replica (default: all)

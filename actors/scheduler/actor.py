@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from radixserve.actors.messages import (
-    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardPlan, ForwardResult, PolicySwitch,
+    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardPlan, ForwardResult, PolicySwitch, Prefetched,
     RequestError, SchedulerInbox, Status, TokenBatch
 )
 from radixserve.actors.wire import array
@@ -27,6 +27,7 @@ from radixserve.errors import InvalidRequest
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.25
+HELD_POLL_S = 0.02  # while requests wait for their pages: how often the prefetch policy is asked again
 
 
 class SchedulerActor:
@@ -42,6 +43,7 @@ class SchedulerActor:
         self._dirty = True  # something changed since the last Status
         self._sent: tuple[float, ForwardPlan] | None = None  # the plan in flight, and when it was sent
         self.batch_log = BatchLog()  # SGLang-style "Prefill batch." / "Decode batch." lines
+        self._held = False  # the last launch planned nothing: every request that could run waits for its pages
 
     async def run(self) -> None:
         sched = self.scheduler
@@ -51,10 +53,14 @@ class SchedulerActor:
                 tap = sched.tap
                 if tap is None or not tap.pending or await self.channel.inbox.poll(FEED_INTERVAL_S * 1000):
                     await self.guarded(await self.channel.recv())
+            elif self._held:  # requests wait for their pages: for the runner's answer, or the prefetch policy
+                if await self.channel.inbox.poll(HELD_POLL_S * 1000):
+                    await self.guarded(await self.channel.recv())
             for msg in await self.channel.recv_ready():
                 await self.guarded(msg)
             if not self.inflight:
                 await self.launch()
+            self.send_tier_messages()
             await self.report_failures()
             await self.maybe_status()
             await self.maybe_feed_shadow()
@@ -83,6 +89,7 @@ class SchedulerActor:
             log.exception("internal error while scheduling; failing the requests in flight")
             self.scheduler.fail_all("internal error in the scheduler (logged)")
             return
+        self._held = plan is None and self.scheduler.held
         if plan is not None:
             self.plans.wait_for(self._ranks, self._timeout_s)  # returns at once after the first time
             self.plans.send(plan)
@@ -90,6 +97,14 @@ class SchedulerActor:
             self.batch_log.planned(plan, self.scheduler)
             if self.scheduler.tap is not None:
                 self._sent = (time.monotonic(), plan)
+
+    def send_tier_messages(self) -> None:
+        """Read-backs (and flushes) for the runner's KV tiers go out at once, between plans."""
+        tiers = self.scheduler.cache.tiers
+        if tiers is not None and tiers.outbox:
+            self.plans.wait_for(self._ranks, self._timeout_s)
+            for msg in tiers.take_outbox():
+                self.plans.send(msg)
 
     async def report_failures(self) -> None:
         for err in self.scheduler.take_failures():
@@ -114,6 +129,8 @@ class SchedulerActor:
                                   msg.priority, msg.logprob_start)
             except InvalidRequest as exc:
                 await self.channel.send("tokenizer", RequestError(msg.rid, str(exc), param=exc.param))
+        elif isinstance(msg, Prefetched):
+            sched.prefetched(msg)
         elif isinstance(msg, FinishReq):
             sched.finish(msg.rid, msg.reason)
         elif isinstance(msg, ControlReq):
@@ -149,13 +166,13 @@ def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
     """Control requests run between steps, so a policy switch never lands in the middle of one."""
     try:
         if msg.op == "flush_cache":
-            return ControlReply(msg.reply_id, {"tokens_freed": sched.cache.flush()})
+            return ControlReply(msg.reply_id, sched.flush(msg.keep_storage))
         if msg.op == "cache_stats":
             return ControlReply(msg.reply_id, sched.lab.cache_stats())
         if msg.op == "dashboard":
             return ControlReply(msg.reply_id, dashboard_view(sched))
         if msg.op == "set_policies":
-            sched.lab.switch(msg.eviction, msg.schedule)
+            sched.lab.switch(msg.eviction, msg.schedule, write=msg.write, prefetch=msg.prefetch)
         return ControlReply(msg.reply_id, sched.lab.info())
     except ValueError as exc:
         return ControlReply(msg.reply_id, sched.lab.info(), error=str(exc))

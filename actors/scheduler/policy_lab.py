@@ -39,14 +39,27 @@ class PolicyLab:
             self.fallback, self.policy = self.policy, schedule
         self.new_epoch(reason)
 
-    def switch(self, eviction: str | None = None, schedule: str | None = None, reason: str | None = None) -> None:
-        """``set`` by registered name (built-in or plugin); ValueError naming the problem."""
-        from radixserve.policies import load_eviction_policy, load_schedule_policy
+    def switch(self, eviction: str | None = None, schedule: str | None = None, reason: str | None = None,
+               write: str | None = None, prefetch: str | None = None) -> None:
+        """``set`` by registered name (built-in or plugin); ValueError naming the problem. ``write`` and
+        ``prefetch``: the lower KV tiers' policies (only with --enable-hierarchical-cache); they take effect at
+        once and start no epoch of their own (their figures are the tiers', in cache_stats)."""
+        from radixserve.policies import load_eviction_policy, load_prefetch_policy, load_schedule_policy, load_write_policy
 
-        if eviction is None and schedule is None:
-            raise ValueError("give an eviction and/or a schedule policy name")
-        self.set(load_eviction_policy(eviction) if eviction else None,
-                 load_schedule_policy(schedule) if schedule else None, reason)
+        if eviction is None and schedule is None and write is None and prefetch is None:
+            raise ValueError("give an eviction, schedule, write and/or prefetch policy name")
+        tiers = self.cache.tiers
+        if (write or prefetch) and tiers is None:
+            raise ValueError("write and prefetch policies are the KV tiers': start with --enable-hierarchical-cache")
+        new_write = load_write_policy(write) if write else None  # every name is checked before anything changes
+        new_prefetch = load_prefetch_policy(prefetch) if prefetch else None
+        if eviction or schedule:
+            self.set(load_eviction_policy(eviction) if eviction else None,
+                     load_schedule_policy(schedule) if schedule else None, reason)
+        if new_write is not None:
+            tiers.write = new_write
+        if new_prefetch is not None:
+            tiers.prefetch = new_prefetch
 
     def adopt(self, eviction: str, schedule: str, reason: str) -> None:
         """Run this pair (--auto-policy): only the policy that differs is replaced, an unchanged one keeps its
@@ -61,8 +74,12 @@ class PolicyLab:
         from radixserve.policies import available
 
         errors = list(self.errors) + (list(self.cache.tree.policy_errors) if self.cache.tree else [])
+        tiers = self.cache.tiers
         return {"eviction": {"current": self.cache.eviction_policy.name, "available": available("eviction")},
                 "schedule": {"current": self.policy.name, "available": available("schedule")},
+                **({"write": {"current": tiers.write.name, "available": available("write")},
+                    "prefetch": {"current": tiers.prefetch.name, "available": available("prefetch")}}
+                   if tiers is not None else {}),
                 "errors": errors[-20:]}
 
     # -- ordering ----------------------------------------------------------------------------------------

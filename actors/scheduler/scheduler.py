@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -133,6 +134,15 @@ class Scheduler:
         if self.cache.tiers is not None:
             self.cache.tiers.answered(msg)
             self._queue_version += 1  # a request that could not start may start now
+
+    def flush(self, keep_storage: bool = False) -> dict[str, Any]:
+        """Drop every cached prefix no running request holds: from the pool, and from the lower tiers (all of them,
+        or all but storage)."""
+        body: dict[str, Any] = {"tokens_freed": self.cache.flush(), "flushed": ["L1"]}
+        if self.cache.tiers is not None:
+            self.cache.tiers.flush(storage=not keep_storage)
+            body["flushed"] += ["L2"] if keep_storage else ["L2", "L3"]
+        return body
 
     @property
     def held(self) -> bool:
