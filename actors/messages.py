@@ -93,6 +93,7 @@ class Finished(msgspec.Struct):
     prompt_tokens: int
     cached_tokens: int
     prompt_logprobs: ScoredPrompt | None = None
+    cached_tiers: list[int] | None = None  # with KV tiers: cached_tokens from the pool, host memory, storage
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):
@@ -106,6 +107,7 @@ class TokenBatch(msgspec.Struct, tag="tokens"):
     logprobs: dict[int, Logprob] = {}  # batch index -> logprobs (only the requests that asked)
     prompt_logprobs: dict[int, ScoredPrompt] = {}  # batch index -> with a request's first token, if it asked
     prefilled: list[Finished] = []  # requests that ended this step without a token (max_new_tokens 0)
+    cached_tiers: dict[int, list[int]] = {}  # with KV tiers: batch index -> cached tokens from L1, L2, L3
 
 
 # -- scheduler -> tokenizer -> api --------------------------------------------------------------------------
@@ -130,6 +132,14 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[str, int, float]]  # (token, id, logprob), most likely first
 
 
+TIER_NAMES = ("device", "host", "storage")  # SGLang's names for where cached tokens came from (cached_tokens_details)
+
+
+def tier_details(tiers: list[int] | None) -> dict[str, int] | None:
+    """``cached_tokens_details`` (SGLang's meta_info field) of a request's L1 / L2 / L3 split, None without tiers."""
+    return None if tiers is None else dict(zip(TIER_NAMES, tiers))
+
+
 class Delta(msgspec.Struct):
     rid: str
     text: str  # text that became final since the last delta
@@ -140,6 +150,7 @@ class Delta(msgspec.Struct):
     finish: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first delta, when asked for
+    cached_tiers: list[int] | None = None  # with KV tiers: cached_tokens from the pool, host memory, storage
 
 
 class TextBatch(msgspec.Struct, tag="text"):

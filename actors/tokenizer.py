@@ -127,7 +127,8 @@ class TokenizerCore:
     def prefilled_delta(self, done: Finished) -> Delta:
         """The one delta of a prefill-only request."""
         lps = self.prompt_logprobs(done.prompt_logprobs) if done.prompt_logprobs is not None else None
-        return Delta(done.rid, "", [], done.prompt_tokens, 0, done.cached_tokens, done.reason, None, lps)
+        return Delta(done.rid, "", [], done.prompt_tokens, 0, done.cached_tokens, done.reason, None, lps,
+                     done.cached_tiers)
 
     def detokenize(self, batch: TokenBatch, live: dict[str, OutputText]) -> Detokenized:
         """One step's TokenBatch for the requests in ``live`` (finished ones leave it). The tokenizer actor and
@@ -162,7 +163,7 @@ class TokenizerCore:
             if finish is not None:
                 del live[rid]
             out.deltas.append(Delta(rid, text, [token_ids[i]], prompt[i], text_out.completion_tokens, cached[i],
-                                    finish, logprobs, prompt_lp))
+                                    finish, logprobs, prompt_lp, batch.cached_tiers.get(i)))
         return out
 
     def detokenizer(self, params: SamplingParams) -> Detokenizer:

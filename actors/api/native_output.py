@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from radixserve.actors.api.protocol import NativeGenerateRequest
-from radixserve.actors.messages import Delta, GenerateReq, TokenLogprob
+from radixserve.actors.messages import Delta, GenerateReq, TokenLogprob, tier_details
 from radixserve.errors import InvalidRequest
 from radixserve.prompts import Prompts, text_or_ids
 from radixserve.sampling_params import SamplingParams
@@ -113,6 +113,7 @@ class NativeOutput:
         self.output_lp: list[TokenLogprob] = []
         self.prompt_lp: list[TokenLogprob] = []
         self.last: Delta | None = None
+        self.cached_tiers: list[int] | None = None
 
     def add(self, d: Delta) -> None:
         self.text += d.text
@@ -120,6 +121,7 @@ class NativeOutput:
         self.output_lp += d.logprobs or ()
         self.prompt_lp += d.prompt_logprobs or ()
         self.last = d
+        self.cached_tiers = d.cached_tiers or self.cached_tiers
 
     @property
     def done(self) -> bool:
@@ -132,6 +134,8 @@ class NativeOutput:
             "cached_tokens": d.cached_tokens, "finish_reason": d.finish.to_dict() if d.finish else None,
             "e2e_latency": time.perf_counter() - self.start,
         }
+        if self.cached_tiers is not None:  # with KV tiers: where the cached tokens came from
+            meta["cached_tokens_details"] = tier_details(self.cached_tiers)
         if (opts := self.logprobs) is not None:
             meta["input_token_logprobs"] = [self._triple(t.logprob, t.token_id, t.token) for t in self.prompt_lp]
             meta["output_token_logprobs"] = [self._triple(t.logprob, t.token_id, t.token) for t in self.output_lp]

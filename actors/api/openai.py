@@ -21,7 +21,7 @@ from radixserve.actors.api.protocol import (
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.api.tool_calls import ToolUse
 from radixserve.actors.api.unknown_fields import note_ignored
-from radixserve.actors.messages import Delta, FinishReason, GenerateReq, TokenLogprob
+from radixserve.actors.messages import Delta, FinishReason, GenerateReq, TokenLogprob, tier_details
 from radixserve.tool_parsers.reader import Reader
 
 Kind = Literal["chat", "completion"]
@@ -37,6 +37,7 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tiers: list[int] | None = None  # with KV tiers: cached_tokens from the pool, host memory, storage
     finish: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # echo with logprobs: the prompt's
@@ -51,6 +52,7 @@ class Choice:
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = (d.prompt_tokens, d.completion_tokens,
                                                                           d.cached_tokens)
         self.finish = d.finish or self.finish
+        self.cached_tiers = d.cached_tiers or self.cached_tiers
         self.logprobs.extend(d.logprobs or ())
         self.prompt_logprobs.extend(d.prompt_logprobs or ())
         self.unsent.extend(d.logprobs or ())
@@ -103,8 +105,12 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     firsts = choices[::n]
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices)
+    details: dict[str, Any] = {"cached_tokens": sum(c.cached_tokens for c in firsts)}
+    tiers = [c.cached_tiers for c in firsts if c.cached_tiers is not None]
+    if tiers:  # with KV tiers: the total split by where it came from
+        details["cached_tokens_details"] = tier_details([sum(t[i] for t in tiers) for i in range(3)])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
+            "prompt_tokens_details": details}
 
 
 class OpenAIRoutes:

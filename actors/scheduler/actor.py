@@ -182,7 +182,8 @@ def token_batch(reqs: list[Req]) -> TokenBatch:
     """One message for the whole step: each request's newest token and, for finished ones, why; the prompt
     logprobs come with a request's first token; prefill-only requests that ended travel in ``prefilled``."""
     prefilled = [Finished(r.rid, r.finish_reason, len(r.prompt_ids), r.cached_tokens or 0,
-                          r.prompt_logprobs_out() if r.logprob_start is not None else None)
+                          r.prompt_logprobs_out() if r.logprob_start is not None else None,
+                          list(r.cached_tiers) if r.cached_tiers else None)
                  for r in reqs if not r.output_ids]
     reqs = [r for r in reqs if r.output_ids]
     return TokenBatch(
@@ -195,6 +196,8 @@ def token_batch(reqs: list[Req]) -> TokenBatch:
         prompt_logprobs={i: r.prompt_logprobs_out() for i, r in enumerate(reqs)
                          if r.logprob_start is not None and len(r.output_ids) == 1},
         prefilled=prefilled,
+        cached_tiers={i: list(r.cached_tiers) for i, r in enumerate(reqs) if r.cached_tiers and (
+            len(r.output_ids) == 1 or r.finish_reason is not None)},
     )
 
 
