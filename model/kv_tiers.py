@@ -35,8 +35,9 @@ MAX_QUEUED_STORE_BYTES = 256 << 20  # pages waiting for a slow store beyond this
 
 class PageCodec:
     """A page's KV as it is kept below the pool: page-first ``[2 (K, V), layers, page, kv_heads, head_dim]`` (one
-    page is one contiguous read), in the pool's dtype ("auto": exact) or int8 / fp8 (e4m3) with a float32 scale per
-    K or V row of a head (``[2, layers, page, kv_heads]``)."""
+    page is one contiguous read), in the pool's dtype ("auto": exact) or int8 / fp8 (e4m3) with float32 scales:
+    K's per channel over the page's tokens (``[layers, kv_heads, head_dim]``: keys carry outlier channels, which a
+    scale per token would let swamp the rest), V's per token (``[layers, page, kv_heads]``)."""
 
     def __init__(self, fmt: str, dtype: torch.dtype, layers: int, kv_heads: int, head_dim: int, page: int) -> None:
         if fmt not in FORMATS:
@@ -44,10 +45,11 @@ class PageCodec:
         self.fmt, self.dtype, self.page = fmt, dtype, page
         self.shape = (2, layers, page, kv_heads, head_dim)
         self.stored = {"auto": dtype, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[fmt]
-        self.values = 2 * layers * page * kv_heads * head_dim
-        self.value_bytes = self.values * self.stored.itemsize
-        self.scale_bytes = 0 if fmt == "auto" else 2 * layers * page * kv_heads * 4
-        self.nbytes = self.value_bytes + self.scale_bytes
+        self.value_bytes = 2 * layers * page * kv_heads * head_dim * self.stored.itemsize
+        self.k_scales = (layers, 1, kv_heads, head_dim)
+        self.v_scales = (layers, page, kv_heads, 1)
+        self.k_scale_bytes = 0 if fmt == "auto" else layers * kv_heads * head_dim * 4
+        self.nbytes = self.value_bytes + (0 if fmt == "auto" else self.k_scale_bytes + layers * page * kv_heads * 4)
         self.limit = {"int8": 127.0, "fp8_e4m3": 448.0}.get(fmt)
 
     def encode(self, kv: KVPool, slots: np.ndarray) -> torch.Tensor:
@@ -58,11 +60,13 @@ class PageCodec:
         x = x.view(2, x.shape[1], n, self.page, *x.shape[3:]).permute(2, 0, 1, 3, 4, 5).contiguous()
         if self.fmt == "auto":
             return x.view(n, -1).view(torch.uint8)
-        xf = x.float()
-        scale = xf.abs().amax(-1).clamp_min(1e-12) / self.limit  # [n, 2, L, page, H]
-        q = xf / scale[..., None]
+        k, v = x[:, 0].float(), x[:, 1].float()  # [n, L, page, H, D]
+        ks = k.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / self.limit
+        vs = v.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / self.limit
+        q = torch.stack((k / ks, v / vs), dim=1)
         q = q.round().clamp(-127, 127).to(torch.int8) if self.fmt == "int8" else q.to(self.stored)
-        return torch.cat((q.reshape(n, -1).view(torch.uint8), scale.reshape(n, -1).view(torch.uint8)), dim=1)
+        return torch.cat((q.reshape(n, -1).view(torch.uint8), ks.reshape(n, -1).view(torch.uint8),
+                          vs.reshape(n, -1).view(torch.uint8)), dim=1)
 
     def decode_into(self, kv: KVPool, pages: list[torch.Tensor], skip: int, slots: np.ndarray) -> None:
         """Tokens ``skip`` .. ``skip + len(slots)`` of ``pages`` (in order) into the pool's ``slots``."""
@@ -71,9 +75,11 @@ class PageCodec:
         if self.fmt == "auto":
             x = buf.view(self.dtype).view(n, *self.shape)
         else:
-            q = buf[:, : self.value_bytes].contiguous().view(self.stored).view(n, *self.shape)
-            scale = buf[:, self.value_bytes :].contiguous().view(torch.float32).view(n, *self.shape[:-1])
-            x = (q.float() * scale[..., None]).to(self.dtype)
+            a, b = self.value_bytes, self.value_bytes + self.k_scale_bytes
+            q = buf[:, :a].contiguous().view(self.stored).view(n, *self.shape).float()
+            ks = buf[:, a:b].contiguous().view(torch.float32).view(n, *self.k_scales)
+            vs = buf[:, b:].contiguous().view(torch.float32).view(n, *self.v_scales)
+            x = torch.stack((q[:, 0] * ks, q[:, 1] * vs), dim=1).to(self.dtype)
         x = x.permute(1, 2, 0, 3, 4, 5).reshape(2, self.shape[1], n * self.page, *self.shape[3:])
         x = x[:, :, skip : skip + len(slots)]
         idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))

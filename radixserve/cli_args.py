@@ -71,8 +71,9 @@ HELP = {
                                             "(default: none: the file backend in $RADIXSERVE_CACHE/kv-pages, redis "
                                             "at localhost:6379)",
     "hicache_page_size": "tokens per page below the pool",
-    "hicache_kv_format": "pages below the pool: auto (the pool's dtype: exact), int8 or fp8_e4m3 (with a scale per "
-                         "head and token: 2x (bf16) to 4x (float32) more pages in the same bytes, not exact)",
+    "hicache_kv_format": "pages below the pool: auto (the pool's dtype: exact), int8 or fp8_e4m3 (scaled: keys per "
+                         "channel, values per token; 2x (bf16) to 4x (float32) more pages in the same bytes, not "
+                         "exact)",
     "kv_disk_bytes": "the file backend's budget in bytes; the least recently used pages go first (default: 8 GiB, or "
                      "half the free disk)",
     "model_path": "a HF checkpoint folder, a .gguf file, or a Hugging Face hub id (org/name, org/name@revision) "
