@@ -23,7 +23,7 @@ FLOORS_SMOKE := tests/test_messages.py tests/test_cache_tree.py tests/test_sched
 KERNEL_SMOKE := tests/test_server_openai.py tests/test_engine_api.py::test_single_and_batch_shapes
 DETERMINISTIC := tests/test_deterministic.py -m "not slow"
 
-.PHONY: install browser cross serve test test-floors test-matrix bench clean
+.PHONY: install browser cross redis serve test test-floors test-matrix bench clean
 
 # `make bench ARGS=--tp 2`, unquoted: make takes the "2" for a goal. Words after the goals above go to ARGS instead
 # (and, as goals, do nothing), so that reads as `make bench ARGS="--tp 2"`.
@@ -75,6 +75,17 @@ browser:
 		     "(it skips without them, and fails when CI=true)."; \
 	fi
 
+# The KV tiers' shared-storage test starts a real Redis (Debian's redis-server) of its own.
+redis:
+	@if [ -x /usr/bin/redis-server ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server; \
+	else \
+		echo "NOTE: /usr/bin/redis-server is missing and this is not root, so it is not installed: run" \
+		     "'sudo apt-get install redis-server' for tests/test_kv_tiers_server.py's shared-storage test" \
+		     "(it skips without it, and fails when CI=true)."; \
+	fi
+
 # The invariant kernels' aarch64 build runs under qemu-user in tests/test_invariant_isa.py (Debian's cross g++).
 cross:
 	@if [ -x /usr/bin/aarch64-linux-gnu-g++ ] && [ -x /usr/bin/qemu-aarch64 ]; then :; \
@@ -90,7 +101,7 @@ cross:
 serve: install
 	$(PY) -m radixserve serve $(ARGS)
 
-test: install browser cross
+test: install browser cross redis
 	$(PY) -m pytest -q --durations=30 tests
 	$(MAKE) --no-print-directory test-matrix
 	$(MAKE) --no-print-directory test-floors

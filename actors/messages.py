@@ -213,6 +213,7 @@ class Status(msgspec.Struct, tag="status"):
     queue_timeouts: int = 0
     failed_requests: int = 0
     replica: int = 0  # which data-parallel replica's scheduler (--dp)
+    tiers: dict[str, float] = {}  # --enable-hierarchical-cache: the tiers' counts (cache/tiers.LowerTiers.counts)
 
 
 # -- scheduler -> shadow (the live trace, --shadow-policies) ---------------------------------------------------

@@ -235,6 +235,15 @@ class LowerTiers:
         out, self.outbox = self.outbox, []
         return out
 
+    def counts(self) -> dict[str, float]:
+        """Flat counts that add up across replicas (the api's /metrics)."""
+        c, r = self.counters, self.runner
+        return {"hit_L1": c.hit_tokens[0], "hit_L2": c.hit_tokens[1], "hit_L3": c.hit_tokens[2],
+                "prompt_tokens": c.prompt_tokens, "prefetches_answered": c.answered, "prefetch_seconds": c.fetch_seconds,
+                "pages_written": c.pages_written, "pages_loaded": c.pages_loaded,
+                **{k: float(r.get(k, 0)) for k in ("l2_bytes", "l3_bytes_read", "l3_bytes_written", "l3_pages_damaged",
+                                                   "l3_errors", "l3_pages_not_written")}}
+
     def stats(self) -> dict[str, Any]:
         c = self.counters
         return {

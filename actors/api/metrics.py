@@ -149,6 +149,39 @@ class Metrics:
         self.policy_hit_rate.labels(*pair).set(s.epoch_cached_tokens / s.epoch_prompt_tokens
                                                if s.epoch_prompt_tokens else 0.0)
         self.policy_evicted.labels(*pair).set(s.epoch_evicted_tokens)
+        if s.tiers:
+            self.tiers(s.tiers)
+
+    def tiers(self, t: dict[str, float]) -> None:
+        """--enable-hierarchical-cache: per-tier hits, bytes moved, read-back latency, damaged pages."""
+        if not hasattr(self, "tier_gauges"):
+            r = self.registry
+            self.tier_gauges = {
+                "hits": Gauge("radixserve_kv_tier_hit_tokens", "prompt tokens reused, by the tier they came from "
+                              "(L1 the pool, L2 host memory, L3 storage)", ["tier"], registry=r),
+                "rate": Gauge("radixserve_kv_tier_hit_rate", "reused / prompt tokens of admitted requests, by tier",
+                              ["tier"], registry=r),
+                "bytes": Gauge("radixserve_kv_tier_bytes", "bytes moved to and from storage (L3) since start",
+                               ["direction"], registry=r),
+                "host": Gauge("radixserve_kv_tier_host_bytes", "bytes of pages held in host memory (L2)", registry=r),
+                "load": Gauge("radixserve_kv_tier_load_back_seconds_mean", "mean time from asking for a waiting "
+                              "request's pages to having them back", registry=r),
+                "damaged": Gauge("radixserve_kv_tier_damaged_pages", "stored pages found damaged (checksum, size, "
+                                 "another model's), dropped and recomputed", registry=r),
+                "errors": Gauge("radixserve_kv_tier_storage_errors", "storage reads and writes that failed",
+                                registry=r),
+            }
+        g, prompt = self.tier_gauges, t.get("prompt_tokens", 0.0)
+        for tier in ("L1", "L2", "L3"):
+            g["hits"].labels(tier).set(t.get(f"hit_{tier}", 0.0))
+            g["rate"].labels(tier).set(t.get(f"hit_{tier}", 0.0) / prompt if prompt else 0.0)
+        g["bytes"].labels("read").set(t.get("l3_bytes_read", 0.0))
+        g["bytes"].labels("written").set(t.get("l3_bytes_written", 0.0))
+        g["host"].set(t.get("l2_bytes", 0.0))
+        answered = t.get("prefetches_answered", 0.0)
+        g["load"].set(t.get("prefetch_seconds", 0.0) / answered if answered else 0.0)
+        g["damaged"].set(t.get("l3_pages_damaged", 0.0))
+        g["errors"].set(t.get("l3_errors", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -306,7 +306,8 @@ def combined(statuses: list[Status]) -> Status:
               if isinstance(getattr(first, f), int) and f != "replica"}
     names = {f: getattr(first, f) if len({getattr(s, f) for s in statuses}) == 1 else "mixed"
              for f in ("eviction", "schedule")}
-    return msgspec.structs.replace(first, **counts, **names)
+    tiers = {k: sum(s.tiers.get(k, 0.0) for s in statuses) for k in first.tiers}
+    return msgspec.structs.replace(first, **counts, **names, tiers=tiers)
 
 
 def added_up(bodies: list[dict]) -> dict:

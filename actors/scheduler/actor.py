@@ -222,6 +222,7 @@ def status_of(sched: Scheduler, replica: int = 0) -> Status:
         queue_timeouts=sched.stats.queue_timeouts,
         failed_requests=sched.stats.failed,
         replica=replica,
+        tiers=cache.tiers.counts() if cache.tiers is not None else {},
     )
 
 
