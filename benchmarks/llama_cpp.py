@@ -50,8 +50,9 @@ def source_dir() -> Path:
     archive = next(dl.glob("llama_cpp_python-*.tar.gz"))
     tmp = ROOT / "unpack"
     shutil.rmtree(tmp, ignore_errors=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(tmp, filter="data")
+    with tarfile.open(archive) as tar:  # only llama.cpp's own tree: the sdist's .git entries do not unpack
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name + "/" and "/.git" not in m.name]
+        tar.extractall(tmp, members=members, filter="data")
     vendored = next(tmp.glob("*/vendor/llama.cpp"))
     vendored.rename(src)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -82,6 +82,7 @@ class LowerTiers:
         self.prefetch = prefetch
         self.clock = clock
         self.fetches: dict[str, Fetch] = {}  # by request
+        self.asked: dict[str, int] = {}  # waiting request -> its tokens in the pool when its pages were asked for
         self._by_id: dict[int, Fetch] = {}
         self._next_id = 0
         self.outbox: list[Any] = []  # Prefetch messages for the runner, sent at once (not with a plan)
@@ -98,6 +99,7 @@ class LowerTiers:
         """A request arrived (or came back to the queue) with ``cached`` of its tokens in the pool; computing
         will start from at most ``cap``: ask for the full pages in between."""
         self.forget(rid)
+        self.asked[rid] = cached
         first, last = cached // self.page, cap // self.page
         if last <= first:
             return
@@ -122,6 +124,12 @@ class LowerTiers:
         fetch = self.fetches.get(rid)
         return fetch is None or fetch.done or bool(self.prefetch.ready(fetch, now))
 
+    def moved(self, rid: str, cached: int) -> bool:
+        """Has the pool lost pages of the request's prefix since they were asked for (``cached`` of its tokens are
+        there now, fewer full pages than then)? Pages below may hold them: ask again."""
+        asked = self.asked.get(rid)
+        return asked is not None and cached // self.page < asked // self.page
+
     def waiting_until(self) -> float | None:
         """When the earliest unanswered read-back is due to be asked about again (None: none is pending)."""
         return min((f.issued for f in self.fetches.values() if not f.done), default=None)
@@ -144,6 +152,7 @@ class LowerTiers:
         """Load the tokens ``cached`` .. ``cached + len(slots)`` of the request's read-back into ``slots`` (its
         fresh pool slots) with the next plan; returns (tokens from L2, tokens from L3)."""
         fetch = self.fetches.pop(rid)
+        self.asked.pop(rid, None)
         del self._by_id[fetch.fid]
         n, page = len(slots), self.page
         lo, hi = cached // page - fetch.first, (cached + n - 1) // page - fetch.first + 1
@@ -158,6 +167,7 @@ class LowerTiers:
     def forget(self, rid: str) -> None:
         """The request's read-back will not be used (it ended, or starts without it): the runner lets its pages
         go."""
+        self.asked.pop(rid, None)
         fetch = self.fetches.pop(rid, None)
         if fetch is not None:
             del self._by_id[fetch.fid]

@@ -129,6 +129,18 @@ class Scheduler:
             cap = req.match_limit
             tiers.ask(req.rid, req.fill_key, self.cache.match_len(req.fill_key[:cap]), cap)
 
+    def _pages_moved(self, req: Req) -> bool:
+        """Did the pool lose pages of ``req``'s prefix since they were asked for? Then they are asked for again
+        (True: the request waits for the answer, as the prefetch policy says)."""
+        tiers, cap = self.cache.tiers, req.match_limit
+        if req.rid not in tiers.asked:
+            return False
+        cached = self.cache.match_len(req.fill_key[:cap])
+        if not tiers.moved(req.rid, cached):
+            return False
+        tiers.ask(req.rid, req.fill_key, cached, cap)
+        return not tiers.ready(req.rid, self.clock())
+
     def prefetched(self, msg: Prefetched) -> None:
         """The runner has read a waiting request's pages back (or found them nowhere)."""
         if self.cache.tiers is not None:
@@ -345,6 +357,9 @@ class Scheduler:
                 if tiers is not None and not tiers.ready(req.rid, now):
                     held = True
                     continue  # its pages are still being read back: the prefetch policy holds it
+                if tiers is not None and req.kv is None and self._pages_moved(req):
+                    held = True
+                    continue  # the pool lost part of its prefix while it waited: asked for again, from below
                 if dedup is not None and dedup.defer(req, bool(adder.reqs)):
                     continue  # shares a prefix that this step computes for another request: reuse it next step
                 if room <= 0:  # every running place is taken: a more important arrival may take one
