@@ -207,3 +207,22 @@ def test_compressed_pages_keep_the_models_next_token_on_smollm2(fmt):
         assert all(abs(warm[t] - cold[t]) <= 0.25 for t in cold if t in warm), (cold, warm)
     finally:
         engine.shutdown()
+
+
+def test_the_simulator_compares_write_policies_with_the_real_scheduler():
+    """`radixserve compare --write-policies`: the real LowerTiers and policies on a simulated clock, invariants
+    checked every step: tiers below a small pool turn misses into hits; selective writes fewer pages."""
+    from radixserve.compare.sim_tiers import TierSpec
+    from radixserve.compare.simulate import CostModel, simulate
+    from radixserve.compare.workloads import WorkloadSpec, build
+
+    trace = build(WorkloadSpec(kind="multi-turn", requests=60))
+    runs = {w: simulate(trace, "lru", "fcfs", 1024, CostModel(), check_invariants=True,
+                        tiers=None if w is None else TierSpec(w, host_pages=32, page_size=16))
+            for w in (None, "write_through", "write_back", "write_through_selective")}
+    assert runs[None].tier_hit_rates is None
+    for w in ("write_through", "write_back"):
+        assert runs[w].hit_rate > runs[None].hit_rate + 0.2, (w, runs[w].hit_rate, runs[None].hit_rate)
+        assert runs[w].tier_hit_rates["L2"] + runs[w].tier_hit_rates["L3"] > 0.2
+        assert runs[w].ttft_mean_s < runs[None].ttft_mean_s
+    assert runs["write_through_selective"].hit_rate < runs["write_through"].hit_rate

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from radixserve.compare import report, trace as trace_io
 from radixserve.compare.auto_policy import METRICS, AutoPolicy
 from radixserve.compare.auto_sim import simulate_auto
+from radixserve.compare.sim_tiers import TierSpec
 from radixserve.compare.simulate import CostModel, simulate
 from radixserve.compare.workloads import KINDS, WorkloadSpec, build
 
@@ -56,6 +57,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--decode-seq-cost", type=float, default=cost.decode_per_seq, help="seconds per sequence in it")
     s.add_argument("--step-overhead", type=float, default=cost.step_overhead, help="seconds per step")
     s.add_argument("--calibrate", metavar="URL", help="fit the four costs to a running server first")
+    t = p.add_argument_group("KV tiers below the pool (simulated: --enable-hierarchical-cache)")
+    t.add_argument("--write-policies", default="", help="comma-separated write policies to compare, each with the "
+                   "tiers below (write_through, write_through_selective, write_back, plugins'), or none (no tiers: "
+                   "the baseline); empty: no tiers")
+    spec = TierSpec()
+    t.add_argument("--prefetch-policy", default=spec.prefetch)
+    t.add_argument("--page-size", type=int, default=spec.page_size, help="tokens per page below the pool")
+    t.add_argument("--host-pages", type=int, default=spec.host_pages, help="pages host memory (L2) holds")
+    t.add_argument("--storage-pages", type=int, default=spec.storage_pages, help="pages storage (L3) holds (0: none)")
+    t.add_argument("--load-cost", type=float, default=spec.load_per_token, help="seconds per token read back")
     live = p.add_argument_group("live")
     live.add_argument("--live", metavar="URL", help="replay against a running server, once per policy pair")
     live.add_argument("--time-scale", type=float, default=1.0, help="stretch (>1) or squeeze arrival times")
@@ -93,6 +104,14 @@ def run(args: argparse.Namespace) -> int:
 
     for ev, sc in pairs:  # fail fast on a typo, before minutes of work
         load_eviction_policy(ev), load_schedule_policy(sc)
+    writes = [w for w in args.write_policies.split(",") if w]
+    if writes:
+        from radixserve.policies import load_prefetch_policy, load_write_policy
+
+        for w in writes:
+            if w != "none":
+                load_write_policy(w)
+        load_prefetch_policy(args.prefetch_policy)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -119,12 +138,15 @@ def run(args: argparse.Namespace) -> int:
 
             for name in routings:  # fail fast on a typo
                 load_routing_policy(name)
-        jobs = [(ev, sc, size, routing) for size in sizes for ev, sc in pairs for routing in routings]
+        tier_specs = [None if w == "none" else TierSpec(w, args.prefetch_policy, args.page_size, args.host_pages,
+                                                         args.storage_pages, args.load_cost) for w in writes] or [None]
+        jobs = [(ev, sc, size, routing, tiers) for size in sizes for ev, sc in pairs for routing in routings
+                for tiers in tier_specs]
         autos = sizes if args.auto_policy else []
         with tqdm(total=(len(jobs) + len(autos)) * len(requests), desc="simulating", unit="req") as bar:
-            for ev, sc, size, routing in jobs:
+            for ev, sc, size, routing, tiers in jobs:
                 result = simulate(requests, ev, sc, size, cost, args.max_running, args.chunk, progress=bar,
-                                  replicas=args.replicas, routing=routing)
+                                  replicas=args.replicas, routing=routing, tiers=tiers)
                 rows.append({"mode": "sim", **result.to_dict()})
             for size in autos:
                 rows.append({"mode": "sim", **simulate_auto_row(args, requests, pairs, size, cost, bar)})

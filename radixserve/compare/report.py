@@ -12,8 +12,9 @@ def fmt_s(v: float) -> str:
 
 
 def label(r: dict[str, Any]) -> str:
-    """A run's name: its policy pair, and its routing over replicas when it had several."""
-    pair = f"{r['eviction']}/{r['schedule']}"
+    """A run's name: its policy pair (and write policy, with KV tiers), and its routing over replicas when it had
+    several."""
+    pair = f"{r['eviction']}/{r['schedule']}" + (f"/{r['write']}" if r.get("write") else "")
     return pair if r.get("replicas", 1) == 1 else f"{pair} {r['routing']} x{r['replicas']}"
 
 
@@ -22,6 +23,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     5% carry."""
     head = f"{'mode':5} {'eviction':16} {'schedule':16} {'routing':>16} {'cache':>7} {'reqs':>6} {'hit rate':>8} " \
            f"{'TTFT p50':>9} {'mean':>9} {'TTFT p99':>9} {'cold p99':>9} {'slow 5%':>7} {'tok/s':>8} {'evicted':>8}"
+    tiers = any(r.get("write") for r in rows)
+    if tiers:  # simulated KV tiers: the write policy and each tier's share of the prompt tokens
+        head += f" {'write':24} {'L1':>6} {'L2':>6} {'L3':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         routing = f"{r['routing']} x{r['replicas']}" if r.get("replicas", 1) > 1 else "-"
@@ -31,7 +35,10 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{fmt_s(avg if avg is not None else float('nan')):>9} "
                      f"{fmt_s(r['ttft_p99_s']):>9} {fmt_s(cold if cold is not None else float('nan')):>9} "
                      f"{'-' if share is None else f'{share:.0%}':>7} {r['throughput_tokens_per_s']:>8.1f} "
-                     f"{r.get('evicted_tokens', '-')!s:>8}")
+                     f"{r.get('evicted_tokens', '-')!s:>8}"
+                     + (f" {r.get('write') or '-':24} " + " ".join(
+                         f"{r['tier_hit_rates'][t]:>6.1%}" if r.get("tier_hit_rates") else f"{'-':>6}"
+                         for t in ("L1", "L2", "L3")) if tiers else ""))
     return "\n".join(lines)
 
 

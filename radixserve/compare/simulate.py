@@ -25,6 +25,7 @@ from radixserve.actors.router.policies import Worker, load_routing_policy
 from radixserve.actors.scheduler import Req, Scheduler, SchedulerConfig
 from radixserve.actors.scheduler.stats import latency_summary
 from radixserve.cache import CacheManager
+from radixserve.compare.sim_tiers import SimTiers, TierSpec
 from radixserve.compare.trace import TraceRequest
 from radixserve.policies import load_eviction_policy, load_schedule_policy
 from radixserve.sampling_params import SamplingParams
@@ -56,15 +57,17 @@ class SimClock:
 
 
 class CostModelRunner:
-    """Answers a plan with each request's scripted next token (the trace's ``output``) and advances the clock."""
+    """Answers a plan with each request's scripted next token (the trace's ``output``) and advances the clock (the
+    step's cost, and its loads and writes of KV pages with simulated tiers)."""
 
-    def __init__(self, cost: CostModel, clock: SimClock, outputs: dict[str, list[int]]) -> None:
-        self.cost, self.clock, self.outputs = cost, clock, outputs
+    def __init__(self, cost: CostModel, clock: SimClock, outputs: dict[str, list[int]],
+                 tiers: SimTiers | None = None) -> None:
+        self.cost, self.clock, self.outputs, self.tiers = cost, clock, outputs, tiers
 
     def forward(self, plan: ForwardPlan, reqs: list[Req]) -> ForwardResult:
         sample = plan.sample
         ids = [self.outputs[r.rid][len(r.output_ids)] for r, s in zip(reqs, sample) if s]
-        self.clock.now += self.cost.step(plan)
+        self.clock.now += self.cost.step(plan) + (self.tiers.apply(plan.tiers) if self.tiers is not None else 0.0)
         return ForwardResult(plan.step, ids)
 
 
@@ -96,6 +99,8 @@ class RunResult:
     server_epoch: dict | None = None  # live: the server's own record of the run (GET /cache/stats)
     replicas: int = 1
     routing: str | None = None  # the routing policy, with replicas > 1
+    write: str | None = None  # with simulated KV tiers: the write policy, and each tier's share of prompt tokens
+    tier_hit_rates: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,11 +122,14 @@ class Replica:
     """One simulated replica: the real scheduler and cache manager on a clock of their own."""
 
     def __init__(self, cfg: SchedulerConfig, eviction: str, schedule: str, cache_tokens: int, cost: CostModel,
-                 outputs: dict[str, list[int]], index: int) -> None:
+                 outputs: dict[str, list[int]], index: int, tiers: TierSpec | None = None) -> None:
         self.clock = SimClock()
         self.cache = CacheManager(cache_tokens, load_eviction_policy(eviction), clock=self.clock)
+        self.tiers = SimTiers(tiers, self.clock) if tiers is not None else None
+        if self.tiers is not None:
+            self.cache.attach_tiers(self.tiers.scheduler_side)
         self.sched = Scheduler(cfg, self.cache, load_schedule_policy(schedule), clock=self.clock)
-        self.runner = CostModelRunner(cost, self.clock, outputs)
+        self.runner = CostModelRunner(cost, self.clock, outputs, self.tiers)
         self.worker = Worker(str(index))
 
     @property
@@ -138,16 +146,17 @@ class Observer(Protocol):
 
 def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_tokens: int, cost: CostModel,
              max_running: int = 64, chunk: int = 2048, progress=None, check_invariants: bool = False,
-             replicas: int = 1, routing: str = "cache-aware", observer: Observer | None = None) -> RunResult:
+             replicas: int = 1, routing: str = "cache-aware", observer: Observer | None = None,
+             tiers: TierSpec | None = None) -> RunResult:
     """Replay ``trace`` through the real scheduler on a simulated clock (``replicas`` of it, requests routed by
-    ``routing``, each with ``cache_tokens``); returns what a client would measure."""
+    ``routing``, each with ``cache_tokens``, and ``tiers`` below each pool); returns what a client would measure."""
     wall = time.perf_counter()
     longest = max(len(r.prompt) + r.max_tokens for r in trace)
     cfg = SchedulerConfig(context_length=longest + 1, vocab_size=max(max(r.prompt) for r in trace) + 1 + 2**20,
                           eos_ids=frozenset(), max_running_requests=max_running, chunked_prefill_size=chunk,
                           check_invariants=check_invariants)
     outputs = {r.id: r.output or [1] * r.max_tokens for r in trace}
-    reps = [Replica(cfg, eviction, schedule, cache_tokens, cost, outputs, i) for i in range(replicas)]
+    reps = [Replica(cfg, eviction, schedule, cache_tokens, cost, outputs, i, tiers) for i in range(replicas)]
     policy = load_routing_policy(routing) if replicas > 1 else None
     if observer is not None:
         observer.start(reps)
@@ -184,6 +193,8 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
             params = SamplingParams(max_new_tokens=r.max_tokens, temperature=0, ignore_eos=True)
             try:
                 rep.sched.add_request(r.id, r.prompt, params, priority=r.priority, arrival=at)
+                if rep.tiers is not None:
+                    rep.tiers.answer(rep.sched)
             except ValueError:  # longer than this cache can ever hold
                 rejected += 1
                 release(r.id, rep.clock.now)
@@ -194,6 +205,9 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
             break
         rep = min(busy, key=lambda x: x.clock.now)  # the replica furthest behind takes its next step
         plan = rep.sched.schedule()
+        if plan is None and rep.tiers is not None and rep.sched.held:  # asked for pages again: answered at once
+            rep.tiers.answer(rep.sched)
+            plan = rep.sched.schedule()
         if plan is None:
             if arrivals:  # nothing it can run yet: it idles until the next arrival
                 rep.clock.now = max(rep.clock.now, arrivals[0][0])
@@ -227,4 +241,13 @@ def simulate(trace: list[TraceRequest], eviction: str, schedule: str, cache_toke
         retractions=sum(rep.sched.stats.retractions for rep in reps),
         steps=sum(rep.sched.stats.steps for rep in reps), wall_s=time.perf_counter() - wall,
         replicas=replicas, routing=routing if replicas > 1 else None,
+        write=tiers.write if tiers is not None else None,
+        tier_hit_rates=tier_hit_rates(reps) if tiers is not None else None,
     )
+
+
+def tier_hit_rates(reps: list[Replica]) -> dict[str, float]:
+    """Each tier's share of the admitted requests' prompt tokens, over the replicas."""
+    counts = [rep.cache.tiers.counters for rep in reps]
+    prompt = sum(c.prompt_tokens for c in counts)
+    return {f"L{i + 1}": sum(c.hit_tokens[i] for c in counts) / prompt if prompt else 0.0 for i in range(3)}
