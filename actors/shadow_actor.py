@@ -16,6 +16,7 @@ from radixserve.actors.messages import PolicySwitch, ShadowFeed, ShadowInbox, Sh
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
 from radixserve.compare.auto_policy import AutoPolicy
 from radixserve.compare.shadow import ShadowLab, pair_dict, resolve_pairs
+from radixserve.compare.sim_tiers import TierSpec
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,20 @@ def lowest_cpu_priority() -> None:
         os.nice(19)
 
 
+def tier_spec(args) -> TierSpec | None:
+    """The live server's KV tiers as the shadows simulate them (host memory in pages at the pool's own dtype)."""
+    if not args.enable_hierarchical_cache:
+        return None
+    page = args.hicache_page_size
+    return TierSpec(args.hicache_write_policy, args.hicache_storage_prefetch_policy, page,
+                    host_pages=int(args.hicache_ratio * args.max_total_tokens) // page,
+                    storage_pages=0 if args.hicache_storage_backend == "none" else TierSpec.storage_pages)
+
+
 def build(spec: ActorSpec, channel: Channel) -> tuple[ShadowActor, dict[str, Any]]:
     args = spec.server_args
     pairs = resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
-    lab = ShadowLab(pairs, spec.scheduler_config, window_s=args.shadow_window)
+    lab = ShadowLab(pairs, spec.scheduler_config, window_s=args.shadow_window, tiers=tier_spec(args))
     auto = AutoPolicy(args.auto_policy_metric, args.auto_policy_margin, args.auto_policy_hold,
                       args.auto_policy_cooldown) if args.auto_policy else None
     return ShadowActor(lab, channel, auto, args.auto_policy_metric), {"pairs": len(pairs)}

@@ -342,3 +342,25 @@ def test_compare_cli_simulates_auto_policy(tmp_path):
     auto = next(r for r in rows if r["eviction"] == "auto")
     assert auto["switches"] and auto["switches"][0]["to"]["eviction"] in ("mru", "filo")
     assert all(auto["hit_rate"] > r["hit_rate"] for r in rows if r is not auto)
+
+
+def test_with_kv_tiers_every_pair_is_shadowed_with_them_and_each_write_policy_is_compared():
+    """A server with --enable-hierarchical-cache: its pairs are simulated with its tiers below their pools, and
+    the live pair once more under every other write policy (report()["writes"])."""
+    from radixserve.compare.sim_tiers import TierSpec
+
+    lab = ShadowLab([("lru", "fcfs")], CONFIG, window_s=1e9, cost=COST, calibrated=True,
+                    tiers=TierSpec("write_back", page_size=16, host_pages=64))
+    prompts = {name: [100 + i + 1000 * k for i in range(300)] for k, name in enumerate("abcd")}
+    order = ["a", "b", "c", "d", "a"]  # a is pushed out of a 1000-token pool by b, c, d, then comes back
+    arrivals = [arrival(f"{n}{i}", float(i), prompts[n]) for i, n in enumerate(order)]
+    lab.feed(feed(0.0, arrivals, capacity=1000), wall=0.0)
+    lab.feed(feed(9.0, ends=[end(f"{n}{i}", [1, 2, 3, 4], at=float(i)) for i, n in enumerate(order)],
+                  capacity=1000), wall=9.0)
+    lab.advance(float("inf"))
+    live = lab.pair_stats()[0]
+    assert live["write"] == "write_back" and live["tier_hit_rates"]["L2"] > 0, live
+    writes = {r["write"]: r for r in lab.report()["writes"]}
+    assert set(writes) == set(available("write")), "the live pair under every write policy"
+    assert writes["write_through_selective"]["tier_hit_rates"]["L2"] == 0, "a was never reused before it left"
+    assert writes["write_through"]["cached_tokens"] == live["cached_tokens"] > 0

@@ -32,6 +32,7 @@ from radixserve.actors.scheduler import Scheduler, SchedulerConfig
 from radixserve.actors.scheduler.stats import latency_summary
 from radixserve.cache import CacheManager
 from radixserve.errors import InvalidRequest
+from radixserve.compare.sim_tiers import SimTiers, TierSpec
 from radixserve.compare.simulate import CostModel, CostModelRunner, SimClock
 from radixserve.policies import available, load_eviction_policy, load_schedule_policy
 from radixserve.sampling_params import SamplingParams
@@ -123,13 +124,19 @@ class Done:
 class PairSim:
     """One pair's counterfactual: its own scheduler and cache on its own simulated clock."""
 
-    def __init__(self, pair: Pair, capacity: int, config: SchedulerConfig, cost: CostModel) -> None:
+    def __init__(self, pair: Pair, capacity: int, config: SchedulerConfig, cost: CostModel,
+                 tiers: TierSpec | None = None) -> None:
+        """``tiers``: the KV tiers below the pool, as the live server has them (its write policy, or another
+        one's for a write-policy shadow)."""
         self.pair = pair
         self.clock = SimClock()
         self.cache = CacheManager(capacity, load_eviction_policy(pair[0]), clock=self.clock)
+        self.tiers = SimTiers(tiers, self.clock) if tiers is not None else None
+        if self.tiers is not None:
+            self.cache.attach_tiers(self.tiers.scheduler_side)
         self.sched = Scheduler(config, self.cache, load_schedule_policy(pair[1]), clock=self.clock)
         self.outputs: dict[str, list[int]] = {}
-        self.runner = CostModelRunner(cost, self.clock, self.outputs)
+        self.runner = CostModelRunner(cost, self.clock, self.outputs, self.tiers)
         self.cursor = 0  # the next released entry to add
         self.done: deque[Done] = deque()
         self.evicted_before = 0  # the pair's evicted tokens when the window's first request finished
@@ -149,6 +156,9 @@ class PairSim:
             if not sched.has_work or clock.now >= horizon:
                 return False
             plan = sched.schedule()
+            if plan is None and self.tiers is not None and sched.held:  # pages asked for again: answered at once
+                self.tiers.answer(sched)
+                plan = sched.schedule()
             if plan is None:  # nothing fits until a request ends or arrives
                 if nxt is None:
                     raise RuntimeError(f"the simulated scheduler of {self.pair} stalled with work left")
@@ -170,6 +180,8 @@ class PairSim:
         try:
             self.sched.add_request(entry.rid, entry.prompt.tolist(), params, priority=entry.priority,
                                    arrival=entry.at)
+            if self.tiers is not None:
+                self.tiers.answer(self.sched)
         except InvalidRequest:  # cannot happen with the live server's own limits; counted, never fatal
             self.rejected += 1
             del self.outputs[entry.rid]
@@ -189,7 +201,15 @@ class PairSim:
                               [d.wait for d in recent if d.wait is not None]),
             "simulated_to": self.clock.now, "behind_s": max(now - self.clock.now, 0.0) if self.sched.has_work else 0.0,
             "rejected": self.rejected, "error": self.failure(),
+            **(self.tier_row() if self.tiers is not None else {}),
         }
+
+    def tier_row(self) -> dict:
+        """With tiers: the write policy and each tier's share of the admitted prompt tokens (since the start)."""
+        c = self.cache.tiers.counters
+        return {"write": self.tiers.spec.write,
+                "tier_hit_rates": {f"L{i + 1}": n / c.prompt_tokens if c.prompt_tokens else 0.0
+                                   for i, n in enumerate(c.hit_tokens)}}
 
     def failure(self) -> str | None:
         """Why the pair's numbers are not its own: its simulation raised, or one of its policies did and was
@@ -213,6 +233,9 @@ class ShadowLab:
     live_now: float = 0.0
     requests_seen: int = 0
     calibrated: bool = False  # ``cost`` already fits the server; else nothing is simulated before a fit (``ready``)
+    tiers: TierSpec | None = None  # the live server's KV tiers: every pair is simulated with them
+    writes: dict[str, PairSim] = field(default_factory=dict)  # with tiers: the first live pair under each other
+    # write policy (compared in report()["writes"], never switched to by --auto-policy)
 
     def __post_init__(self) -> None:
         # the trace holds ranks (priority.py), not the clients' values; the live queue limit already ran
@@ -237,6 +260,7 @@ class ShadowLab:
             self.capacity = msg.capacity
             for pair in self.pairs:
                 self._add_pair(pair)
+            self._add_write_shadows()
         if self.live not in self.sims and self.live not in self.broken:  # switched by hand to a pair that was not
             if self._add_pair(self.live) is not None:                     # shadowed: shadow it from now on
                 self.pairs.append(self.live)
@@ -273,7 +297,7 @@ class ShadowLab:
         """Start shadowing ``pair``; None (kept in ``broken`` with the reason) if one of its policies fails to
         load -- a plugin's bug stops that pair, never the shadow."""
         try:
-            sim = PairSim(pair, self.capacity, self.config, self.cost)
+            sim = PairSim(pair, self.capacity, self.config, self.cost, self.tiers)
         except Exception as exc:
             log.error("shadow pair %s/%s cannot run: %s", *pair, exc)
             self.broken[pair] = f"{type(exc).__name__}: {exc}"
@@ -281,6 +305,26 @@ class ShadowLab:
         sim.cursor = self.offset + len(self.released)  # a pair joining late starts with the next request
         self.sims[pair] = sim
         return sim
+
+    def _add_write_shadows(self) -> None:
+        """With tiers: the live pair once more under every other registered write policy."""
+        if self.tiers is None or self.live is None:
+            return
+        from radixserve.policies import available
+
+        for write in available("write"):
+            if write == self.tiers.write:
+                continue
+            try:
+                self.writes[write] = PairSim(self.live, self.capacity, self.config, self.cost,
+                                             dataclasses.replace(self.tiers, write=write))
+            except Exception as exc:  # a plugin's bug: that write policy is not shadowed
+                log.error("shadow of write policy %s cannot run: %s", write, exc)
+                continue
+            self.writes[write].cursor = self.offset + len(self.released)
+
+    def _all(self) -> list[PairSim]:
+        return [*self.sims.values(), *self.writes.values()]
 
     def _release(self, wall: float) -> None:
         while self.pending and (self.pending[0].output is not None or wall - self.pending[0].seen > MAX_LAG_S):
@@ -303,7 +347,7 @@ class ShadowLab:
         if not self.ready(time.monotonic() if wall is None else wall):
             return False
         deadline = time.process_time() + budget_s
-        behind = [s for s in self.sims.values() if s.error is None]
+        behind = [s for s in self._all() if s.error is None]
         while behind and time.process_time() < deadline:
             for sim in list(behind):
                 try:
@@ -320,18 +364,18 @@ class ShadowLab:
         """Drop the released requests every pair has added; a pair more than MAX_BACKLOG requests behind the
         newest is stopped (it could never catch up, and its backlog would grow without bound)."""
         newest = self.offset + len(self.released)
-        for sim in self.sims.values():
+        for sim in self._all():
             if sim.error is None and newest - sim.cursor > MAX_BACKLOG:
                 sim.error = f"fell more than {MAX_BACKLOG} requests behind the live traffic; stopped"
                 log.error("shadow pair %s/%s %s", *sim.pair, sim.error)
-        low = min((s.cursor for s in self.sims.values() if s.error is None), default=newest)
+        low = min((s.cursor for s in self._all() if s.error is None), default=newest)
         if low - self.offset > 1024:
             del self.released[:low - self.offset]
             self.offset = low
 
     def refit(self) -> None:
         self.cost = fit_cost(self.timings, self.cost)
-        for sim in self.sims.values():
+        for sim in self._all():
             sim.runner.cost = self.cost
 
     # -- the numbers out -----------------------------------------------------------------------------------
@@ -352,7 +396,15 @@ class ShadowLab:
             "pending": len(self.pending), "cost_model": dataclasses.asdict(self.cost), "gaps": self.gaps,
             "failed_pairs": [{**pair_dict(p), "error": e} for p, e in self.broken.items()],
             "pairs": rows if rows is not None else self.pair_stats(),
+            **({"writes": self.write_stats()} if self.writes else {}),
         }
+
+    def write_stats(self) -> list[dict]:
+        """The live pair (when the shadow started) under each write policy: the live one's row, then the others."""
+        first = next(iter(self.writes.values()))
+        sims = ([self.sims[first.pair]] if first.pair in self.sims else []) + list(self.writes.values())
+        now = min(self.horizon, max((s.clock.now for s in sims), default=self.horizon))
+        return [sim.window(now, self.window_s) for sim in sims]
 
 
 def pair_dict(pair: Pair) -> dict[str, str]:
