@@ -476,3 +476,34 @@ def test_dashboard_shows_shadow_pairs(browser, stub):
     wait_for(browser, lambda: text(browser, "shadow-status") == SHADOW_OFF, "shadow off")
     assert not browser.find_element("id", "shadow-body").is_displayed()
     assert severe(browser) == []
+
+
+def test_dashboard_shows_the_kv_tiers_and_switches_the_write_policy(browser, tiny_models, tmp_path):
+    import json
+
+    server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens",
+                           "700", "--enable-hierarchical-cache", "--page-size", "16",
+                           "--hicache-storage-backend-extra-config", json.dumps({"path": str(tmp_path)}))
+    try:
+        prompts = [[random.Random(s).randrange(100, 5000) for _ in range(200)] for s in range(5)]
+        for ids in prompts * 2:  # five 200-token prompts through a 700-token pool, twice: the second round's come
+            post_json(server.url + "/generate", {"input_ids": ids,  # back from host memory
+                                                 "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        tiers = get_body(server.url + "/cache/stats")["tiers"]
+        assert tiers["hit_rate"]["L2"] > 0
+        browser.get(server.url + "/dashboard")
+        wait_for(browser, lambda: browser.find_element("id", "tiers-panel").is_displayed(), "the tiers panel")
+        wait_for(browser, lambda: shown_percent(browser.find_element("id", "tiers-L2"))
+                 == percent(tiers["hit_rate"]["L2"]), "host memory's hit rate")
+        assert text(browser, "current-write") == "write_through"
+
+        from selenium.webdriver.support.ui import Select
+
+        Select(browser.find_element("id", "write-select")).select_by_value("write_back")
+        browser.find_element("id", "switch-button").click()
+        wait_for(browser, lambda: "write write_back" in text(browser, "policy-reply"), "the server's reply")
+        assert get_body(server.url + "/policies")["write"]["current"] == "write_back"
+        wait_for(browser, lambda: text(browser, "current-write") == "write_back", "the new write policy")
+        assert severe(browser) == []
+    finally:
+        server.stop()

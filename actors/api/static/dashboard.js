@@ -49,13 +49,38 @@
     ]);
   }
 
+  const TIER_PARTS = [["L1", "L1: the pool", "#2f6fdf"], ["L2", "L2: host memory", "#e0672b"],
+                      ["L3", "L3: storage", "#7a5cd6"]];
+
+  function renderTiers(stats) {
+    const t = stats.tiers;
+    $("tiers-panel").hidden = !t;
+    document.querySelectorAll(".tier-only").forEach((el) => { el.hidden = !t; });
+    if (!t) return;
+    const rate = t.hit_rate || {};
+    Charts.stackedBar($("tiers-bar"), TIER_PARTS.map(([key, name, color]) => ({name, color, value: rate[key] || 0})),
+                      1);
+    const r = t.runner || {};
+    fillFigures($("tiers"), [
+      ...TIER_PARTS.map(([key, name]) => [key, `hit rate, ${name}`, rate[key], fmt.pct]),
+      ["policies", "write / prefetch", `${t.write_policy} / ${t.prefetch_policy}`, fmt.text],
+      ["pages", "pages written / loaded back", t.pages_written, (v) => `${fmt.int(v)} / ${fmt.int(t.pages_loaded)}`],
+      ["load", "read-back, mean", t.load_back_mean_s, fmt.secs],
+      ["host", "host memory (L2)", r.l2_bytes, (v) => `${fmt.int(Math.round((v || 0) / 2 ** 20))} MiB`],
+      ["storage", "storage read / written", r.l3_bytes_read, (v) =>
+        `${fmt.int(Math.round((v || 0) / 2 ** 20))} / ${fmt.int(Math.round((r.l3_bytes_written || 0) / 2 ** 20))} MiB`],
+      ["damaged", "damaged pages dropped", r.l3_pages_damaged || 0, fmt.int],
+    ]);
+  }
+
   // touched: the user chose in a select (refreshes keep the choice); switches: answers to a switch so far (a
   // refresh that began before one may carry the policies from before it, and must not show them)
   const policies = {info: null, touched: false, switches: 0};
 
   function renderPolicies(info) {
     policies.info = info;
-    for (const kind of ["eviction", "schedule"]) {
+    for (const kind of ["eviction", "schedule", "write", "prefetch"]) {
+      if (!info[kind] && (kind === "write" || kind === "prefetch")) continue;  // the KV tiers' (when on)
       const part = info[kind] || {current: null, available: []};
       $(`current-${kind}`).textContent = fmt.text(part.current);
       const select = $(`${kind}-select`);
@@ -77,7 +102,8 @@
     const info = policies.info;
     if (!info) return;
     const body = {};
-    for (const kind of ["eviction", "schedule"]) {
+    for (const kind of ["eviction", "schedule", "write", "prefetch"]) {
+      if (!info[kind]) continue;
       const chosen = $(`${kind}-select`).value;
       if (chosen && chosen !== info[kind].current) body[kind] = chosen;
     }
@@ -95,7 +121,8 @@
       policies.switches += 1;
       renderPolicies(answer);
       reply.textContent = `the server switched: eviction ${answer.eviction.current}, schedule ` +
-                          `${answer.schedule.current} (a new epoch started)`;
+                          `${answer.schedule.current}` + (answer.write ? `, write ${answer.write.current}, ` +
+                          `prefetch ${answer.prefetch.current}` : "") + " (a new epoch started)";
       reply.className = "reply ok";
     } catch (err) {
       reply.textContent = `the server refused: ${err.message}`;
@@ -277,6 +304,7 @@
     const now = Date.now() / 1000;
     renderReplicas(stats);
     renderPool(stats);
+    renderTiers(stats);
     if (switches === policies.switches) renderPolicies(info);
     sample(now, stats, shadow);
     renderEpochs(stats, now);
