@@ -4,7 +4,7 @@ results.json. See benchmarks/README.md.
 
     python benchmarks/bench.py [--quick] [--out benchmarks/results] [--tp N]
                                [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant,
-                                       compile,peer,radix,tp,dp,shadow,sharedcpu]
+                                       compile,peer,radix,tp,dp,shadow,sharedcpu,tiers]
 
 ``--only`` reruns some stages and keeps the other stages' results from the last run's results.json (the report
 lists when each stage was measured).
@@ -29,6 +29,7 @@ import dp_cost  # noqa: E402
 import shadow_cost  # noqa: E402
 import shared_cpu  # noqa: E402
 import grammar_cost  # noqa: E402
+import kv_tiers  # noqa: E402
 import llama_cpp  # noqa: E402
 import machine  # noqa: E402
 import quant_cost  # noqa: E402
@@ -45,12 +46,13 @@ from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant", "compile",
-          "peer", "radix", "tp", "dp", "shadow", "sharedcpu")
+          "peer", "radix", "tp", "dp", "shadow", "sharedcpu", "tiers")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
               "deterministic": (), "grammar": ("grammar",), "quant": ("quant",),
               "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",), "dp": ("dp",),
-              "shadow": ("shadow",), "sharedcpu": ()}  # deterministic, sharedcpu: committed files (stage_results.py)
+              "shadow": ("shadow",), "sharedcpu": (), "tiers": ()}  # deterministic, sharedcpu, tiers: committed
+# files (stage_results.py)
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -174,6 +176,8 @@ def main() -> None:
     bar.update()
     if "sharedcpu" in only:  # a run of its own, whatever the others' results: the report reads it from its file
         shared_cpu.save(shared_cpu.measure(q, args.model_path), out)
+    if "tiers" in only:  # the same: benchmarks/results/kv_tiers/results.json
+        kv_tiers.save(kv_tiers.measure(q), out)
     bar.update()
     bar.close()
     res = keep_other_stages(res, only, out / "results.json")

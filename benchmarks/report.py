@@ -5,6 +5,7 @@ from pathlib import Path
 
 import matplotlib
 
+import kv_tiers
 import shared_cpu
 from stage_results import load_stage
 
@@ -236,6 +237,9 @@ def write(res: dict, out: Path) -> None:
     shared = shared_cpu.load(out)  # the stage's committed results file, not results.json
     if shared is not None:
         L += shared_cpu.section(shared, targets, check)
+    tiers = kv_tiers.load(out)  # the same
+    if tiers is not None:
+        L += kv_tiers.section(tiers, targets, check)
     if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
         L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]
