@@ -37,6 +37,7 @@ from stage_results import load_stage, machine, save_stage  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGE = "kv_tiers"
+HOST_MIB = 2048  # host memory beyond the pool, for both: llama.cpp's --cache-ram, radixserve's --hicache-size
 THROUGHPUT_TARGET, TTFT_TARGET, RESTART_TARGET, NO_REUSE_TARGET = 2.0, 1 / 3, 0.15, 0.97
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
          "word but not what all were we when your can said there use an each which she do how their if will up "
@@ -178,13 +179,14 @@ def llama_gguf() -> tuple[Path | None, str | None]:
 
 def multi_turn(quick: bool, work: Path, peer: bool = True) -> dict:
     chats = Chats(clients=4 if quick else 8, rounds=5 if quick else 10, words=60 if quick else 100, max_new=32)
-    pool = 1536 if quick else 2560  # a few clients' chats; the working set (about ``final`` tokens) is ~5x more
-    systems = {"radixserve, tiers": lambda: Ours(pool, True, pages=work / "multi-turn"),
+    pool = 1024 if quick else 2048  # a client's chat or two; the working set is more than 5x that
+    # the same host memory for what is kept beyond the pool: llama.cpp's prompt cache, radixserve's L2
+    systems = {"radixserve, tiers": lambda: Ours(pool, True, ["--hicache-size", f"{HOST_MIB * 2**20 / 1e9:.3f}"],
+                                                 pages=work / "multi-turn"),
                "radixserve, no tiers": lambda: Ours(pool, False)}
     gguf, why_not = llama_gguf() if peer else (None, "left out (--no-peer)")
     if gguf is not None:
-        mib = 2048
-        systems["llama.cpp, --cache-ram"] = lambda: LlamaCpp(gguf, pool, mib)
+        systems["llama.cpp, --cache-ram"] = lambda: LlamaCpp(gguf, pool, HOST_MIB)
     running = {name: make() for name, make in tqdm(systems.items(), desc="starting servers")}
     rounds: dict[str, list[dict]] = {name: [] for name in running}
     try:
@@ -196,6 +198,7 @@ def multi_turn(quick: bool, work: Path, peer: bool = True) -> dict:
         for system in running.values():
             system.stop()
     out = {"clients": chats.clients, "rounds": chats.rounds, "pool_tokens": pool, "max_new": chats.max_new,
+           "host_mib": HOST_MIB,
            "llama_cpp": None if gguf is None else {"flags": running.get("llama.cpp, --cache-ram").flags
                                                    if "llama.cpp, --cache-ram" in running else None},
            "llama_cpp_missing": why_not, "systems": {}}
@@ -227,7 +230,7 @@ def warm_restart(quick: bool, work: Path, repeats: int) -> dict:
     history = conversation(2000 if quick else 4000)
     back = history + [{"role": "user", "content": "And what does that mean for us?"}]
     cold, warm, tiers = [], [], []
-    for i in tqdm(range(repeats), desc="warm restart"):
+    for i in tqdm(range(max(repeats - 2, 1)), desc="warm restart"):
         folder = work / f"restart-{i}"
         first = Ours(8192, True, pages=folder)
         try:
@@ -284,7 +287,7 @@ def no_reuse(quick: bool, work: Path, repeats: int) -> dict:
             "tier_stats": stats}
 
 
-def measure(quick: bool = False, repeats: int = 3, peer: bool = True) -> dict:
+def measure(quick: bool = False, repeats: int = 5, peer: bool = True) -> dict:
     work = Path(tempfile.mkdtemp(prefix="radixserve-kv-tiers-"))
     try:
         res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "quick": quick}
@@ -353,7 +356,8 @@ def section(res: dict, targets: list[str], check) -> list[str]:
          f"(`python benchmarks/kv_tiers.py`; bf16, 2 threads, the bundled model; systems take turns round by round).",
          "", f"Multi-turn: {mt['clients']} clients x {mt['rounds']} rounds, {mt['max_new']} new tokens a turn, a pool "
          f"of {mt['pool_tokens']} tokens; the last round's prompts hold {mt['working_set_tokens']} tokens "
-         f"({mt['working_set_over_pool']:.1f}x the pool)."
+         f"({mt['working_set_over_pool']:.1f}x the pool). Beyond the pool both get {mt.get('host_mib', '?')} MiB of "
+         "host memory (radixserve's L2, `--hicache-size`; llama.cpp's `--cache-ram`); radixserve's L3 is a folder."
          + (f" llama.cpp: `llama-server {' '.join(mt['llama_cpp']['flags'])}` on the bf16 GGUF of the same weights."
             if mt.get("llama_cpp") and mt["llama_cpp"].get("flags") else
             f" llama.cpp left out: {mt.get('llama_cpp_missing')}."), "",
@@ -370,7 +374,7 @@ def section(res: dict, targets: list[str], check) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="warm restarts; no-reuse runs of each system")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--no-peer", action="store_true", help="leave llama.cpp out")
     args = ap.parse_args()

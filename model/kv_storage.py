@@ -56,7 +56,7 @@ def digest(payload: bytes | memoryview) -> bytes:
 
 def seal(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
     """A page as stored: a header naming what it is, and a checksum of its bytes."""
-    return HEADER.pack(MAGIC, VERSION, 0, namespace, key, len(payload), digest(payload)) + bytes(payload)
+    return b"".join((HEADER.pack(MAGIC, VERSION, 0, namespace, key, len(payload), digest(payload)), payload))
 
 
 def unseal(namespace: bytes, key: bytes, blob: bytes) -> memoryview:
@@ -116,8 +116,10 @@ class FileStore:
         for key in keys:
             path = self._path(key)
             try:
-                with open(path, "rb") as f:
-                    out.append(f.read())
+                with open(path, "rb", buffering=0) as f:
+                    blob = bytearray(os.fstat(f.fileno()).st_size)  # read into memory the page can then keep
+                    del blob[f.readinto(blob) :]  # shorter if the file shrank meanwhile (unseal says so)
+                    out.append(blob)
                 os.utime(path)
             except OSError:
                 out.append(None)

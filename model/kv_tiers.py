@@ -52,21 +52,30 @@ class PageCodec:
         self.nbytes = self.value_bytes + (0 if fmt == "auto" else self.k_scale_bytes + layers * page * kv_heads * 4)
         self.limit = {"int8": 127.0, "fp8_e4m3": 448.0}.get(fmt)
 
-    def encode(self, kv: KVPool, slots: np.ndarray) -> torch.Tensor:
-        """The pages of ``slots`` (page after page, ``page`` slots each): ``[pages, nbytes]`` uint8."""
+    def encode(self, kv: KVPool, slots: np.ndarray) -> list[torch.Tensor]:
+        """The pages of ``slots`` (page after page, ``page`` slots each), each a tensor of its own (``nbytes``
+        uint8). Exact pages are gathered straight into their own memory: one copy, on the step's critical path."""
         idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         n = len(slots) // self.page
-        x = torch.stack((kv.k[:, idx], kv.v[:, idx]))  # [2, L, n * page, H, D]
-        x = x.view(2, x.shape[1], n, self.page, *x.shape[3:]).permute(2, 0, 1, 3, 4, 5).contiguous()
         if self.fmt == "auto":
-            return x.view(n, -1).view(torch.uint8)
+            pages = []
+            for i in range(n):
+                page = torch.empty(self.shape, dtype=self.dtype)
+                part = idx[i * self.page : (i + 1) * self.page]
+                torch.index_select(kv.k, 1, part, out=page[0])
+                torch.index_select(kv.v, 1, part, out=page[1])
+                pages.append(page.view(-1).view(torch.uint8))
+            return pages
+        x = torch.stack((kv.k[:, idx], kv.v[:, idx]))  # [2, L, n * page, H, D]
+        x = x.view(2, x.shape[1], n, self.page, *x.shape[3:]).permute(2, 0, 1, 3, 4, 5)
         k, v = x[:, 0].float(), x[:, 1].float()  # [n, L, page, H, D]
         ks = k.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / self.limit
         vs = v.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / self.limit
         q = torch.stack((k / ks, v / vs), dim=1)
         q = q.round().clamp(-127, 127).to(torch.int8) if self.fmt == "int8" else q.to(self.stored)
-        return torch.cat((q.reshape(n, -1).view(torch.uint8), ks.reshape(n, -1).view(torch.uint8),
+        flat = torch.cat((q.reshape(n, -1).view(torch.uint8), ks.reshape(n, -1).view(torch.uint8),
                           vs.reshape(n, -1).view(torch.uint8)), dim=1)
+        return [row.clone() for row in flat]  # owned: one page never keeps the batch alive
 
     def decode_into(self, kv: KVPool, pages: list[torch.Tensor], skip: int, slots: np.ndarray) -> None:
         """Tokens ``skip`` .. ``skip + len(slots)`` of ``pages`` (in order) into the pool's ``slots``."""
@@ -150,13 +159,18 @@ class HostTier:
         self.holds[key] += 1
 
     def _trim(self) -> None:
-        if self.nbytes <= self.budget:
+        excess = self.nbytes - self.budget
+        if excess <= 0:
             return
-        for key in list(self.pages):
-            if self.nbytes <= self.budget:
+        victims = []
+        for key, page in self.pages.items():  # least recent first; held pages stay
+            if excess <= 0:
                 break
             if key not in self.holds:
-                self.nbytes -= self.pages.pop(key).numel()
+                victims.append(key)
+                excess -= page.numel()
+        for key in victims:
+            self.nbytes -= self.pages.pop(key).numel()
 
 
 class KVTiers:
@@ -201,8 +215,7 @@ class KVTiers:
             return
         pages = self.codec.encode(self.kv, np.concatenate([slots[i * page : (i + 1) * page] for i in new]))
         store = []
-        for row, i in enumerate(new):
-            data = pages[row].clone()  # one page, owned: the batch is not kept alive by its last page
+        for data, i in zip(pages, new):
             if self.host.budget > 0:
                 self.host.put(keys[i], data)
                 self.counters["l2_pages_written"] += 1
@@ -291,7 +304,9 @@ class KVTiers:
                 break
             self.counters["l3_pages_read"] += 1
             self.counters["l3_bytes_read"] += len(blob)
-            out.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            if not isinstance(blob, bytearray):  # bytes (Redis): torch wants memory it could write
+                blob = bytearray(blob)
+            out.append(torch.frombuffer(blob, dtype=torch.uint8, offset=len(blob) - len(payload)))
         return out
 
     def _store(self, items: list[tuple[bytes, torch.Tensor]]) -> None:

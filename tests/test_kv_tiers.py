@@ -91,10 +91,10 @@ def test_page_formats_round_trip(fmt, tol):
     codec = PageCodec(fmt, torch.float32, 3, 2, 8, page=4)
     slots = np.array([5, 9, 1, 2, 30, 31, 32, 33], dtype=np.int32)
     pages = codec.encode(kv, slots)
-    assert pages.shape == (2, codec.nbytes) and pages.dtype == torch.uint8
+    assert len(pages) == 2 and all(p.shape == (codec.nbytes,) and p.dtype == torch.uint8 for p in pages)
     out = KVPool(3, 40, 2, 8, torch.float32, torch.device("cpu"))
     dest = np.array([10, 11, 12, 13, 14], dtype=np.int32)
-    codec.decode_into(out, list(pages), skip=3, slots=dest)  # tokens 3..7 of the two pages
+    codec.decode_into(out, pages, skip=3, slots=dest)  # tokens 3..7 of the two pages
     src = torch.from_numpy(slots[3:].astype(np.int64))
     err = (out.k[:, torch.from_numpy(dest.astype(np.int64))] - kv.k[:, src]).abs().max().item()
     scale = kv.k.abs().max().item()
