@@ -3,9 +3,9 @@
 Below the paged pool, KV moves in pages of ``page_size`` tokens aligned from a sequence's first token: page i holds
 the KV of tokens ``[i * page_size, (i + 1) * page_size)``. A page's KV depends on every token before it, so its key
 is a chained hash: the previous page's key, then this page's token ids. The chain starts from the namespace, a
-hash of what else the KV depends on (the model's weights, the dtype the KV is computed in, the page size, the
-stored format, the tensor-parallel shard): pages of another model or dtype have other keys and are never found,
-whatever store they share.
+hash of what else the KV depends on (the model's weights, the dtype, quantization and kernels it is computed with,
+the page size, the stored format, the tensor-parallel shard): pages of another model or dtype have other keys and
+are never found, whatever store they share.
 
     namespace ──▶ key0 = H(namespace, tokens[0:64]) ──▶ key1 = H(key0, tokens[64:128]) ──▶ ...
 
@@ -22,10 +22,11 @@ SAMPLE_BYTES = 1 << 16
 SAMPLES = 8  # spots sampled in each weight file: two checkpoints that differ anywhere differ in all of them
 
 
-def namespace(model_id: bytes, dtype: str, page_size: int, kv_format: str, shard: str = "0/1",
+def namespace(model_id: bytes, compute: str, page_size: int, kv_format: str, shard: str = "0/1",
               tenant: str | None = None) -> bytes:
-    """The chain's start: every input the stored KV depends on besides the tokens."""
-    spec = json.dumps({"model": model_id.hex(), "dtype": dtype, "page": page_size, "format": kv_format,
+    """The chain's start: every input the stored KV depends on besides the tokens. ``compute``: how it is computed
+    (the dtype, weight quantization, batch-invariant kernels or not)."""
+    spec = json.dumps({"model": model_id.hex(), "compute": compute, "page": page_size, "format": kv_format,
                        "shard": shard, "tenant": tenant}, sort_keys=True)
     return hashlib.blake2b(spec.encode(), digest_size=KEY_BYTES).digest()
 

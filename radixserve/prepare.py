@@ -66,7 +66,10 @@ def tier_config(args: ServerArgs, model_dir: Path) -> TierConfig | None:
     if backend != "none" and backend not in registered("radixserve.kv_storage"):
         names = ", ".join(["none", *registered("radixserve.kv_storage")])
         raise ValueError(f"unknown --hicache-storage-backend {backend!r}; available: {names}")
-    ns = namespace(model_fingerprint(model_dir), args.dtype, args.hicache_page_size, args.hicache_kv_format)
+    # what else the KV's bits depend on: weight quantization, and --deterministic's own kernels (its promise of
+    # the same bits whatever the batch would not hold for KV computed without it)
+    compute = f"{args.dtype}/{args.quantization or 'none'}/{'deterministic' if args.deterministic else 'default'}"
+    ns = namespace(model_fingerprint(model_dir), compute, args.hicache_page_size, args.hicache_kv_format)
     return TierConfig(args.hicache_page_size, ns, args.hicache_write_policy, args.hicache_storage_prefetch_policy)
 
 
