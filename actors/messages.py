@@ -346,7 +346,8 @@ class TierOps(msgspec.Struct, array_like=True, frozen=True):
 
 class Prefetch(msgspec.Struct, tag="prefetch", frozen=True):
     """Read a waiting request's pages back from the lower tiers (in the runner's background, in order, stopping
-    at the first page found nowhere); the runner answers ``Prefetched``."""
+    at the first page found nowhere); the runner answers ``Prefetched``. Sent to the runner's tier thread's own
+    inbox, not with the plans (the runner reads those only between steps)."""
 
     fetch: int  # an id of its own (a request's rid may be asked for again, and its drop must not end the new one)
     keys: list[bytes]
@@ -448,6 +449,6 @@ ApiInbox = TextBatch | RequestError | Status | ControlReply | ShadowReport
 TokenizerInbox = GenerateReq | AbortReq | TokenBatch | RequestError | TextReq
 SchedulerInbox = AddReq | FinishReq | ForwardResult | ControlReq | PolicySwitch | Prefetched
 ShadowInbox = ShadowFeed
-RunnerInbox = ForwardPlan | Prefetch
+RunnerInbox = ForwardPlan
 LauncherInbox = Ready | Failed
 NodeInbox = NodeReady | NodeDown | Heartbeat

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from radixserve.actors.messages import Prefetch, Prefetched, RunnerInbox
+from radixserve.actors.messages import Prefetched, RunnerInbox
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
 from radixserve.actors.wire import encoder
 from radixserve.cpu_budget import read_budget, wait_policy
@@ -34,12 +34,8 @@ class RunnerActor:
 
     async def run(self) -> None:
         while True:
-            msg = await self.channel.recv()
-            if isinstance(msg, Prefetch):  # read back in the tiers' own thread, answered from there
-                if self.runner.tiers is not None:
-                    self.runner.tiers.prefetch(msg)
-                continue
-            result = self.runner.forward(msg)
+            plan = await self.channel.recv()
+            result = self.runner.forward(plan)
             if result is not None:  # rank 0
                 await self.channel.send(self.scheduler, result)
 
@@ -97,9 +93,10 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
     # the launcher and the actors it started (this one's siblings) are the server itself, not a neighbour
     runner = ModelRunner.from_args(cfg, Path(spec.model_dir), args, source, tp, max_threads, os.getppid())
     seed_sampling(args.random_seed)
-    if spec.scheduler_config.tiers is not None:
+    if spec.scheduler_config.tiers is not None:  # read-backs come to its own thread, answers go from there
         runner.attach_tiers(args, spec.scheduler_config.tiers,
                             tier_reporter(spec.endpoints.address(spec.named("scheduler"))))
+        runner.tiers.listen(spec.endpoints.address(spec.named("tiers")))
     return RunnerActor(runner, channel, spec.named("scheduler")), {
                                           "threads": torch.get_num_threads(), "omp_wait": wait_policy(os.environ),
                                           "adaptive_threads": runner.adaptive is not None,

@@ -3,6 +3,7 @@ back. The scheduler decides (cache/tiers.py); this holds the pages and does the 
 
     step start (main thread):  drops ─▶ writes: pool slots ─▶ encoded pages ─▶ L2 (and queued for L3)
                                         loads:  L2 pages (held for the request) ─▶ pool slots
+    inbox thread:               read-backs from the scheduler, at once (not behind the step in flight)
     background thread:          prefetch: L2 hit? hold it : L3 read ─▶ unseal (checksum) ─▶ L2, held ─▶ report
                                 store:    seal ─▶ L3 write
 
@@ -16,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 import numpy as np
@@ -109,6 +110,8 @@ class HostTier:
         self.held: dict[int, list[bytes]] = {}  # fetch id -> keys held for it
         self.holds: Counter[bytes] = Counter()
         self.live: set[int] = set()  # read-backs under way (a page is held only for one of these)
+        self.gone: set[int] = set()  # read-backs let go lately (one asked for after its drop is not started)
+        self._gone_order: deque[int] = deque()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.pages
@@ -143,6 +146,11 @@ class HostTier:
     def release(self, fid: int) -> None:
         with self.lock:
             self.live.discard(fid)
+            if fid not in self.gone:
+                self.gone.add(fid)
+                self._gone_order.append(fid)
+                if len(self._gone_order) > 1 << 16:
+                    self.gone.discard(self._gone_order.popleft())
             for key in self.held.pop(fid, ()):
                 self.holds[key] -= 1
                 if self.holds[key] <= 0:
@@ -186,14 +194,39 @@ class KVTiers:
         self._thread = threading.Thread(target=self._work, name="kv-tiers", daemon=True)
         self._thread.start()
 
-    # -- the main thread: between steps ------------------------------------------------------------------
+    def listen(self, address: str) -> None:
+        """Take read-backs from a PULL socket bound at ``address`` (the scheduler's), in a thread of its own: they
+        never wait for the step the runner is in."""
+        import zmq
+
+        from radixserve.actors.wire import decoder
+
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        decode = decoder(Prefetch).decode
+
+        def receive() -> None:
+            while True:
+                try:
+                    self.prefetch(decode(sock.recv()))
+                except Exception:  # a bug here must not end the thread: every later read-back would hang
+                    log.exception("KV tiers: a read-back could not be taken")
+
+        threading.Thread(target=receive, name="kv-tiers-inbox", daemon=True).start()
+
     def prefetch(self, msg: Prefetch) -> None:
+        """Queue a read-back (or a flush) for the background thread; any thread may call it."""
         if msg.flush:
             self._jobs.put(("flush", msg))
             return
         with self.host.lock:
+            if msg.fetch in self.host.gone:  # let go before it arrived (the drop came with a plan first)
+                return
             self.host.live.add(msg.fetch)
         self._jobs.put(("fetch", msg))
+
+    # -- the main thread: between steps ------------------------------------------------------------------
 
     @torch.inference_mode()
     def apply(self, ops: TierOps) -> None:

@@ -210,3 +210,20 @@ def test_flush_policies_and_stats(tiny_models, expected, tmp_path):
         assert stats["write_policy"] == "write_back" and stats["page_size"] == 16
     finally:
         s.stop()
+
+
+def test_dp_replicas_share_one_storage_tier(tiny_models, expected, tmp_path):
+    """--dp 2 with round-robin routing: a prompt's second request goes to the other replica, whose pool and host
+    memory never saw it; its pages come from the storage both replicas write to."""
+    s = server(tiny_models["llama"], "--dp", "2", "--routing-policy", "round-robin",
+               "--hicache-storage-backend-extra-config", json.dumps({"path": str(tmp_path / "pages")}))
+    try:
+        for p, want in zip(PROMPTS[:3], expected):  # replicas 0, 1, 0
+            assert generate(s, p)["output_ids"] == want
+        time.sleep(0.5)  # the pages reach the folder in each replica's background thread
+        second = [generate(s, p) for p in PROMPTS[:3]]  # replicas 1, 0, 1: each prompt on the other one
+        assert [o["output_ids"] for o in second] == expected[:3]
+        assert all(o["meta_info"]["cached_tokens_details"]["storage"] == 192 for o in second), \
+            [o["meta_info"] for o in second]
+    finally:
+        s.stop()

@@ -44,6 +44,7 @@ class SchedulerActor:
         self._sent: tuple[float, ForwardPlan] | None = None  # the plan in flight, and when it was sent
         self.batch_log = BatchLog()  # SGLang-style "Prefill batch." / "Decode batch." lines
         self._held = False  # the last launch planned nothing: every request that could run waits for its pages
+        self.tiers_peer = "tiers"  # the runner's tier thread's inbox (its replica's: build sets it)
 
     async def run(self) -> None:
         sched = self.scheduler
@@ -60,7 +61,7 @@ class SchedulerActor:
                 await self.guarded(msg)
             if not self.inflight:
                 await self.launch()
-            self.send_tier_messages()
+            await self.send_tier_messages()
             await self.report_failures()
             await self.maybe_status()
             await self.maybe_feed_shadow()
@@ -98,13 +99,13 @@ class SchedulerActor:
             if self.scheduler.tap is not None:
                 self._sent = (time.monotonic(), plan)
 
-    def send_tier_messages(self) -> None:
-        """Read-backs (and flushes) for the runner's KV tiers go out at once, between plans."""
+    async def send_tier_messages(self) -> None:
+        """Read-backs (and flushes) go at once to the runner's tier thread, on a socket of its own: not behind
+        the plans, which the runner reads only between steps (a read-back would wait for the step in flight)."""
         tiers = self.scheduler.cache.tiers
         if tiers is not None and tiers.outbox:
-            self.plans.wait_for(self._ranks, self._timeout_s)
             for msg in tiers.take_outbox():
-                self.plans.send(msg)
+                await self.channel.send(self.tiers_peer, msg)
 
     async def report_failures(self) -> None:
         for err in self.scheduler.take_failures():
@@ -233,9 +234,11 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[SchedulerActor, dict[str, 
         scheduler.tap = ShadowTap()
     plans = Publisher(spec.endpoints.plans_bound(spec.named("plans")), spec.endpoints.keys)
     actor = SchedulerActor(scheduler, channel, plans, args.tp, args.dist_timeout, spec.replica or 0)
+    actor.tiers_peer = spec.named("tiers")
     return actor, {"capacity": scheduler.cache.capacity, "replica": spec.replica or 0}
 
 
 def main(spec: ActorSpec) -> None:
-    peers = ("tokenizer", "api") + (("shadow",) if spec.server_args.shadow_policies else ())
+    peers = ("tokenizer", "api") + (("shadow",) if spec.server_args.shadow_policies else ()) + (
+        (spec.named("tiers"),) if spec.scheduler_config.tiers is not None else ())  # the runner's tier thread
     run_actor(spec.named("scheduler"), spec, SchedulerInbox, peers, build)
