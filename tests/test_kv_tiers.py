@@ -35,7 +35,7 @@ def test_a_page_key_depends_on_every_token_before_it_and_on_the_namespace():
 
 def test_a_sealed_page_reads_back_only_intact_and_only_as_itself():
     key = b"k" * 16
-    blob = seal(NS, key, b"payload bytes")
+    blob = b"".join(seal(NS, key, b"payload bytes"))
     assert bytes(unseal(NS, key, blob)) == b"payload bytes"
     flipped = bytearray(blob)
     flipped[-3] ^= 1
@@ -50,9 +50,9 @@ def test_a_sealed_page_reads_back_only_intact_and_only_as_itself():
 def test_the_file_store_keeps_its_budget_least_recent_first_and_survives_a_restart(tmp_path):
     store = FileStore({"path": str(tmp_path), "max_bytes": 3000})
     keys = [bytes([i]) * 16 for i in range(5)]
-    store.set([(k, b"x" * 1000) for k in keys[:3]])
+    store.set([(k, [b"x" * 1000]) for k in keys[:3]])
     store.get([keys[0]])  # page 0 is used: page 1 is now the least recent
-    store.set([(keys[3], b"y" * 1000)])
+    store.set([(keys[3], [b"y" * 1000])])
     assert store.exists(keys[:4]) == [True, False, True, True] and store.total == 3000
     (tmp_path / "ab").mkdir(exist_ok=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -63,7 +63,7 @@ def test_the_file_store_keeps_its_budget_least_recent_first_and_survives_a_resta
     again = FileStore({"path": str(tmp_path), "max_bytes": 3000})
     assert again.total == 3000 and again.get([keys[0], keys[1]]) == [b"x" * 1000, None]
     assert not torn.exists() and live.exists()
-    again.set([(keys[4], b"z" * 1000)])  # the restart kept recency: page 2 goes, page 0 (used since) stays
+    again.set([(keys[4], [b"z" * 400, b"z" * 600])])  # the restart kept recency: page 2 goes, page 0 (used since) stays
     assert again.exists([keys[0], keys[2], keys[3], keys[4]]) == [True, False, True, True]
     again.clear()
     assert again.total == 0 and not any(again.exists(keys))
