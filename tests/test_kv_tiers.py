@@ -16,7 +16,7 @@ from radixserve.cache.pages import namespace, page_keys, pages_within
 from radixserve.cache.radix_tree import pack
 from radixserve.model.forward_batch import KVPool
 from radixserve.model.kv_storage import DamagedPage, FileStore, seal, unseal
-from radixserve.model.kv_tiers import HostTier, PageCodec
+from radixserve.model.kv_pages import HostTier, PageCodec
 
 NS = namespace(b"model", "float32", 4, "auto")
 
