@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import aiohttp
-import msgspec
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from scenarios import stream_chat  # noqa: E402
 from stage_results import load_stage, machine, save_stage  # noqa: E402
 
 from radixserve.server_process import ServerProcess  # noqa: E402
@@ -72,21 +72,10 @@ class Chats:
 
 
 async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict], max_new: int) -> tuple[float, dict]:
-    """One streamed chat request: (TTFT, usage)."""
-    body = {"model": "m", "messages": messages, "max_tokens": max_new, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start, ttft, usage = time.perf_counter(), None, {}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = msgspec.json.decode(line[6:])
-            usage = chunk.get("usage") or usage
-            if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", ())):
-                ttft = time.perf_counter() - start
-    return (ttft if ttft is not None else time.perf_counter() - start), usage
+    """One streamed chat request, exactly ``max_new`` tokens: (TTFT, usage)."""
+    ttft, _, usage = await stream_chat(session, url, {"model": "m", "messages": messages, "max_tokens": max_new,
+                                                      "temperature": 0, "ignore_eos": True})
+    return ttft, usage or {}
 
 
 async def round_of(url: str, chats: Chats, r: int, keep_alive: bool) -> dict:

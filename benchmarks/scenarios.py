@@ -150,24 +150,29 @@ class MultiTurn:
                 "ttft_ratio_last_first": per_round[-1]["ttft_mean_s"] / per_round[0]["ttft_mean_s"]}
 
     async def _turn(self, session, url, model, messages) -> tuple[float, str, dict]:
-        body = {"model": model, "messages": messages, "max_tokens": self.max_new, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        start, ttft, answer, usage = time.perf_counter(), None, "", None
-        async with session.post(url + "/v1/chat/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = msgspec.json.decode(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk["choices"]:
-                    piece = choice.get("delta", {}).get("content")
-                    if piece:
-                        ttft = ttft or time.perf_counter() - start
-                        answer += piece
-        return ttft if ttft is not None else time.perf_counter() - start, answer, usage
+        return await stream_chat(session, url, {"model": model, "messages": messages, "max_tokens": self.max_new,
+                                                "temperature": 0})
 
 
-__all__ = ["MultiTurn", "SeedSmallCase", "SharedPrefix", "Unique", "best_hf"]
+async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, str, dict | None]:
+    """One chat completion, streamed with usage: (TTFT -- the whole time if no text came --, the answer, usage)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    start, ttft, answer, usage = time.perf_counter(), None, "", None
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = msgspec.json.decode(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    ttft = ttft or time.perf_counter() - start
+                    answer += piece
+    return ttft if ttft is not None else time.perf_counter() - start, answer, usage
+
+
+__all__ = ["MultiTurn", "SeedSmallCase", "SharedPrefix", "Unique", "best_hf", "stream_chat"]

@@ -82,7 +82,8 @@ class LowerTiers:
         self.prefetch = prefetch
         self.clock = clock
         self.fetches: dict[str, Fetch] = {}  # by request
-        self.asked: dict[str, int] = {}  # waiting request -> its tokens in the pool when its pages were asked for
+        # waiting request -> its tokens in the pool when its pages were asked for, and the pool's version then
+        self.asked: dict[str, tuple[int, int]] = {}
         self._by_id: dict[int, Fetch] = {}
         self._next_id = 0
         self.outbox: list[Any] = []  # Prefetch messages for the runner, sent at once (not with a plan)
@@ -95,11 +96,12 @@ class LowerTiers:
         self._recent: OrderedDict[bytes, None] = OrderedDict()
 
     # -- reading back ------------------------------------------------------------------------------------
-    def ask(self, rid: str, tokens, cached: int, cap: int) -> None:
-        """A request arrived (or came back to the queue) with ``cached`` of its tokens in the pool; computing
-        will start from at most ``cap``: ask for the full pages in between."""
+    def ask(self, rid: str, tokens, cached: int, cap: int, version: int = 0) -> None:
+        """A request arrived (or came back to the queue) with ``cached`` of its tokens in the pool (``version``:
+        the pool's, CacheManager.version); computing will start from at most ``cap``: ask for the full pages in
+        between."""
         self.forget(rid)
-        self.asked[rid] = cached
+        self.asked[rid] = (cached, version)
         first, last = cached // self.page, cap // self.page
         if last <= first:
             return
@@ -124,11 +126,22 @@ class LowerTiers:
         fetch = self.fetches.get(rid)
         return fetch is None or fetch.done or bool(self.prefetch.ready(fetch, now))
 
-    def moved(self, rid: str, cached: int) -> bool:
-        """Has the pool lost pages of the request's prefix since they were asked for (``cached`` of its tokens are
-        there now, fewer full pages than then)? Pages below may hold them: ask again."""
+    def unchanged_since_asked(self, rid: str, version: int) -> bool:
+        """Is the pool as it was when the request's pages were asked for (nothing can have moved)?"""
         asked = self.asked.get(rid)
-        return asked is not None and cached // self.page < asked // self.page
+        return asked is None or asked[1] == version
+
+    def moved(self, rid: str, cached: int, version: int) -> bool:
+        """Has the pool lost pages of the request's prefix since they were asked for (``cached`` of its tokens are
+        there now, in the pool of ``version``: fewer full pages than then)? Pages below may hold them: ask again.
+        If not, the check holds until the pool changes again."""
+        asked = self.asked.get(rid)
+        if asked is None:
+            return False
+        if cached // self.page < asked[0] // self.page:
+            return True
+        self.asked[rid] = (asked[0], version)
+        return False
 
     def waiting_until(self) -> float | None:
         """When the earliest unanswered read-back is due to be asked about again (None: none is pending)."""

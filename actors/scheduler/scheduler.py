@@ -127,18 +127,18 @@ class Scheduler:
         tiers = self.cache.tiers
         if tiers is not None and not req.finished:
             cap = req.match_limit
-            tiers.ask(req.rid, req.fill_key, self.cache.match_len(req.fill_key[:cap]), cap)
+            tiers.ask(req.rid, req.fill_key, self.cache.match_len(req.fill_key[:cap]), cap, self.cache.version)
 
     def _pages_moved(self, req: Req) -> bool:
         """Did the pool lose pages of ``req``'s prefix since they were asked for? Then they are asked for again
         (True: the request waits for the answer, as the prefetch policy says)."""
-        tiers, cap = self.cache.tiers, req.match_limit
-        if req.rid not in tiers.asked:
+        tiers, cap, version = self.cache.tiers, req.match_limit, self.cache.version
+        if tiers.unchanged_since_asked(req.rid, version):  # the usual case: no walk of the tree per step
             return False
         cached = self.cache.match_len(req.fill_key[:cap])
-        if not tiers.moved(req.rid, cached):
+        if not tiers.moved(req.rid, cached, version):
             return False
-        tiers.ask(req.rid, req.fill_key, cached, cap)
+        tiers.ask(req.rid, req.fill_key, cached, cap, version)
         return not tiers.ready(req.rid, self.clock())
 
     def prefetched(self, msg: Prefetched) -> None:
