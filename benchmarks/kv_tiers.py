@@ -1,10 +1,13 @@
 """``make bench`` stage "tiers": the KV tiers below the pool (--enable-hierarchical-cache) on the bundled model, 2
 threads, bf16, every system measured in one run on one machine, taking turns.
 
-- multi-turn: C clients x R rounds (SGLang's bench_multiturn shape: each round every client sends its whole chat so
-  far plus a new question, all at once), a working set >= 5x the pool; radixserve with tiers, without, and
-  llama.cpp's server with its host prompt cache (--cache-ram) and the same KV memory. Targets: >= 2x the throughput
-  and <= 1/3 the mean TTFT of both.
+- multi-turn: C clients x R rounds in SGLang's bench_multiturn shape (each round every client sends its whole chat
+  so far plus a new question; at most ``--max-parallel`` requests in flight, TTFT measured from each request's
+  send), a working set >= 5x the pool. radixserve with tiers and without, and llama.cpp's server with its host
+  prompt cache (--cache-ram); beyond the pool, radixserve's L2 and llama.cpp's cache get the same host memory,
+  less than the working set (the case tiers are for: radixserve's L3 is a folder on disk, llama.cpp has no disk
+  tier). Targets: >= 2x the throughput and <= 1/3 the mean TTFT of both. A reference row gives llama.cpp host
+  memory for the whole working set (no target: there its prompt cache holds every chat).
 - warm restart: a returning 4k-token conversation after a restart; target TTFT <= 15% of a cold prefill.
 - no reuse: unique prompts only; target throughput with tiers within 3% of tiers off.
 
@@ -23,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -37,7 +41,11 @@ from stage_results import load_stage, machine, save_stage  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGE = "kv_tiers"
-HOST_MIB = 2048  # host memory beyond the pool, for both: llama.cpp's --cache-ram, radixserve's --hicache-size
+HOST_MIB = 128  # host memory beyond the pool, for both (radixserve's --hicache-size, llama.cpp's --cache-ram): ~1/4 of
+# the working set
+REFERENCE_MIB = 2048  # the reference llama.cpp: host memory for the whole working set
+REFERENCE = "llama.cpp, --cache-ram for the whole working set (reference)"
+MAX_PARALLEL = 2  # requests in flight (bench_multiturn's --max-parallel): the pool holds that many whole chats
 THROUGHPUT_TARGET, TTFT_TARGET, RESTART_TARGET, NO_REUSE_TARGET = 2.0, 1 / 3, 0.15, 0.97
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
          "word but not what all were we when your can said there use an each which she do how their if will up "
@@ -78,15 +86,23 @@ async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict], m
     return ttft, usage or {}
 
 
-async def round_of(url: str, chats: Chats, r: int, keep_alive: bool) -> dict:
+async def round_of(url: str, chats: Chats, r: int, keep_alive: bool, max_parallel: int) -> dict:
+    """Round ``r`` of every client, at most ``max_parallel`` in flight, in client order (the same each round, so a
+    chat comes back after all the others: the reuse distance is the whole working set)."""
+    gate = asyncio.Semaphore(max_parallel)
+
+    async def client(session: aiohttp.ClientSession, c: int) -> tuple[float, dict]:
+        async with gate:  # TTFT from the request's send, as bench_multiturn measures it
+            return await turn(session, url, chats.messages(c, r), chats.max_new)
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                      connector=aiohttp.TCPConnector(force_close=not keep_alive)) as session:
         start = time.perf_counter()
-        outs = await asyncio.gather(*(turn(session, url, chats.messages(c, r), chats.max_new)
-                                      for c in range(chats.clients)))
+        outs = await asyncio.gather(*(client(session, c) for c in range(chats.clients)))
         return {"seconds": time.perf_counter() - start, "ttft": [t for t, _ in outs],
                 "prompt_tokens": sum(u.get("prompt_tokens", 0) for _, u in outs),
-                "completion_tokens": sum(u.get("completion_tokens", 0) for _, u in outs)}
+                "completion_tokens": sum(u.get("completion_tokens", 0) for _, u in outs),
+                "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for _, u in outs)}
 
 
 class Ours:
@@ -114,15 +130,16 @@ def urllib_open(url: str):
 
 
 class LlamaCpp:
-    """llama-server on 2 threads, one slot of ``pool`` tokens (the KV memory radixserve's pool has), its host prompt
-    cache (--cache-ram) large enough for the whole working set: the best llama.cpp can do with that memory."""
+    """llama-server on 2 threads, ``slots`` slots sharing ``pool`` tokens of KV (the memory radixserve's pool has),
+    its host prompt cache (--cache-ram) of ``cache_ram_mib`` (None: its default), and ``extra`` flags."""
 
-    def __init__(self, gguf: Path, pool: int, cache_ram_mib: int) -> None:
+    def __init__(self, gguf: Path, pool: int, cache_ram_mib: int | None, slots: int, extra: list[str] = ()) -> None:
         import llama_cpp
 
         port = free_port()
         self.url, self.keep_alive = f"http://127.0.0.1:{port}", False
-        self.flags = ["-t", "2", "-tb", "2", "-c", str(pool), "-np", "1", "--cache-ram", str(cache_ram_mib)]
+        self.flags = ["-t", "2", "-tb", "2", "-c", str(pool), "-np", str(slots),
+                      *(["--cache-ram", str(cache_ram_mib)] if cache_ram_mib is not None else []), *extra]
         self.proc = subprocess.Popen([str(llama_cpp.binary("llama-server")), "-m", str(gguf), "--port", str(port),
                                       *self.flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(600):
@@ -167,29 +184,31 @@ def llama_gguf() -> tuple[Path | None, str | None]:
 
 
 def multi_turn(quick: bool, work: Path, peer: bool = True) -> dict:
-    chats = Chats(clients=4 if quick else 8, rounds=5 if quick else 10, words=60 if quick else 100, max_new=32)
-    pool = 1024 if quick else 2048  # a client's chat or two; the working set is more than 5x that
-    # the same host memory for what is kept beyond the pool: llama.cpp's prompt cache, radixserve's L2
-    systems = {"radixserve, tiers": lambda: Ours(pool, True, ["--hicache-size", f"{HOST_MIB * 2**20 / 1e9:.3f}"],
-                                                 pages=work / "multi-turn"),
+    # ~140-token questions, 32-token answers: a chat grows ~190 tokens a round, ~1.9k by the last, and the pool holds
+    # MAX_PARALLEL of them (llama.cpp's slots the same: -c pool -np MAX_PARALLEL)
+    chats = Chats(clients=5 if quick else 12, rounds=4 if quick else 10, words=140, max_new=32)
+    pool = 2048 if quick else 4096
+    host = f"{HOST_MIB * 2**20 / 1e9:.4f}"
+    systems = {"radixserve, tiers": lambda: Ours(pool, True, ["--hicache-size", host], pages=work / "multi-turn"),
                "radixserve, no tiers": lambda: Ours(pool, False)}
     gguf, why_not = llama_gguf() if peer else (None, "left out (--no-peer)")
     if gguf is not None:
-        systems["llama.cpp, --cache-ram"] = lambda: LlamaCpp(gguf, pool, HOST_MIB)
+        systems["llama.cpp, --cache-ram"] = lambda: LlamaCpp(gguf, pool, HOST_MIB, MAX_PARALLEL)
+        systems[REFERENCE] = lambda: LlamaCpp(gguf, pool, REFERENCE_MIB, MAX_PARALLEL)
     running = {name: make() for name, make in tqdm(systems.items(), desc="starting servers")}
     rounds: dict[str, list[dict]] = {name: [] for name in running}
     try:
         for r in tqdm(range(chats.rounds), desc="multi-turn rounds"):
             for name, system in running.items():  # taking turns: load drifting over the run hits all alike
-                rounds[name].append(asyncio.run(round_of(system.url, chats, r, system.keep_alive)))
+                rounds[name].append(asyncio.run(round_of(system.url, chats, r, system.keep_alive, MAX_PARALLEL)))
         stats = {name: system.tier_stats() for name, system in running.items()}
     finally:
         for system in running.values():
             system.stop()
     out = {"clients": chats.clients, "rounds": chats.rounds, "pool_tokens": pool, "max_new": chats.max_new,
-           "host_mib": HOST_MIB,
-           "llama_cpp": None if gguf is None else {"flags": running.get("llama.cpp, --cache-ram").flags
-                                                   if "llama.cpp, --cache-ram" in running else None},
+           "max_parallel": MAX_PARALLEL, "host_mib": HOST_MIB, "reference_mib": REFERENCE_MIB,
+           "llama_cpp": None if gguf is None else {"flags": running["llama.cpp, --cache-ram"].flags,
+                                                   "reference_flags": running[REFERENCE].flags},
            "llama_cpp_missing": why_not, "systems": {}}
     for name, rs in rounds.items():
         seconds = sum(r["seconds"] for r in rs)
@@ -197,7 +216,8 @@ def multi_turn(quick: bool, work: Path, peer: bool = True) -> dict:
         out["systems"][name] = {
             "throughput_tok_s": sum(r["completion_tokens"] for r in rs) / seconds, "seconds": seconds,
             "ttft_mean_s": statistics.mean(ttft), "ttft_per_round_s": [statistics.mean(r["ttft"]) for r in rs],
-            "prompt_tokens": sum(r["prompt_tokens"] for r in rs), "tiers": stats[name]}
+            "prompt_tokens": sum(r["prompt_tokens"] for r in rs),
+            "cached_tokens": sum(r.get("cached_tokens", 0) for r in rs), "tiers": stats[name]}
     last = rounds["radixserve, no tiers"][-1]["prompt_tokens"]
     out["working_set_tokens"] = last
     out["working_set_over_pool"] = last / pool
@@ -219,7 +239,7 @@ def warm_restart(quick: bool, work: Path, repeats: int) -> dict:
     history = conversation(2000 if quick else 4000)
     back = history + [{"role": "user", "content": "And what does that mean for us?"}]
     cold, warm, tiers = [], [], []
-    for i in tqdm(range(max(repeats - 2, 1)), desc="warm restart"):
+    for i in tqdm(range(repeats), desc="warm restart"):
         folder = work / f"restart-{i}"
         first = Ours(8192, True, pages=folder)
         try:
@@ -247,15 +267,16 @@ async def one(url: str, messages: list[dict]) -> tuple[float, dict]:
         return await turn(session, url, messages, 8)
 
 
-def no_reuse(quick: bool, work: Path, repeats: int) -> dict:
-    """Unique prompts only, all at once: with tiers (writing every page below) against without."""
+def no_reuse(quick: bool, work: Path, pairs: int) -> dict:
+    """Unique prompts only, all at once: with tiers (writing every page below) against without, ``pairs`` runs of
+    each in ABBA order (runs spread by +-10% on this machine: the medians need that many)."""
     rng = random.Random(11)
     prompts = [[{"role": "user", "content": f"Request {i}. " + text(rng, 300)}] for i in range(16 if quick else 32)]
     servers = {"tiers": Ours(16384, True, pages=work / "no-reuse"), "no tiers": Ours(16384, False)}
     runs: dict[str, list[float]] = {name: [] for name in servers}
     order = ["tiers", "no tiers", "no tiers", "tiers"]
     try:
-        for i in tqdm(range(repeats * 2), desc="no reuse"):
+        for i in tqdm(range(pairs * 2), desc="no reuse"):
             name = order[i % 4]
             salt = f"run {i}: "  # every run's prompts are new to every tier
 
@@ -276,13 +297,13 @@ def no_reuse(quick: bool, work: Path, repeats: int) -> dict:
             "tier_stats": stats}
 
 
-def measure(quick: bool = False, repeats: int = 5, peer: bool = True) -> dict:
+def measure(quick: bool = False, repeats: int = 3, peer: bool = True) -> dict:
     work = Path(tempfile.mkdtemp(prefix="radixserve-kv-tiers-"))
     try:
         res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "quick": quick}
         res["multi_turn"] = multi_turn(quick, work, peer)
         res["warm_restart"] = warm_restart(quick, work, repeats)
-        res["no_reuse"] = no_reuse(quick, work, repeats)
+        res["no_reuse"] = no_reuse(quick, work, 4 if quick else 8)
         return res
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -295,16 +316,16 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     mt = res["multi_turn"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, row in mt["systems"].items():
         a.plot(range(1, len(row["ttft_per_round_s"]) + 1), row["ttft_per_round_s"], marker="o", label=name)
     a.set(xlabel="round", ylabel="mean TTFT (s)", title=f"multi-turn: {mt['clients']} clients, pool "
           f"{mt['pool_tokens']} tokens, working set {mt['working_set_over_pool']:.1f}x")
     a.legend()
     names = list(mt["systems"])
-    b.bar(names, [mt["systems"][n]["throughput_tok_s"] for n in names])
+    b.bar([textwrap.fill(n, 22) for n in names], [mt["systems"][n]["throughput_tok_s"] for n in names])
     b.set(ylabel="output tokens / s", title="multi-turn throughput")
-    b.tick_params(axis="x", labelrotation=15)
+    b.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -322,7 +343,7 @@ def section(res: dict, targets: list[str], check) -> list[str]:
     mt, wr, nr, m = res["multi_turn"], res["warm_restart"], res["no_reuse"], res["machine"]
     ours = mt["systems"]["radixserve, tiers"]
     for name, row in mt["systems"].items():
-        if name == "radixserve, tiers":
+        if name in ("radixserve, tiers", REFERENCE):
             continue
         tput = ours["throughput_tok_s"] / row["throughput_tok_s"]
         ttft = ours["ttft_mean_s"] / row["ttft_mean_s"]
@@ -343,13 +364,16 @@ def section(res: dict, targets: list[str], check) -> list[str]:
     L = ["## KV tiers below the pool (--enable-hierarchical-cache)", "",
          f"Measured {res['started']} on commit {m['commit']}, {m['cpu']}, {m['cpus_in_mask']} CPUs "
          f"(`python benchmarks/kv_tiers.py`; bf16, 2 threads, the bundled model; systems take turns round by round).",
-         "", f"Multi-turn: {mt['clients']} clients x {mt['rounds']} rounds, {mt['max_new']} new tokens a turn, a pool "
-         f"of {mt['pool_tokens']} tokens; the last round's prompts hold {mt['working_set_tokens']} tokens "
-         f"({mt['working_set_over_pool']:.1f}x the pool). Beyond the pool both get {mt.get('host_mib', '?')} MiB of "
-         "host memory (radixserve's L2, `--hicache-size`; llama.cpp's `--cache-ram`); radixserve's L3 is a folder."
-         + (f" llama.cpp: `llama-server {' '.join(mt['llama_cpp']['flags'])}` on the bf16 GGUF of the same weights."
-            if mt.get("llama_cpp") and mt["llama_cpp"].get("flags") else
-            f" llama.cpp left out: {mt.get('llama_cpp_missing')}."), "",
+         "", f"Multi-turn (SGLang's bench_multiturn shape): {mt['clients']} clients x {mt['rounds']} rounds, each "
+         f"turn a ~140-token question and {mt['max_new']} new tokens, at most {mt['max_parallel']} requests in flight "
+         f"(TTFT from each request's send), a pool of {mt['pool_tokens']} tokens; the last round's prompts hold "
+         f"{mt['working_set_tokens']} tokens ({mt['working_set_over_pool']:.1f}x the pool). Beyond the pool both get "
+         f"{mt['host_mib']} MiB of host memory (radixserve's L2, `--hicache-size`; llama.cpp's `--cache-ram`), "
+         "less than the working set; radixserve's L3 is a folder on disk (here the OS keeps its files in its page "
+         "cache)."
+         + (f" llama.cpp: `llama-server {' '.join(mt['llama_cpp']['flags'])}` on the bf16 GGUF of the same weights; "
+            f"the reference row has `--cache-ram {mt['reference_mib']}`, room for every chat, and no target."
+            if mt.get("llama_cpp") else f" llama.cpp left out: {mt.get('llama_cpp_missing')}."), "",
          "| system | output tok/s | mean TTFT (s) | hit L1 | hit L2 | hit L3 |", "|---|---|---|---|---|---|", *rows, "",
          "![KV tiers](kv_tiers.png)", "",
          f"Warm restart: a returning conversation's TTFT after a restart {statistics.median(wr['warm_ttft_s']):.2f} s "
@@ -363,7 +387,7 @@ def section(res: dict, targets: list[str], check) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=5, help="warm restarts; no-reuse runs of each system")
+    ap.add_argument("--repeats", type=int, default=3, help="warm restarts")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--no-peer", action="store_true", help="leave llama.cpp out")
     args = ap.parse_args()
