@@ -108,6 +108,7 @@ class TokenBatch(msgspec.Struct, tag="tokens"):
     prompt_logprobs: dict[int, ScoredPrompt] = {}  # batch index -> with a request's first token, if it asked
     prefilled: list[Finished] = []  # requests that ended this step without a token (max_new_tokens 0)
     cached_tiers: dict[int, list[int]] = {}  # with KV tiers: batch index -> cached tokens from L1, L2, L3
+    drafts: dict[int, list[int]] = {}  # speculative decoding, with a request's last token: [drafted, accepted]
 
 
 # -- scheduler -> tokenizer -> api --------------------------------------------------------------------------
@@ -140,6 +141,12 @@ def tier_details(tiers: list[int] | None) -> dict[str, int] | None:
     return None if tiers is None else dict(zip(TIER_NAMES, tiers))
 
 
+def prediction_details(drafts: list[list[int]]) -> dict[str, int]:
+    """Speculative decoding's [draft tokens, accepted] of some requests as OpenAI's completion_tokens_details."""
+    drafted, accepted = sum(d[0] for d in drafts), sum(d[1] for d in drafts)
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted}
+
+
 class Delta(msgspec.Struct):
     rid: str
     text: str  # text that became final since the last delta
@@ -151,6 +158,10 @@ class Delta(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first delta, when asked for
     cached_tiers: list[int] | None = None  # with KV tiers: cached_tokens from the pool, host memory, storage
+    drafts: list[int] | None = None  # speculative decoding, with the last delta: [draft tokens, accepted]
+    # characters at the end of the text already handed out that the final text drops: a stop_regex match that
+    # began there (its start streamed before the match was whole). Whole results drop them; a stream cannot.
+    cut: int = 0
 
 
 class TextBatch(msgspec.Struct, tag="text"):
@@ -168,6 +179,7 @@ class ControlReq(msgspec.Struct, tag="control"):
     schedule: str | None = None
     write: str | None = None  # the lower KV tiers' write and prefetch policies (--enable-hierarchical-cache)
     prefetch: str | None = None
+    draft: str | None = None  # speculative decoding's draft policy (--speculative-algorithm)
     keep_storage: bool = False  # flush_cache: L3 keeps its pages
 
 
@@ -214,6 +226,7 @@ class Status(msgspec.Struct, tag="status"):
     failed_requests: int = 0
     replica: int = 0  # which data-parallel replica's scheduler (--dp)
     tiers: dict[str, float] = {}  # --enable-hierarchical-cache: the tiers' counts (cache/tiers.LowerTiers.counts)
+    speculative: dict[str, Any] = {}  # --speculative-algorithm: Speculation.info() (draft policy, its totals)
 
 
 # -- scheduler -> shadow (the live trace, --shadow-policies) ---------------------------------------------------
@@ -381,6 +394,9 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     new_processors: dict[str, ProcessorSpec] = {}  # rid -> its named logit processor, from this step on
     released: list[str] = []  # requests that ended: the runner drops their grammars, penalty counts, processors
     tiers: TierOps | None = None  # --enable-hierarchical-cache: pages written below and loaded back
+    # speculative decoding (an extend plan that verifies drafts): [B] the last drafts[i] input tokens of request i
+    # are a draft; the runner also returns the greedy token after each position before its last (``drafted``)
+    drafts: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -399,6 +415,8 @@ class ForwardResult(msgspec.Struct, tag="result", frozen=True):
     grammar_done: list[int] = []  # sampling rows whose grammar is complete with this token: the request ends
     errors: dict[int, str] = {}
     error: str | None = None
+    drafted: dict[int, list[int]] = {}  # batch index -> the greedy token after each of its draft's positions but
+    # the last (plan.drafts[i] of them: the one after the last is its next_ids row)
 
 
 class Prefetched(msgspec.Struct, tag="prefetched", frozen=True):

@@ -144,7 +144,7 @@ class TokenizerCore:
             if text_out is None:  # already ended here (stop string, abort); the scheduler heard or will
                 continue
             try:
-                text, finish, stopped_here = text_out.add(token_ids[i], batch.finished.get(i))
+                text, finish, stopped_here, cut = text_out.add(token_ids[i], batch.finished.get(i))
                 logprobs = [self.token_logprob(token_ids[i], batch.logprobs[i])] if i in batch.logprobs else None
                 scored = batch.prompt_logprobs.get(i)
                 prompt_lp = self.prompt_logprobs(scored) if scored is not None else None
@@ -163,7 +163,8 @@ class TokenizerCore:
             if finish is not None:
                 del live[rid]
             out.deltas.append(Delta(rid, text, [token_ids[i]], prompt[i], text_out.completion_tokens, cached[i],
-                                    finish, logprobs, prompt_lp, batch.cached_tiers.get(i)))
+                                    finish, logprobs, prompt_lp, batch.cached_tiers.get(i), batch.drafts.get(i),
+                                    cut))
         return out
 
     def detokenizer(self, params: SamplingParams) -> Detokenizer:
@@ -188,11 +189,13 @@ class OutputText:
     def text(self) -> str:
         return self.detok.text
 
-    def add(self, token_id: int | None, finish: FinishReason | None) -> tuple[str, FinishReason | None, bool]:
+    def add(self, token_id: int | None, finish: FinishReason | None) -> tuple[str, FinishReason | None, bool, int]:
         """Take the step's token (None: the request ended without one) and the scheduler's finish reason.
 
-        Returns the text that became final since the last call, why the request ended (None: it goes on), and
-        whether a stop string ended it here -- then the scheduler does not know yet and must be told.
+        Returns the text that became final since the last call, why the request ended (None: it goes on),
+        whether a stop string ended it here -- then the scheduler does not know yet and must be told --, and how
+        many characters already handed out the final text drops (``Delta.cut``: a stop_regex match that began in
+        them; a stop string's prefix is held back instead).
         """
         stop = None
         if token_id is not None:
@@ -210,8 +213,9 @@ class OutputText:
             text = self.detok.text
         else:
             text = self.detok.stable_text
-        new, self.emitted = text[self.emitted :], len(text)
-        return new, finish, stopped_here
+        new, cut = text[self.emitted :], max(0, self.emitted - len(text))
+        self.emitted = len(text)
+        return new, finish, stopped_here, cut
 
 
 @dataclass

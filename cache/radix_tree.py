@@ -132,6 +132,21 @@ class RadixTree:
         """Read-only: ids of the nodes the cached prefix of ``tokens`` runs through (a partial last node too)."""
         return [id(node) for node, _ in self._path(pack(tokens))]
 
+    def continuation(self, tokens: Tokens, k: int) -> list[int]:
+        """Read-only: up to ``k`` cached tokens after ``tokens`` when all of them are cached (a draft for
+        speculative decoding, policies/drafts.py); at a branch, the child more requests matched through (the more
+        recent on a tie). Empty otherwise."""
+        path = self._path(pack(tokens))
+        if k <= 0 or sum(n for _, n in path) != len(tokens):
+            return []
+        node, used = path[-1] if path else (self.root, 0)
+        out = list(np.frombuffer(node.key, dtype=np.int32, count=min(k, node.num_tokens - used),
+                                 offset=used * TOKEN).tolist()) if node is not self.root else []
+        while len(out) < k and node.children:
+            node = max(node.children.values(), key=lambda c: (c.hit_count, c.last_access))
+            out += np.frombuffer(node.key, dtype=np.int32, count=min(k - len(out), node.num_tokens)).tolist()
+        return out
+
     def match_prefix(self, tokens: Tokens, hit: bool = True, priority: int = 0,
                      touch: bool = True) -> tuple[np.ndarray, TreeNode]:
         """Longest cached prefix of ``tokens``: its slots and the node it ends on (root if none).

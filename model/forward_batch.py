@@ -52,8 +52,9 @@ class RopeTable:
 class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    logit_rows: torch.Tensor  # int64 [S + P]: rows whose next-token logits are wanted: the S sampling rows,
-    # then the P prompt rows whose logprobs were asked for (the plan's prompt_logprobs, in batch order)
+    logit_rows: torch.Tensor  # int64 [S + P + D]: rows whose next-token logits are wanted: the S sampling rows,
+    # then the P prompt rows whose logprobs were asked for (the plan's prompt_logprobs, in batch order), then the
+    # D draft positions a speculative step verifies (plan.drafts)
     cos: torch.Tensor
     sin: torch.Tensor
     attn: AttentionBatch
@@ -83,6 +84,8 @@ class ForwardBatch:
         for i, want in sorted(plan.prompt_logprobs.items()):
             first = int(ext_ends[i] - extend[i]) + want.first
             rows.append(np.arange(first, first + len(want.targets)))
+        if plan.drafts is not None:  # then each draft's positions but its last (whose row is the sampling row)
+            rows += [np.arange(end - 1 - d, end - 1) for end, d in zip(ext_ends.tolist(), plan.drafts.tolist()) if d]
         positions_t = torch.from_numpy(positions).to(device)
         attn = AttentionBatch(
             mode=plan.mode,

@@ -87,6 +87,19 @@ def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.
     log.info("%s: %d linear layers quantized", quantization, swapped)
 
 
+def greedy_drafted(logits: torch.Tensor, plan: ForwardPlan) -> dict[int, list[int]]:
+    """Speculative decoding: the greedy token after each draft position but the last, per request (the rows after
+    the sampling and prompt rows: ForwardBatch.logit_rows). Drafts go only with greedy requests that nothing
+    adjusts (no grammar, penalty or processor), so this is the very choice their sampling row makes."""
+    first = len(plan.sampling.temperature) + sum(len(w.targets) for w in plan.prompt_logprobs.values())
+    ids = logits[first:].argmax(dim=-1).tolist()
+    out, at = {}, 0
+    for i, d in enumerate(plan.drafts.tolist()):
+        if d:
+            out[i], at = ids[at : at + d], at + d
+    return out
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, path: Path, *, dtype: str, num_slots: int, device: str = "cpu",
                  attention_backend: str = "auto", num_threads: int | None = None, deterministic: bool = False,
@@ -267,8 +280,9 @@ class ModelRunner:
         rows = plan.sampling.constraints
         masks = self.constraints.fill_async(rows, sampling.output_index) if rows else None  # during the forward
         try:
-            logits = self._run(batch)  # [S + P, vocab]: the rows that sample, then prompt rows asked for
+            logits = self._run(batch)  # [S + P + D, vocab]: the rows that sample, prompt rows asked for, drafts
             prompt = prompt_logprobs_of(logits[len(sampling):], plan.prompt_logprobs) if plan.prompt_logprobs else {}
+            drafted = greedy_drafted(logits, plan) if plan.drafts is not None else {}
         except Exception as exc:
             self._end_if_parallel(plan)
             log.exception("step %d failed", plan.step)
@@ -282,7 +296,7 @@ class ModelRunner:
         if not rows and not penalized and not processed:
             next_ids, logprobs, errors = sample_rows(raw, sampling)
             return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
-                                 errors=errors)
+                                 errors=errors, drafted=drafted)
         adjusted = raw.clone()  # logprobs stay the model's own; only the choice is penalized / constrained
         refused = self._penalize(adjusted, penalized, sampling.output_index) if penalized else {}
         if processed:  # after the penalties, before the grammar: no processor can unmask what a grammar forbids
@@ -305,7 +319,7 @@ class ModelRunner:
             self.penalties.count(penalized, next_ids)
         errors.update({**refused, **refused_tokens})
         return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
-                             grammar_done=done, errors=errors)
+                             grammar_done=done, errors=errors, drafted=drafted)
 
     def _set_threads(self) -> None:
         """The step's threads: the adaptive count (a clock read most steps), applied in the calling thread

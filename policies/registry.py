@@ -9,20 +9,23 @@ from typing import Any, Literal
 
 from radixserve.plugins import load_plugin, registered
 from radixserve.policies.base import EvictionPolicy, SchedulePolicy
+from radixserve.policies.drafts import DraftPolicy
 from radixserve.policies.tiers import PrefetchPolicy, WritePolicy
 
-Kind = Literal["eviction", "schedule", "write", "prefetch"]
+Kind = Literal["eviction", "schedule", "write", "prefetch", "draft"]
 GROUPS: dict[Kind, str] = {
     "eviction": "radixserve.eviction_policies",
     "schedule": "radixserve.schedule_policies",
     "write": "radixserve.write_policies",  # the lower KV tiers' (policies/tiers.py)
     "prefetch": "radixserve.prefetch_policies",
+    "draft": "radixserve.draft_policies",  # speculative decoding's draft sources (policies/drafts.py)
 }
 NEEDS: dict[Kind, tuple[str, ...]] = {
     "eviction": ("name", "key"),
     "schedule": ("name", "order"),
     "write": ("name", "on_insert", "on_hit", "on_evict"),
     "prefetch": ("name", "ready"),
+    "draft": ("name", "propose", "release"),
 }
 
 
@@ -32,7 +35,8 @@ def available(kind: Kind) -> list[str]:
 
 
 def _load(kind: Kind, name: str) -> Any:
-    see = "radixserve.policies.tiers" if kind in ("write", "prefetch") else "radixserve.policies.base"
+    see = {"write": "radixserve.policies.tiers", "prefetch": "radixserve.policies.tiers",
+           "draft": "radixserve.policies.drafts"}.get(kind, "radixserve.policies.base")
     return load_plugin(GROUPS[kind], name, f"{kind} policy", needs=NEEDS[kind], see=see)
 
 
@@ -50,3 +54,7 @@ def load_write_policy(name: str) -> WritePolicy:
 
 def load_prefetch_policy(name: str) -> PrefetchPolicy:
     return _load("prefetch", name)
+
+
+def load_draft_policy(name: str) -> DraftPolicy:
+    return _load("draft", name)

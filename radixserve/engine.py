@@ -7,6 +7,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from radixserve.actors.api.native_output import (
 )
 from radixserve.actors.api.protocol import NativeGenerateRequest
 from radixserve.actors.messages import Delta, FinishReason, GenerateReq
-from radixserve.actors.scheduler.actor import token_batch
+from radixserve.actors.scheduler.actor import token_batches
 from radixserve.actors.scheduler import build_scheduler
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.errors import InvalidRequest
@@ -128,12 +129,12 @@ class Engine:
         return self.generate(input_ids=ids, sampling_params=sampling_params)
 
     def set_policies(self, eviction: str | None = None, schedule: str | None = None, write: str | None = None,
-                     prefetch: str | None = None) -> dict[str, Any]:
-        """Switch the eviction, schedule, and (with KV tiers) write and prefetch policies by name (built-in or
-        plugin); returns ``policies()``."""
+                     prefetch: str | None = None, draft: str | None = None) -> dict[str, Any]:
+        """Switch the eviction, schedule, (with KV tiers) write and prefetch, and (with speculative decoding)
+        draft policies by name (built-in or plugin); returns ``policies()``."""
         self._require_open()
         with self._lock:
-            self.scheduler.lab.switch(eviction, schedule, write=write, prefetch=prefetch)
+            self.scheduler.lab.switch(eviction, schedule, write=write, prefetch=prefetch, draft=draft)
         return self.policies()
 
     def policies(self) -> dict[str, Any]:
@@ -271,29 +272,40 @@ class Engine:
         try:
             self._exchange_tiers()
             plan = sched.schedule()
-            updated = sched.process(self.runner.forward(plan)) if plan is not None else []
+            updated = self._run_plan(plan) if plan is not None else []
             if plan is None and sched.held:
                 self._exchange_tiers(wait=True)
             elif plan is None and not sched.failures:
                 raise RuntimeError("the scheduler has unfinished requests but planned nothing (a bug)")
-            out = self.tokenizer.detokenize(token_batch(updated), self._live)
+            outs = [self.tokenizer.detokenize(batch, self._live) for batch in token_batches(updated)]
         except BaseException:  # an error or Ctrl-C mid-step: give back every slot, keep the Engine usable
             sched.fail_step("interrupted")  # the step being computed never finished: its slots hold nothing
             sched.fail_all("interrupted")
             self._deliver_failures()
             raise
-        for stop in out.stops:
-            sched.finish(stop.rid, stop.reason)
-        for err in out.failed:
-            sched.finish(err.rid, FinishReason("abort", message=err.message))
-            self._fail(err.rid, err.message, err.status, err.code)
-        for delta in out.deltas:
-            sink = self._sinks.get(delta.rid)
-            if sink is not None:
-                sink.add(delta)
-                if delta.finish is not None:
-                    self._end(delta.rid)
+        for out in outs:
+            for stop in out.stops:
+                sched.finish(stop.rid, stop.reason)
+            for err in out.failed:
+                sched.finish(err.rid, FinishReason("abort", message=err.message))
+                self._fail(err.rid, err.message, err.status, err.code)
+            for delta in out.deltas:
+                sink = self._sinks.get(delta.rid)
+                if sink is not None:
+                    sink.add(delta)
+                    if delta.finish is not None:
+                        self._end(delta.rid)
         self._deliver_failures()
+
+    def _run_plan(self, plan) -> list:
+        """Run ``plan`` and apply its result; speculative decoding's cost gate gets the step's duration."""
+        start = time.perf_counter()
+        result = self.runner.forward(plan)
+        seconds = time.perf_counter() - start
+        updated = self.scheduler.process(result)
+        if result is not None and result.error is None:
+            self.scheduler.spec.timed(plan.mode, plan.drafts, plan.batch_size, seconds)
+        return updated
 
     def _deliver_failures(self) -> None:
         for err in self.scheduler.take_failures():

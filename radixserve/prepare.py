@@ -16,7 +16,7 @@ from radixserve.logit_processors import ProcessorCatalog
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import ModelFiles, load_configs, resolve_model, resolve_tokenizer
 from radixserve.model.parallel import check_divisible, kv_heads_per_rank
-from radixserve.policies import load_eviction_policy, load_schedule_policy
+from radixserve.policies import load_draft_policy, load_eviction_policy, load_schedule_policy
 from radixserve.server_args import ServerArgs
 
 
@@ -95,6 +95,7 @@ def prepare(args: ServerArgs) -> Prepared:
 
         load_tool_parser(args.tool_call_parser)
     ProcessorCatalog(args.logit_processors or ())  # and on logit processors that are not installed or do not load
+    load_draft_policy(args.draft_policy)  # and on a draft policy that is not installed
     if args.dp > 1:
         from radixserve.actors.router.policies import load_routing_policy
 
@@ -116,6 +117,8 @@ def prepare(args: ServerArgs) -> Prepared:
                                 args.default_priority_value, args.max_queued_requests),
         logit_processors=args.logit_processors or (),
         tiers=tier_config(args, files.path),
+        draft_policy=args.draft_policy,
+        draft_tokens=args.speculative_num_draft_tokens if args.draft_policy != "none" else 0,
         check_invariants=args.check_invariants,
     )
     names = args.served_model_name or (files.hub_id or (files.source.stem.split(".")[0] if files.source.suffix ==

@@ -23,6 +23,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error", "critical"),
     "hicache_kv_format": ("auto", "int8", "fp8_e4m3"),
 }
+BUILT_IN_DRAFTS = ("none", "ngram", "suffix", "radix")  # --speculative-algorithm's own names (any case)
+DRAFT_MODELS = ("standalone", "eagle", "eagle3", "mtp")  # SGLang's algorithms that need a draft model: not built
 DEFAULT_MAX_TOTAL_TOKENS = 65536
 KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
 GPU_MEM_FRACTION = 0.85  # CUDA: of the GPU's memory, for weights and the KV pool (the rest: activations, CUDA)
@@ -58,6 +60,9 @@ class ServerArgs:
     hicache_page_size: int = 64  # tokens per page below the pool
     hicache_kv_format: str = "auto"  # pages below the pool: auto (the pool's dtype, exact), int8, fp8_e4m3
     kv_disk_bytes: int | None = None  # the file backend's budget; None: 8 GiB or half the free disk
+    # speculative decoding (actors/scheduler/speculate.py): drafts from a draft policy, verified in one forward
+    speculative_algorithm: str | None = None  # NGRAM, SUFFIX, RADIX (any case), or a draft policy's entry point
+    speculative_num_draft_tokens: int = 8  # the most tokens a draft may have
     # SGLang's priority scheduling (actors/scheduler/priority.py): priorities order the queue, preempt, drop
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False  # with it: smaller priority values are more important
@@ -170,6 +175,7 @@ class ServerArgs:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
         self._check_priority()
         self._check_hicache()
+        self._check_speculative()
         self._check_logit_processors()
         self._check_distributed()
         self._check_shadow()
@@ -201,6 +207,20 @@ class ServerArgs:
         value = self.default_priority_value
         if value is not None and not -(2**31) <= value < 2**31:
             raise ValueError(f"--default-priority-value {value} must be a 32-bit integer, as request priorities are")
+
+    @property
+    def draft_policy(self) -> str:
+        """--speculative-algorithm as a draft policy's name (policies/drafts.py): "none" when off."""
+        name = self.speculative_algorithm or "none"
+        return name.lower() if name.lower() in BUILT_IN_DRAFTS else name
+
+    def _check_speculative(self) -> None:
+        name = (self.speculative_algorithm or "").lower()
+        if name in DRAFT_MODELS:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: drafting with a second model is "
+                             "not built yet; the drafts that need no model are NGRAM, SUFFIX and RADIX")
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            raise ValueError(f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} must be in 1..64")
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:

@@ -95,7 +95,7 @@ def fake_scheduler(capacity=1000, free=600, evictable=100, running=3, waiting=2)
 
 
 def plan(mode: str, extend: list[int], prefix: list[int]):
-    return types.SimpleNamespace(mode=mode, extend_lens=np.array(extend), prefix_lens=np.array(prefix))
+    return types.SimpleNamespace(mode=mode, extend_lens=np.array(extend), prefix_lens=np.array(prefix), drafts=None)
 
 
 def test_batch_lines_count_the_batch_and_time_the_decode_steps():
@@ -127,3 +127,19 @@ def test_generation_throughput_is_over_the_last_window_and_tpot_over_decode_time
     assert fams.tpot._sum.get() == pytest.approx(0.5)  # (2.0 - 0.5) / 3 tokens after the first
     fams.finished(prompt=10, cached=0, e2e=1.0, ttft=None, output_tokens=0, hit_rate=0.2)  # no token: no TPOT
     assert fams.tpot._sum.get() == pytest.approx(0.5) and fams.requests._value.get() == 2
+
+
+def test_speculative_steps_are_decode_lines_counting_the_tokens_they_kept():
+    """A step that verified drafts is an extend plan, but a decode step to the log: its throughput counts the tokens
+    each such step kept (the scheduler's spec.kept once it is processed), not one a request."""
+    clock = Clock()
+    lines = BatchLog(every=3, clock=clock)
+    sched = fake_scheduler()
+    sched.spec = types.SimpleNamespace(kept=7)
+    out = []
+    for _ in range(3):
+        step = types.SimpleNamespace(mode="extend", extend_lens=np.array([5, 1]), prefix_lens=np.array([70, 20]),
+                                     drafts=np.array([4, 0]))
+        out.append(lines.planned(step, sched))
+        clock.now += 0.1
+    assert out[:2] == [None, None] and "gen throughput (token/s): 70.00" in out[2], out

@@ -177,6 +177,31 @@ def test_the_tokenizer_actor_fails_only_the_request_over_budget(core):
     assert [d.rid for d in deltas] == ["plain"] and list(actor.live) == ["plain"]
 
 
+def test_a_match_that_began_in_text_already_handed_out_is_cut_from_the_whole_result(core):
+    """", a" is handed out a token at a time; then "ab" completes a match of (a+)+b that began at the first "a". The
+    last delta says how much of what was handed out the final text drops, and the whole results (SGLang's and
+    OpenAI's) are cut before the match, as re.search says -- not just before the last token."""
+    from radixserve.actors.api.native_output import NativeOutput
+    from radixserve.actors.api.openai import Choice
+    from radixserve.actors.messages import FinishReason, TokenBatch
+    from radixserve.actors.tokenizer import OutputText
+
+    pieces = [", a", "ab"]
+    ids = [core.encode(p) for p in pieces]
+    live = {"r": OutputText(core.detokenizer(SamplingParams(stop_regex=r"(a+)+b")))}
+    native, choice, deltas = NativeOutput("r", None), Choice(0), []
+    for token in [t for piece in ids for t in piece]:
+        batch = TokenBatch(["r"], np.array([token]), np.array([1]), np.array([0]), {})
+        for d in core.detokenize(batch, live).deltas:
+            deltas.append(d)
+            native.add(d)
+            choice.add(d)
+    text = "".join(pieces)
+    want = text[: re.search(r"(a+)+b", text).start()]
+    assert deltas[-1].finish == FinishReason("stop", matched=r"(a+)+b") and deltas[-1].cut > 0
+    assert native.text == choice.text == want == ", "
+
+
 def test_the_engine_fails_only_the_request_over_budget(tiny_models):
     """The offline Engine goes through the same detokenizing: the request over its budget ends with its error (400,
     the pattern named), the one beside it runs to its length."""

@@ -151,6 +151,28 @@ class Metrics:
         self.policy_evicted.labels(*pair).set(s.epoch_evicted_tokens)
         if s.tiers:
             self.tiers(s.tiers)
+        if s.speculative:
+            self.speculative(s.speculative)
+
+    def speculative(self, info: dict) -> None:
+        """--speculative-algorithm: drafts and acceptance, by draft policy (each policy's totals since it was
+        switched to)."""
+        if not hasattr(self, "spec_gauges"):
+            r = self.registry
+            self.spec_gauges = {
+                "drafted": Gauge("radixserve_speculative_draft_tokens", "draft tokens verified", ["policy"],
+                                 registry=r),
+                "accepted": Gauge("radixserve_speculative_accepted_tokens", "draft tokens the model agreed with",
+                                  ["policy"], registry=r),
+                "acceptance_rate": Gauge("radixserve_speculative_acceptance_rate", "accepted / drafted tokens",
+                                         ["policy"], registry=r),
+                "mean_accepted": Gauge("radixserve_speculative_mean_accepted_length", "draft tokens accepted per "
+                                       "verified draft", ["policy"], registry=r),
+                "steps": Gauge("radixserve_speculative_verify_steps", "decode steps that verified drafts",
+                               ["policy"], registry=r),
+            }
+        for key, gauge in self.spec_gauges.items():
+            gauge.labels(info["draft_policy"]).set(info.get(key, 0.0))
 
     def tiers(self, t: dict[str, float]) -> None:
         """--enable-hierarchical-cache: per-tier hits, bytes moved, read-back latency, damaged pages."""

@@ -81,13 +81,15 @@ class NativeRoutes:
 
     async def set_policies(self, request: web.Request) -> web.Response:
         body = await decode_body(request, PoliciesBody)
-        if body.eviction is None and body.schedule is None and body.write is None and body.prefetch is None:
-            raise APIError(400, "send {\"eviction\": NAME}, {\"schedule\": NAME}, {\"write\": NAME} and/or "
-                                "{\"prefetch\": NAME}", param="eviction")
+        if all(v is None for v in (body.eviction, body.schedule, body.write, body.prefetch, body.draft)):
+            raise APIError(400, "send {\"eviction\": NAME}, {\"schedule\": NAME}, {\"write\": NAME}, "
+                                "{\"prefetch\": NAME} and/or {\"draft\": NAME}", param="eviction")
         reply = await self.server.control("set_policies", replica=body.replica, eviction=body.eviction,
-                                          schedule=body.schedule, write=body.write, prefetch=body.prefetch)
+                                          schedule=body.schedule, write=body.write, prefetch=body.prefetch,
+                                          draft=body.draft)
         if reply.error is not None:
-            param = next((k for k in ("schedule", "write", "prefetch") if f"{k} policy" in reply.error), "eviction")
+            param = next((k for k in ("schedule", "write", "prefetch", "draft") if f"{k} polic" in reply.error),
+                         "eviction")
             raise APIError(400, reply.error, param=param, code="unknown_policy" if "unknown" in reply.error
                            else "policy_failed")
         return json_response(reply.body)

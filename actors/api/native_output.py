@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from radixserve.actors.api.protocol import NativeGenerateRequest
-from radixserve.actors.messages import Delta, GenerateReq, TokenLogprob, tier_details
+from radixserve.actors.messages import Delta, GenerateReq, TokenLogprob, prediction_details, tier_details
 from radixserve.errors import InvalidRequest
 from radixserve.prompts import Prompts, text_or_ids
 from radixserve.sampling_params import SamplingParams
@@ -114,14 +114,16 @@ class NativeOutput:
         self.prompt_lp: list[TokenLogprob] = []
         self.last: Delta | None = None
         self.cached_tiers: list[int] | None = None
+        self.drafts: list[int] | None = None  # speculative decoding: [draft tokens, accepted], when it drafted
 
     def add(self, d: Delta) -> None:
-        self.text += d.text
+        self.text = self.text[: len(self.text) - d.cut] + d.text
         self.ids += d.token_ids
         self.output_lp += d.logprobs or ()
         self.prompt_lp += d.prompt_logprobs or ()
         self.last = d
         self.cached_tiers = d.cached_tiers or self.cached_tiers
+        self.drafts = d.drafts or self.drafts
 
     @property
     def done(self) -> bool:
@@ -136,6 +138,8 @@ class NativeOutput:
         }
         if self.cached_tiers is not None:  # with KV tiers: where the cached tokens came from
             meta["cached_tokens_details"] = tier_details(self.cached_tiers)
+        if self.drafts is not None:  # speculative decoding, in OpenAI's words
+            meta["completion_tokens_details"] = prediction_details([self.drafts])
         if (opts := self.logprobs) is not None:
             meta["input_token_logprobs"] = [self._triple(t.logprob, t.token_id, t.token) for t in self.prompt_lp]
             meta["output_token_logprobs"] = [self._triple(t.logprob, t.token_id, t.token) for t in self.output_lp]

@@ -21,7 +21,9 @@ from radixserve.actors.api.protocol import (
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.api.tool_calls import ToolUse
 from radixserve.actors.api.unknown_fields import note_ignored
-from radixserve.actors.messages import Delta, FinishReason, GenerateReq, TokenLogprob, tier_details
+from radixserve.actors.messages import (
+    Delta, FinishReason, GenerateReq, TokenLogprob, prediction_details, tier_details
+)
 from radixserve.tool_parsers.reader import Reader
 
 Kind = Literal["chat", "completion"]
@@ -38,6 +40,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     cached_tiers: list[int] | None = None  # with KV tiers: cached_tokens from the pool, host memory, storage
+    drafts: list[int] | None = None  # speculative decoding: [draft tokens, accepted], when it drafted
     finish: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # echo with logprobs: the prompt's
@@ -48,11 +51,12 @@ class Choice:
     started: bool = False  # a chunk of it has been streamed
 
     def add(self, d: Delta) -> None:
-        self.text += d.text
+        self.text = self.text[: len(self.text) - d.cut] + d.text
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = (d.prompt_tokens, d.completion_tokens,
                                                                           d.cached_tokens)
         self.finish = d.finish or self.finish
         self.cached_tiers = d.cached_tiers or self.cached_tiers
+        self.drafts = d.drafts or self.drafts
         self.logprobs.extend(d.logprobs or ())
         self.prompt_logprobs.extend(d.prompt_logprobs or ())
         self.unsent.extend(d.logprobs or ())
@@ -109,8 +113,12 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     tiers = [c.cached_tiers for c in firsts if c.cached_tiers is not None]
     if tiers:  # with KV tiers: the total split by where it came from
         details["cached_tokens_details"] = tier_details([sum(t[i] for t in tiers) for i in range(3)])
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": details}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": details}
+    drafts = [c.drafts for c in choices if c.drafts is not None]
+    if drafts:  # speculative decoding: how many of its draft tokens were kept
+        out["completion_tokens_details"] = prediction_details(drafts)
+    return out
 
 
 class OpenAIRoutes:

@@ -380,4 +380,5 @@ class PoliciesBody(msgspec.Struct, forbid_unknown_fields=True):
     schedule: Annotated[str, Meta(min_length=1)] | None = None
     write: Annotated[str, Meta(min_length=1)] | None = None  # the KV tiers' (--enable-hierarchical-cache)
     prefetch: Annotated[str, Meta(min_length=1)] | None = None
+    draft: Annotated[str, Meta(min_length=1)] | None = None  # speculative decoding's (--speculative-algorithm)
     replica: Annotated[int, Meta(ge=0)] | None = None  # with --dp: only this replica (default: all)

@@ -96,8 +96,7 @@ class SchedulerActor:
             self.plans.send(plan)
             self.inflight = True
             self.batch_log.planned(plan, self.scheduler)
-            if self.scheduler.tap is not None:
-                self._sent = (time.monotonic(), plan)
+            self._sent = (time.monotonic(), plan)  # the shadows and speculation's cost gate time the steps
 
     async def send_tier_messages(self) -> None:
         """Read-backs (and flushes) go at once to the runner's tier thread, on a socket of its own: not behind
@@ -116,14 +115,17 @@ class SchedulerActor:
         self._dirty = True
         if isinstance(msg, ForwardResult):
             self.inflight = False
-            if self._sent is not None and sched.tap is not None and msg.error is None:
-                sent_at, plan = self._sent
-                sched.tap.step(plan, time.monotonic() - sent_at)
-            self._sent = None
+            sent, self._sent = self._sent, None
             updated = sched.process(msg)
+            if sent is not None and msg.error is None:
+                seconds = time.monotonic() - sent[0]
+                if sched.tap is not None:
+                    sched.tap.step(sent[1], seconds)
+                sched.spec.timed(sent[1].mode, sent[1].drafts, sent[1].batch_size, seconds)
             await self.launch()  # the runner starts the next step now ...
             if updated:  # ... while the tokenizer turns this step's tokens into text
-                await self.channel.send("tokenizer", token_batch(updated))
+                for batch in token_batches(updated):
+                    await self.channel.send("tokenizer", batch)
         elif isinstance(msg, AddReq):
             try:
                 sched.add_request(msg.rid, msg.input_ids.tolist(), msg.params, msg.top_logprobs,
@@ -173,33 +175,44 @@ def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
         if msg.op == "dashboard":
             return ControlReply(msg.reply_id, dashboard_view(sched))
         if msg.op == "set_policies":
-            sched.lab.switch(msg.eviction, msg.schedule, write=msg.write, prefetch=msg.prefetch)
+            sched.lab.switch(msg.eviction, msg.schedule, write=msg.write, prefetch=msg.prefetch, draft=msg.draft)
         return ControlReply(msg.reply_id, sched.lab.info())
     except ValueError as exc:
         return ControlReply(msg.reply_id, sched.lab.info(), error=str(exc))
 
 
-def token_batch(reqs: list[Req]) -> TokenBatch:
+def token_batch(reqs: list[Req], p: int = 0) -> TokenBatch:
     """One message for the whole step: each request's newest token and, for finished ones, why; the prompt
-    logprobs come with a request's first token; prefill-only requests that ended travel in ``prefilled``."""
+    logprobs come with a request's first token; prefill-only requests that ended travel in ``prefilled``.
+    A step that kept several tokens of a request (a verified draft: ``Req.fresh``) sends them in as many
+    messages: ``p`` says which of them this one carries (only requests with more than ``p`` are in it)."""
     prefilled = [Finished(r.rid, r.finish_reason, len(r.prompt_ids), r.cached_tokens or 0,
                           r.prompt_logprobs_out() if r.logprob_start is not None else None,
                           list(r.cached_tiers) if r.cached_tiers else None)
-                 for r in reqs if not r.output_ids]
-    reqs = [r for r in reqs if r.output_ids]
+                 for r in reqs if not r.output_ids] if p == 0 else []
+    reqs = [r for r in reqs if r.output_ids and max(r.fresh, 1) > p]
+    at = [len(r.output_ids) - max(r.fresh, 1) + p for r in reqs]  # the output index each request's token has
+    last = [p == max(r.fresh, 1) - 1 for r in reqs]
     return TokenBatch(
         rids=[r.rid for r in reqs],
-        token_ids=array([r.output_ids[-1] for r in reqs]),
+        token_ids=array([r.output_ids[a] for r, a in zip(reqs, at)]),
         prompt_tokens=array([len(r.prompt_ids) for r in reqs]),
         cached_tokens=array([r.cached_tokens or 0 for r in reqs]),
-        finished={i: r.finish_reason for i, r in enumerate(reqs) if r.finish_reason is not None},
-        logprobs={i: r.output_logprobs[-1] for i, r in enumerate(reqs) if r.top_logprobs is not None},
+        finished={i: r.finish_reason for i, r in enumerate(reqs) if r.finish_reason is not None and last[i]},
+        logprobs={i: r.output_logprobs[at[i]] for i, r in enumerate(reqs) if r.top_logprobs is not None},
         prompt_logprobs={i: r.prompt_logprobs_out() for i, r in enumerate(reqs)
-                         if r.logprob_start is not None and len(r.output_ids) == 1},
+                         if r.logprob_start is not None and at[i] == 0},
         prefilled=prefilled,
         cached_tiers={i: list(r.cached_tiers) for i, r in enumerate(reqs) if r.cached_tiers and (
-            len(r.output_ids) == 1 or r.finish_reason is not None)},
+            at[i] == 0 or (r.finish_reason is not None and last[i]))},
+        drafts={i: [r.drafted, r.accepted] for i, r in enumerate(reqs)
+                if r.drafted and r.finish_reason is not None and last[i]},
     )
+
+
+def token_batches(reqs: list[Req]) -> list[TokenBatch]:
+    """The step's tokens as messages: one, or one per token of the request that kept most (``token_batch``)."""
+    return [token_batch(reqs, p) for p in range(max((r.fresh for r in reqs), default=1) or 1)]
 
 
 def status_of(sched: Scheduler, replica: int = 0) -> Status:
@@ -224,6 +237,7 @@ def status_of(sched: Scheduler, replica: int = 0) -> Status:
         failed_requests=sched.stats.failed,
         replica=replica,
         tiers=cache.tiers.counts() if cache.tiers is not None else {},
+        speculative=sched.spec.info() if sched.spec.on else {},
     )
 
 

@@ -31,6 +31,7 @@ class BatchLog:
         self._decodes = 0  # decode steps since the last decode line
         self._decoded = 0  # tokens decoded by those steps but the latest (whose step is still running)
         self._latest = 0  # the latest decode step's batch
+        self._latest_verified = False  # ... was it a speculative step (its kept tokens: sched.spec.kept)
         self._since = 0.0  # when the first of them was planned
 
     def planned(self, plan: ForwardPlan, sched: Scheduler) -> str | None:
@@ -39,7 +40,7 @@ class BatchLog:
         used = cache.capacity - cache.allocator.num_free - cache.evictable
         usage = used / cache.capacity if cache.capacity else 0.0
         running, queued = len(sched.running) + (sched.chunked is not None), len(sched.waiting)
-        if plan.mode == "extend":
+        if plan.mode == "extend" and plan.drafts is None:
             line = (f"Prefill batch. #new-seq: {len(plan.extend_lens)}, #new-token: {int(plan.extend_lens.sum())}, "
                     f"#cached-token: {int(plan.prefix_lens.sum())}, token usage: {usage:.2f}, "
                     f"#running-req: {running}, #queue-req: {queued}")
@@ -47,9 +48,9 @@ class BatchLog:
             now = self.clock()
             if self._decodes == 0:
                 self._since, self._decoded = now, 0
-            else:
-                self._decoded += self._latest
-            self._latest = len(plan.extend_lens)
+            else:  # the latest step is processed now: a speculative one kept sched.spec.kept tokens
+                self._decoded += sched.spec.kept if self._latest_verified else self._latest
+            self._latest, self._latest_verified = len(plan.extend_lens), plan.drafts is not None
             self._decodes += 1
             if self._decodes < self.every:
                 return None

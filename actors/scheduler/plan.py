@@ -20,6 +20,7 @@ class Step:
     reqs: list[Req]
     starts: list[int]
     floors: list[int] | None = None  # per request, what was in the pool before the step's loads (default: starts)
+    drafts: list[list[int]] | None = None  # speculative decoding: the draft each request's step verifies
 
     def floor_of(self, req: Req) -> int | None:
         """How many of ``req``'s tokens hold KV whatever becomes of this step (its loads from the lower tiers and
@@ -31,8 +32,11 @@ class Step:
 
 
 def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int],
-               vocab_size: int, released: list[str] | None = None, tiers: TierOps | None = None) -> ForwardPlan:
+               vocab_size: int, released: list[str] | None = None, tiers: TierOps | None = None,
+               drafts: list[list[int]] | None = None) -> ForwardPlan:
     """``starts[i]``: how many of reqs[i]'s tokens were in the pool before this step (the rest are new).
+    ``drafts`` (an extend step that verifies them): the tokens guessed to follow each decoding request, computed
+    after its last token; its KV handle already holds their slots.
 
     Every request's KV handle must already hold slots for all the tokens it computes now, and a runner table row
     (``table_row``); the runner holds each row up to ``kv.synced``. A constrained request
@@ -42,9 +46,12 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
     kv_lens = [r.kv_len for r in reqs]
     if mode == "decode":
         input_ids = [r.output_ids[-1] for r in reqs]
+    elif drafts is not None:
+        input_ids = [t for r, s, d in zip(reqs, starts, drafts) for t in (*r.tokens(s, r.seq_len), *d)]
     else:
         input_ids = [t for r, s, e in zip(reqs, starts, kv_lens) for t in r.tokens(s, e)]
-    sample = [e == r.seq_len and not r.prefill_only for r, e in zip(reqs, kv_lens)]
+    sample = ([True] * len(reqs) if drafts is not None else
+              [e == r.seq_len and not r.prefill_only for r, e in zip(reqs, kv_lens)])
     starting = [r for r, s in zip(reqs, sample) if s and not r.sampler_state]
     return ForwardPlan(
         step=step,
@@ -65,6 +72,7 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
                         for r in starting if r.params.custom_logit_processor is not None},
         released=released or [],
         tiers=tiers,
+        drafts=None if drafts is None else np.asarray([len(d) for d in drafts], dtype=np.int32),
     )
 
 

@@ -25,6 +25,7 @@ class PolicyLab:
         self.clock = clock
         self.errors: deque[str] = deque(maxlen=100)  # the newest failures of replaced schedule policies
         self.epochs: list[PolicyEpoch] = []
+        self.speculation = None  # the scheduler's Speculation (speculate.py): its statistics are shown here
         self.new_epoch()
 
     # -- switching ---------------------------------------------------------------------------------------
@@ -40,14 +41,21 @@ class PolicyLab:
         self.new_epoch(reason)
 
     def switch(self, eviction: str | None = None, schedule: str | None = None, reason: str | None = None,
-               write: str | None = None, prefetch: str | None = None) -> None:
+               write: str | None = None, prefetch: str | None = None, draft: str | None = None) -> None:
         """``set`` by registered name (built-in or plugin); ValueError naming the problem. ``write`` and
-        ``prefetch``: the lower KV tiers' policies (only with --enable-hierarchical-cache); they take effect at
-        once and start no epoch of their own (their figures are the tiers', in cache_stats)."""
-        from radixserve.policies import load_eviction_policy, load_prefetch_policy, load_schedule_policy, load_write_policy
+        ``prefetch``: the lower KV tiers' policies (only with --enable-hierarchical-cache); ``draft``:
+        speculative decoding's (``none``: off; only with --speculative-algorithm). These take effect at once and
+        start no epoch of their own (their figures are in cache_stats)."""
+        from radixserve.policies import (
+            load_draft_policy, load_eviction_policy, load_prefetch_policy, load_schedule_policy, load_write_policy
+        )
 
-        if eviction is None and schedule is None and write is None and prefetch is None:
-            raise ValueError("give an eviction, schedule, write and/or prefetch policy name")
+        if eviction is None and schedule is None and write is None and prefetch is None and draft is None:
+            raise ValueError("give an eviction, schedule, write, prefetch and/or draft policy name")
+        if draft is not None and (self.speculation is None or not self.speculation.tokens):
+            raise ValueError("draft policies are speculative decoding's: start with --speculative-algorithm")
+        if draft is not None:
+            load_draft_policy(draft)
         tiers = self.cache.tiers
         if (write or prefetch) and tiers is None:
             raise ValueError("write and prefetch policies are the KV tiers': start with --enable-hierarchical-cache")
@@ -60,6 +68,8 @@ class PolicyLab:
             tiers.write = new_write
         if new_prefetch is not None:
             tiers.prefetch = new_prefetch
+        if draft is not None:
+            self.speculation.set_policy(draft)
 
     def adopt(self, eviction: str, schedule: str, reason: str) -> None:
         """Run this pair (--auto-policy): only the policy that differs is replaced, an unchanged one keeps its
@@ -80,6 +90,8 @@ class PolicyLab:
                 **({"write": {"current": tiers.write.name, "available": available("write")},
                     "prefetch": {"current": tiers.prefetch.name, "available": available("prefetch")}}
                    if tiers is not None else {}),
+                **({"draft": {"current": self.speculation.policy.name, "available": available("draft")}}
+                   if self.speculation is not None and self.speculation.tokens else {}),
                 "errors": errors[-20:]}
 
     # -- ordering ----------------------------------------------------------------------------------------
@@ -132,4 +144,6 @@ class PolicyLab:
                        "retractions": stats.retractions, "preemptions": stats.preemptions, "steps": stats.steps},
             "epochs": [e.to_dict(now, cache.evicted_tokens) for e in self.epochs],
             **({"tiers": cache.tiers.stats()} if cache.tiers is not None else {}),
+            **({"speculative": self.speculation.info()} if self.speculation is not None and self.speculation.on
+               else {}),
         }

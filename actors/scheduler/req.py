@@ -34,6 +34,9 @@ class Req:
     sampler_state: bool = False  # the runner holds this request's grammar matcher and/or penalty counts
     table_row: int | None = None  # the runner's row of this request's slot indices, while it holds KV
     preemptions: int = 0  # times it was retracted for a more important arrival (preempt.py)
+    fresh: int = 0  # output tokens its last step added (more than 1: a verified draft)
+    drafted: int = 0  # speculative decoding: draft tokens verified for it, and how many of them were accepted
+    accepted: int = 0
     _key: array = field(init=False, repr=False)  # fill_ids packed (fill_key), extended as the output grows
 
     def __post_init__(self) -> None:

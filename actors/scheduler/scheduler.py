@@ -27,6 +27,7 @@ from radixserve.actors.scheduler.priority import PriorityConfig
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.runner_state import RunnerState
 from radixserve.actors.scheduler.shadow_tap import ShadowTap
+from radixserve.actors.scheduler.speculate import Speculation
 from radixserve.actors.scheduler.stats import SchedulerStats
 from radixserve.actors.scheduler.validate import check_request
 from radixserve.cache.invariants import require
@@ -60,6 +61,8 @@ class SchedulerConfig:
     priority: PriorityConfig = PriorityConfig()  # --enable-priority-scheduling and its flags (priority.py)
     logit_processors: tuple[str, ...] = ()  # the named logit processors requests may use (--logit-processors)
     tiers: TierConfig | None = None  # --enable-hierarchical-cache: pages below the pool (cache/tiers.py)
+    draft_policy: str = "none"  # speculative decoding (speculate.py): where drafts come from
+    draft_tokens: int = 0  # ... and how many tokens a draft may have (0: off)
     check_invariants: bool = False
 
 
@@ -85,6 +88,8 @@ class Scheduler:
         self.runner_state = RunnerState(config.max_running_requests + 1)  # table rows and grammars, per request
         self.tap: ShadowTap | None = None  # --shadow-policies: the live trace for the shadow process
         self.processors = ProcessorCatalog(config.logit_processors)  # checks requests' custom_logit_processor
+        self.spec = Speculation(config.draft_policy, config.draft_tokens, config.vocab_size)
+        self.lab.speculation = self.spec
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -247,6 +252,9 @@ class Scheduler:
             return []
         self._inflight = None
         plan, reqs = step.plan, step.reqs
+        verify = step.drafts is not None  # a decode step that verified drafts (an extend plan)
+        if verify:
+            self.spec.stats.steps += 1
         updated = []
         sampled = np.flatnonzero(plan.sample).tolist()  # sampling row j is batch row sampled[j]
         done_rows = set(result.grammar_done)
@@ -255,7 +263,7 @@ class Scheduler:
         for i, req in enumerate(reqs):
             if req.finished:  # aborted while its step ran (its KV of this step was already given back)
                 continue
-            if plan.mode == "extend":  # what was just computed is reusable by others at once (kept locked)
+            if plan.mode == "extend" and not verify:  # what was just computed is reusable at once (kept locked)
                 self.cache.cache_prefix(req.kv, req.fill_key)
                 req.prompt_logprobs.extend(result.prompt_logprobs.get(i, ()))
                 if req.prefill_only and req.extend_len == 0:  # the whole prompt is computed and cached: done
@@ -269,26 +277,43 @@ class Scheduler:
                 continue
             if j in result.errors:
                 log.error("request %s: sampling failed: %s", req.rid, result.errors[j])
+                if verify:  # its draft's slots hold tokens it never took
+                    self.cache.truncate(req.kv, min(req.kv_len, req.seq_len - 1))
                 self.fail(req, "internal error while sampling (logged)")
                 continue
             if req is self.chunked:
                 self.chunked = None
-            req.output_ids.append(result.next_ids[j])
+            if verify and step.drafts[i]:
+                new = self.spec.accept(req.rid, step.drafts[i], result.drafted.get(i, []), result.next_ids[j])
+                req.drafted, req.accepted = req.drafted + len(step.drafts[i]), req.accepted + len(new) - 1
+            else:
+                new = [result.next_ids[j]]
             grammar_done = j in done_rows
             if req.first_token_at is None:
                 req.first_token_at = now
             if req.top_logprobs is not None:
                 req.output_logprobs.append(result.logprobs[j])
-            self.stats.generated_tokens += 1
-            self.lab.epochs[-1].generated_tokens += 1
+            req.fresh = 0
+            for token in new:  # one token, or a verified draft's: each checked as a step of its own would be
+                req.output_ids.append(token)
+                req.fresh += 1
+                req.finish_reason = req.check_finished()
+                if req.finished:
+                    break
+            self.stats.generated_tokens += req.fresh
+            self.lab.epochs[-1].generated_tokens += req.fresh
             updated.append(req)
-            req.finish_reason = req.check_finished() or (
-                FinishReason("stop", matched=req.output_ids[-1]) if grammar_done else None)  # the grammar ended it
+            if grammar_done and not req.finished:  # the grammar ended it
+                req.finish_reason = FinishReason("stop", matched=req.output_ids[-1])
+            if verify:  # the rejected part of the draft was computed into slots nobody may read: they go back
+                self.cache.truncate(req.kv, min(req.kv_len, req.seq_len - 1))
             if req.finished:
                 self._release(req)
-            elif plan.mode == "extend":
+            elif plan.mode == "extend" and not verify:
                 self.running.append(req)
-        if plan.mode == "decode":  # finished requests already left `running` in _release
+        if verify:
+            self.spec.kept = sum(r.fresh for r in updated)
+        if plan.mode == "decode" or verify:  # finished requests already left `running` in _release
             self.new_token_ratio = max(self.config.min_new_token_ratio,
                                        self.new_token_ratio - self.config.new_token_ratio_decay)
         self.stats.steps += 1
@@ -397,22 +422,26 @@ class Scheduler:
         while self.cache.available < len(self.running) and self._retract_one():
             pass
         starts = [r.kv_len for r in self.running]
-        for req in self.running:
-            require(self.cache.extend(req.kv, 1),
+        drafts = self.spec.propose(self.running, self.cache.available - len(self.running), self.cache.tree)
+        for req, draft in zip(self.running, drafts or [[]] * len(self.running)):
+            require(self.cache.extend(req.kv, 1 + len(draft)),
                     "a lone request always fits: validate() caps prompt + max_new_tokens at the pool size")
+        if drafts is not None:
+            return self._launch("extend", list(self.running), starts, drafts=drafts)
         return self._launch("decode", list(self.running), starts)
 
-    def _launch(self, mode, reqs: list[Req], starts: list[int], floors: list[int] | None = None) -> ForwardPlan | None:
+    def _launch(self, mode, reqs: list[Req], starts: list[int], floors: list[int] | None = None,
+                drafts: list[list[int]] | None = None) -> ForwardPlan | None:
         """The plan for ``reqs``. A request that cannot be planned (a bug around its values) fails alone: its
         slots of this step go back and the others run without it. ``floors``: what each request held before the
-        step's loads from the lower tiers (default: ``starts``)."""
+        step's loads from the lower tiers (default: ``starts``); ``drafts``: what a speculative step verifies."""
         self._step += 1
         for req in reqs:
             self.runner_state.take_row(req)
         tiers = self.cache.tiers.take_ops() if self.cache.tiers is not None else None
         try:
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size,
-                              self.runner_state.released(), tiers)
+                              self.runner_state.released(), tiers, drafts)
         except Exception:
             log.exception("could not plan step %d; finding the request(s) that break it", self._step)
             bad = [r for r, s in zip(reqs, starts) if not plannable(mode, r, s, self.config.vocab_size)] or reqs
@@ -426,10 +455,11 @@ class Scheduler:
             if not keep:
                 return None  # the tier ops are lost with the plan: only pages not written and read-backs not used
             reqs, starts, floors = [reqs[i] for i in keep], [starts[i] for i in keep], [floors[i] for i in keep]
+            drafts = [drafts[i] for i in keep] if drafts is not None else None
             plan = build_plan(self._step, mode, reqs, starts, self.config.vocab_size,
-                              self.runner_state.released(), tiers)  # with the requests that just failed
+                              self.runner_state.released(), tiers, drafts)  # with the requests that just failed
         self.runner_state.sent(reqs, plan)
-        self._inflight = Step(plan, reqs, starts, floors)
+        self._inflight = Step(plan, reqs, starts, floors, drafts)
         return plan
 
     # -- retraction --------------------------------------------------------------------------------------
@@ -477,6 +507,7 @@ class Scheduler:
             self.running.remove(req)
         if req.finished:
             self.live.pop(req.rid, None)
+            self.spec.release(req)
             if self.cache.tiers is not None:
                 self.cache.tiers.forget(req.rid)
             if self.tap is not None:

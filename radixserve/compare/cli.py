@@ -5,6 +5,7 @@
     radixserve compare --trace my.jsonl --live http://127.0.0.1:30000 --simulate   # side by side, same trace
     radixserve compare --workload few-shot --save-trace few-shot.jsonl            # just write the trace
     radixserve compare --workload phase-shift --eviction lru,mru,filo --schedule fcfs --simulate --auto-policy
+    radixserve compare --trace outputs.jsonl --draft-policies none,ngram,suffix,radix --draft-tokens 8
 """
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--host-pages", type=int, default=spec.host_pages, help="pages host memory (L2) holds")
     t.add_argument("--storage-pages", type=int, default=spec.storage_pages, help="pages storage (L3) holds (0: none)")
     t.add_argument("--load-cost", type=float, default=spec.load_per_token, help="seconds per token read back")
+    d = p.add_argument_group("speculative decoding's draft policies (acceptance on the trace's recorded outputs)")
+    d.add_argument("--draft-policies", default="", help="comma-separated draft policies: each runs over the "
+                   "requests that carry an output, in trace order, and the table says how many tokens a greedy "
+                   "verifier would have accepted (a built-in workload's outputs are random tokens)")
+    d.add_argument("--draft-tokens", type=int, default=8, help="tokens a draft may have (k)")
     live = p.add_argument_group("live")
     live.add_argument("--live", metavar="URL", help="replay against a running server, once per policy pair")
     live.add_argument("--time-scale", type=float, default=1.0, help="stretch (>1) or squeeze arrival times")
@@ -99,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.save_trace}", file=sys.stderr)
         if not (args.simulate or args.live):
             return 0
+    if args.draft_policies:
+        return run_drafts(args, requests, spec)
     pairs = list(itertools.product(args.eviction.split(","), args.schedule.split(",")))
     from radixserve.policies import load_eviction_policy, load_schedule_policy
 
@@ -178,4 +186,31 @@ def run(args: argparse.Namespace) -> int:
     report.plot_ttft(ttft_rows, out / "ttft.png", f"{name}: TTFT")
     written.append(out / "ttft.png")
     print(f"\nwrote {', '.join(map(str, written))}", file=sys.stderr)
+    return 0
+
+
+def run_drafts(args: argparse.Namespace, requests, spec: dict) -> int:
+    """--draft-policies: each policy's acceptance over the requests' recorded outputs (radixserve/compare/
+    sim_drafts.py), a table, compare.json and drafts.png."""
+    from radixserve.compare import sim_drafts
+    from radixserve.policies import load_draft_policy
+
+    names = [n for n in args.draft_policies.split(",") if n]
+    for name in names:  # fail fast on a typo
+        load_draft_policy(name)
+    if args.draft_tokens < 1:
+        raise SystemExit("--draft-tokens must be >= 1")
+    traces = [(r.prompt, r.output) for r in requests if r.output]
+    if not traces:
+        raise SystemExit("no request in this workload carries an output: drafts are measured against recorded "
+                         "outputs (a trace's \"output\" field)")
+    stats = [sim_drafts.simulate_drafts(name, tqdm(traces, desc=name, unit="req", leave=False), args.draft_tokens)
+             for name in names]
+    print(sim_drafts.table(stats, args.draft_tokens))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(out / "compare.json", {"workload": spec, "draft_tokens": args.draft_tokens,
+                                             "drafts": [s.as_dict() for s in stats]})
+    sim_drafts.plot(stats, out / "drafts.png", f"{spec.get('kind', 'trace')}: draft policies, k = {args.draft_tokens}")
+    print(f"\nwrote {out / 'compare.json'}, {out / 'drafts.png'}", file=sys.stderr)
     return 0

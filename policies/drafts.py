@@ -1,0 +1,232 @@
+"""Draft policies for speculative decoding: where a running request's next few tokens are guessed from, at no model
+cost. The engine verifies a draft in one forward and keeps the tokens the model itself would have produced, so a
+policy changes how fast a request goes, never what it says.
+
+A draft policy is found by name like the others (entry point group ``radixserve.draft_policies``)::
+
+    class Repeat:                                   # guesses that the last token repeats
+        name = "repeat"
+        def propose(self, rid, tokens, k, cache): return [tokens[-1]] * k
+        def release(self, rid, tokens): pass
+
+``propose(rid, tokens, k, cache)``: ``tokens`` is the request's prompt and output so far (it only grows between
+calls for one ``rid``), ``k`` the most tokens wanted, ``cache`` the radix tree's read-only view (``DraftCache``).
+Returns up to ``k`` token ids (fewer, or none, when it has no good guess). ``release(rid, tokens)``: the request
+ended with these tokens; per-request state goes, and what the policy learns across requests may keep them.
+
+Built in: ``ngram`` (prompt lookup: the continuation of the last earlier occurrence of the request's last tokens,
+as llama.cpp's and vLLM's n-gram drafting), ``suffix`` (SuffixDecoding's idea: the most frequent continuation of the
+longest matching suffix, in a trie over this request's tokens and one over earlier requests', bounded), ``radix``
+(the continuation of the request's whole sequence in the radix tree: a cached path it is walking again).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+
+def accepted_prefix(draft: Sequence[int], model: Sequence[int]) -> int:
+    """How many leading draft tokens are the model's own greedy choices (``model[i]``: its token after draft
+    position i, i.e. in place of draft[i]): what a greedy verifier keeps, in the engine and the simulator."""
+    n = 0
+    for d, m in zip(draft, model):
+        if d != m:
+            break
+        n += 1
+    return n
+
+
+class DraftCache(Protocol):
+    """What a draft policy may read of the radix cache."""
+
+    def continuation(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` cached tokens that follow ``tokens`` (all of them cached): at a branch, the child that more
+        requests went through. Empty when ``tokens`` is not all cached or nothing follows. Changes nothing."""
+        ...
+
+
+class DraftPolicy(Protocol):
+    """See the module's docstring."""
+
+    name: str
+
+    def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> list[int]: ...
+
+    def release(self, rid: str, tokens: Sequence[int]) -> None: ...
+
+
+class NoCache:
+    """A DraftCache with nothing in it (a policy used away from a scheduler: the simulator, tests)."""
+
+    def continuation(self, tokens: Sequence[int], k: int) -> list[int]:
+        return []
+
+
+class NoDrafts:
+    """Speculation off: never proposes."""
+
+    name = "none"
+
+    def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> list[int]:
+        return []
+
+    def release(self, rid: str, tokens: Sequence[int]) -> None:
+        pass
+
+
+class _NGramIndex:
+    """One request's n-grams (``lo``..``hi`` tokens) -> where their latest occurrence that has a next token ends."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.seen = 0  # tokens indexed
+
+    def update(self, tokens: Sequence[int]) -> None:
+        # an n-gram ending at j gets a continuation once token j exists: index it then, so the request's current
+        # suffix (no continuation yet) is found only where it occurred before
+        for j in range(max(self.seen, 1), len(tokens)):
+            for n in range(self.lo, min(self.hi, j) + 1):
+                self.ends[tuple(tokens[j - n : j])] = j
+        self.seen = len(tokens)
+
+
+class NGram:
+    """Prompt lookup: the tokens after the latest earlier occurrence of the request's last ``hi``..``lo`` tokens
+    (the longest n that occurred). Pays where the output copies its input: editing code, quoting a document."""
+
+    name = "ngram"
+    lo, hi = 2, 4  # n-gram lengths looked up, longest first (1 token alone guesses too often wrong)
+
+    def __init__(self) -> None:
+        self.indexes: dict[str, _NGramIndex] = {}
+
+    def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> list[int]:
+        index = self.indexes.get(rid)
+        if index is None:
+            index = self.indexes[rid] = _NGramIndex(self.lo, self.hi)
+        index.update(tokens)
+        for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
+            end = index.ends.get(tuple(tokens[len(tokens) - n :]))
+            if end is not None:
+                return list(tokens[end : end + k])
+        return []
+
+    def release(self, rid: str, tokens: Sequence[int]) -> None:
+        self.indexes.pop(rid, None)
+
+
+class SuffixTrie:
+    """Every window of up to ``depth`` tokens of the sequences added, with how often each was seen: a bounded
+    stand-in for a suffix tree (a window is all a draft of ``depth`` - match tokens needs). Nodes are
+    ``[count, children]``; adding a token extends the ``depth`` windows that end there (O(depth) a token)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root: list = [0, {}]
+        self.nodes = 1
+
+    def add(self, tokens: Sequence[int], open_: list | None = None) -> list:
+        """Add ``tokens`` after the windows ``open_`` (what the last call returned, to continue a sequence; None:
+        a new one). Returns the windows still open (to continue it)."""
+        active = open_ or []
+        for t in tokens:
+            grown = []
+            for node in [*active, self.root]:
+                child = node[1].get(t)
+                if child is None:
+                    child = node[1][t] = [0, {}]
+                    self.nodes += 1
+                child[0] += 1
+                grown.append(child)
+            active = grown[-(self.depth - 1):] if self.depth > 1 else []  # a window of depth tokens is complete
+        return active
+
+    def draft(self, tokens: Sequence[int], k: int, max_match: int, factor: float,
+              min_count: int = 1) -> tuple[int, list[int]]:
+        """(match length, draft): the longest suffix of ``tokens`` (at most ``max_match``) found, and the most
+        frequent path after it, at most ``factor`` x the match length and ``k`` tokens, while seen ``min_count``
+        times or more. (0, []) when nothing matches."""
+        for m in range(min(max_match, len(tokens), self.depth - 1), 0, -1):
+            node = self.root
+            for t in tokens[len(tokens) - m :]:
+                node = node[1].get(t)
+                if node is None:
+                    break
+            if node is None or not node[1]:
+                continue
+            out, want = [], min(k, math.ceil(factor * m), self.depth - m)
+            while len(out) < want and node[1]:
+                t, child = max(node[1].items(), key=lambda kv: kv[1][0])
+                if child[0] < min_count:
+                    break
+                out.append(t)
+                node = child
+            return m, out
+        return 0, []
+
+
+class Suffix:
+    """SuffixDecoding's drafting: the longest suffix of the request's tokens found in a trie of this request's
+    own tokens (its prompt and output so far) or in one of earlier requests' (prompts and outputs), then the most
+    frequent continuation, longer the longer the match. Bounded: past ``MAX_NODES`` the shared trie is rebuilt
+    from the latest finished requests, newest first, up to half that."""
+
+    name = "suffix"
+    DEPTH = 32  # window: the longest match plus draft a trie can give
+    MAX_MATCH = 16
+    FACTOR = 2.0  # draft up to this many tokens per matched token (SuffixDecoding's alpha)
+    MAX_NODES = 200_000  # the shared trie's bound (~60 MB of Python lists and dicts)
+
+    def __init__(self) -> None:
+        self.own: dict[str, tuple[SuffixTrie, list | None, int]] = {}  # rid -> (trie, open windows, tokens added)
+        self.shared = SuffixTrie(self.DEPTH)
+        self.recent: deque[tuple[int, ...]] = deque()  # finished requests' tokens, oldest first, to rebuild from
+        self.recent_tokens = 0
+
+    def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> list[int]:
+        trie, open_, seen = self.own.get(rid) or (SuffixTrie(self.DEPTH), None, 0)
+        # the newest token is left out of the request's own trie until the next one: a match there must have a
+        # continuation that is not the request's current end
+        upto = max(len(tokens) - 1, seen)
+        open_ = trie.add(tokens[seen:upto], open_)
+        self.own[rid] = (trie, open_, upto)
+        own = trie.draft(tokens, k, self.MAX_MATCH, self.FACTOR)
+        shared = self.shared.draft(tokens, k, self.MAX_MATCH, self.FACTOR)
+        return max(own, shared, key=lambda d: (d[0], len(d[1])))[1]
+
+    def release(self, rid: str, tokens: Sequence[int]) -> None:
+        self.own.pop(rid, None)
+        seq = tuple(tokens)
+        self.shared.add(seq)
+        self.recent.append(seq)
+        self.recent_tokens += len(seq)
+        while self.recent_tokens > self.MAX_NODES and len(self.recent) > 1:  # a token makes a node at least
+            self.recent_tokens -= len(self.recent.popleft())
+        if self.shared.nodes > self.MAX_NODES:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        trie, kept = SuffixTrie(self.DEPTH), deque()
+        for seq in reversed(self.recent):
+            if trie.nodes > self.MAX_NODES // 2:
+                break
+            trie.add(seq)
+            kept.appendleft(seq)
+        self.shared, self.recent, self.recent_tokens = trie, kept, sum(map(len, kept))
+
+
+class Radix:
+    """The radix tree's continuation of the request's whole sequence: when a request walks a path the cache
+    holds (the same prompt and, so far, the same output as an earlier request: a retry, a replayed agent step,
+    n > 1 greedy), the cached tokens after it are the draft."""
+
+    name = "radix"
+
+    def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> list[int]:
+        return cache.continuation(tokens, k)
+
+    def release(self, rid: str, tokens: Sequence[int]) -> None:
+        pass

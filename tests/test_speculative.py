@@ -1,0 +1,321 @@
+"""Speculative decoding (actors/scheduler/speculate.py): a verified draft keeps exactly the tokens plain greedy
+decoding gives, with every draft policy, through chunked prefill, eviction and retraction, on each decode kernel;
+invariants checked after every step."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat themselves (a phrase said three times, then its start): drafts from the request's own
+    tokens have something to find, and a random model's greedy output loops often enough for the rest."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(100, 5000) for _ in range(length // 4)]
+        out.append((phrase * 3 + phrase[: length // 8])[:length])
+    return out
+
+
+def run(model, batches, max_new=24, **kw):
+    """Greedy outputs and cache statistics; with speculation, every decode step drafts (the cost gate, which turns
+    drafting off where it does not pay, is tested on its own)."""
+    from radixserve import Engine
+
+    engine = Engine(str(model), **{"dtype": "float32", "check_invariants": True, **kw})
+    engine.scheduler.spec.gate = None
+    try:
+        out = []
+        for batch in batches:
+            rs = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": max_new, "temperature": 0})
+            out += [r["output_ids"] for r in rs]
+        return out, engine.cache_stats()
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workload():
+    p = prompts(4, 96)
+    return [p, p[:2], [p[0]]]  # a batch, then the same prompts again (the radix tree holds their continuations)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models, workload):
+    ids, _ = run(tiny_models["llama"], workload, decode_kernel="eager")
+    return ids
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "SUFFIX", "RADIX"])
+@pytest.mark.parametrize("kernel", ["eager", "auto"])
+def test_greedy_tokens_are_the_same_with_drafts(tiny_models, workload, reference, algorithm, kernel):
+    ids, stats = run(tiny_models["llama"], workload, decode_kernel=kernel, speculative_algorithm=algorithm,
+                     speculative_num_draft_tokens=6)
+    assert ids == reference, (algorithm, kernel)
+    spec = stats["speculative"]
+    assert spec["draft_policy"] == algorithm.lower() and spec["accepted"] <= spec["drafted"], spec
+    assert stats["totals"]["generated_tokens"] == sum(map(len, ids))
+    if algorithm != "NGRAM":  # a random model's output rarely repeats its own n-grams: ngram drafts little here
+        assert spec["accepted"] > 0, spec
+        assert stats["totals"]["steps"] < stats["totals"]["generated_tokens"], "no step kept more than one token"
+
+
+class Oracle:
+    """A draft policy that knows the plain run's outputs and gets them partly wrong: each draft is the true
+    continuation with one token changed at a random place (or left right, or all garbage), so verification keeps
+    every possible number of tokens, 0 to the whole draft."""
+
+    name = "oracle"
+
+    def __init__(self, prompts_, outputs, seed=0):
+        self.truth = [(list(p), list(o)) for p, o in zip(prompts_, outputs)]
+        self.rng = random.Random(seed)
+
+    def propose(self, rid, tokens, k, cache):
+        tokens = list(tokens)
+        for p, o in self.truth:
+            if tokens[: len(p)] == p and tokens[len(p):] == o[: len(tokens) - len(p)]:
+                draft = o[len(tokens) - len(p) : len(tokens) - len(p) + k]
+                kind = self.rng.random()
+                if kind < 0.2:
+                    return [self.rng.randrange(100, 5000) for _ in range(k)]
+                if kind < 0.8 and draft:
+                    draft[self.rng.randrange(len(draft))] = 7  # a token the outputs never hold
+                return draft
+        return []
+
+    def release(self, rid, tokens):
+        pass
+
+
+@pytest.mark.parametrize("kernel", ["eager", "auto"])
+def test_partly_wrong_drafts_keep_exactly_the_plain_tokens(tiny_models, workload, reference, kernel):
+    from radixserve import Engine
+
+    flat = [q for batch in workload for q in batch]
+    with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel=kernel,
+                speculative_algorithm="ngram", speculative_num_draft_tokens=5) as engine:
+        engine.scheduler.spec.gate = None
+        engine.scheduler.spec.policy = Oracle(flat, reference)
+        ids = []
+        for batch in workload:
+            rs = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 24, "temperature": 0})
+            ids += [r["output_ids"] for r in rs]
+        spec = engine.cache_stats()["speculative"]
+    assert ids == reference
+    assert 0 < spec["accepted"] < spec["drafted"], spec
+
+
+def test_bf16_deterministic_drafts_keep_the_tokens(tiny_models, workload):
+    """In bf16 the verifying forward (an extend) and a plain decode step may round differently; --deterministic
+    computes both the same way, so there the tokens are the same in bf16 too."""
+    kw = dict(dtype="bfloat16", deterministic=True)
+    plain, _ = run(tiny_models["llama"], workload, **kw)
+    ids, stats = run(tiny_models["llama"], workload, speculative_algorithm="suffix", **kw)
+    assert ids == plain and stats["speculative"]["accepted"] > 0
+
+
+def test_exact_through_chunked_prefill_eviction_and_retraction(tiny_models):
+    """A pool too small for the batch: requests are retracted mid-decode and prefixes evicted; chunked prefill of
+    small chunks; drafts of up to 8 tokens (from the earlier batch's outputs) still keep every token the plain
+    run gives."""
+    batches = [prompts(5, 120, seed=1), prompts(5, 120, seed=1)]
+    small = dict(max_total_tokens=520, chunked_prefill_size=48)
+    reference, _ = run(tiny_models["llama"], batches, max_new=60, decode_kernel="eager", **small)
+    ids, stats = run(tiny_models["llama"], batches, max_new=60, decode_kernel="eager",
+                     speculative_algorithm="suffix", speculative_num_draft_tokens=8, **small)
+    assert ids == reference
+    assert stats["totals"]["retractions"] > 0 and stats["totals"]["evicted_tokens"] > 0, stats["totals"]
+    assert stats["speculative"]["accepted"] > 0
+
+
+def test_only_plain_greedy_requests_speculate(tiny_models):
+    """Sampled and penalized requests beside a greedy one decode as before in the same steps; a request that asks
+    for logprobs gets one per token, and never a draft."""
+    from radixserve import Engine
+
+    p = prompts(1, 96, seed=3)[0]
+    greedy = {"max_new_tokens": 20, "temperature": 0}
+    kw = dict(dtype="float32", check_invariants=True, decode_kernel="eager")
+    with Engine(str(tiny_models["llama"]), **kw) as plain:
+        want = plain.generate(input_ids=[p, p, p], sampling_params=[
+            greedy, {"max_new_tokens": 20, "temperature": 0.8, "seed": 1},
+            {**greedy, "frequency_penalty": 0.5}])
+    with Engine(str(tiny_models["llama"]), speculative_algorithm="suffix", **kw) as engine:
+        engine.scheduler.spec.gate = None
+        engine.generate(input_ids=p, sampling_params=greedy)  # the suffix trie learns the greedy output
+        before = engine.cache_stats()["speculative"]["drafts"]
+        outs = engine.generate(input_ids=[p, p, p], sampling_params=[
+            greedy, {"max_new_tokens": 20, "temperature": 0.8, "seed": 1},
+            {**greedy, "frequency_penalty": 0.5}])
+        stats = engine.cache_stats()["speculative"]
+        with_lp = engine.generate(input_ids=p, sampling_params=greedy, return_logprob=True)
+        after = engine.cache_stats()["speculative"]
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in want]
+    assert 0 < stats["drafts"] - before <= stats["steps"], "only the first request drafted"
+    assert with_lp["output_ids"] == want[0]["output_ids"]
+    assert len(with_lp["meta_info"]["output_token_logprobs"]) == 20 and after["drafts"] == stats["drafts"]
+
+
+def test_a_draft_never_passes_max_new_tokens_or_a_stop_token(tiny_models, reference, workload):
+    """Budgets of 1..5 tokens, and the reference's own 5th token as a stop token: drafts end where plain decoding
+    ends."""
+    from radixserve import Engine
+
+    p = workload[0][0]
+    full = reference[0]
+    with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel="eager",
+                speculative_algorithm="radix", speculative_num_draft_tokens=8) as engine:
+        engine.scheduler.spec.gate = None
+        engine.generate(input_ids=[p], sampling_params={"max_new_tokens": 24, "temperature": 0})  # cached now
+        for n in range(1, 6):
+            out = engine.generate(input_ids=[p], sampling_params={"max_new_tokens": n, "temperature": 0})[0]
+            assert out["output_ids"] == full[:n]
+        stop = full[4]
+        out = engine.generate(input_ids=[p], sampling_params={"max_new_tokens": 24, "temperature": 0,
+                                                              "stop_token_ids": [stop]})[0]
+        assert out["output_ids"] == full[: full.index(stop) + 1]
+        assert engine.cache_stats()["speculative"]["accepted"] > 0
+        out = engine.generate(input_ids=p, sampling_params={"max_new_tokens": 24, "temperature": 0})
+        details = out["meta_info"]["completion_tokens_details"]  # OpenAI's names for what the drafts gave
+        # the cached path holds the whole answer: drafts of 8, 8 and 4 tokens, all kept, each with the model's next
+        assert details == {"accepted_prediction_tokens": 20, "rejected_prediction_tokens": 0}, details
+
+
+def test_openai_usage_says_how_many_predicted_tokens_were_kept():
+    from radixserve.actors.api.openai import Choice, usage
+    from radixserve.actors.messages import Delta
+
+    a, b, c = Choice(0), Choice(1), Choice(2)
+    a.add(Delta("a", "x", [1], 5, 10, 0, drafts=[12, 9]))
+    b.add(Delta("b", "y", [2], 5, 10, 0, drafts=[4, 1]))
+    c.add(Delta("c", "z", [3], 5, 10, 0))  # it never drafted
+    assert usage([a, b, c], 3)["completion_tokens_details"] == {"accepted_prediction_tokens": 10,
+                                                                 "rejected_prediction_tokens": 6}
+    assert "completion_tokens_details" not in usage([c], 1)
+
+
+
+def test_a_live_server_switches_draft_policies_under_load(tiny_models, workload, reference):
+    """POST /policies {"draft": ...} while requests stream in: every answer is still the plain greedy one; a bad
+    name is a 400 naming draft; GET /policies and /cache/stats show the policy in charge."""
+    import json
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import post_json
+    from radixserve.server_process import ServerProcess
+
+    s = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens", "2000",
+                      "--speculative-algorithm", "suffix", "--speculative-num-draft-tokens", "6",
+                      "--check-invariants")
+    flat = [(q, want) for batch, got in zip(workload, [reference[:4], reference[4:6], reference[6:]])
+            for q, want in zip(batch, got)]
+
+    def ask(i: int) -> bool:
+        q, want = flat[i % len(flat)]
+        out = post_json(s.url + "/generate", {"input_ids": q, "sampling_params": {"max_new_tokens": 24,
+                                                                                   "temperature": 0}})
+        return out["output_ids"] == want
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = pool.map(ask, range(28))
+            for name in ("radix", "ngram", "none", "suffix", "radix"):
+                assert post_json(s.url + "/policies", {"draft": name})["draft"]["current"] == name
+                time.sleep(0.2)
+            assert all(answers)
+        req = urllib.request.Request(s.url + "/policies", data=json.dumps({"draft": "nope"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        body = json.loads(err.value.read())
+        assert err.value.code == 400 and body["error"]["param"] == "draft", body
+        with urllib.request.urlopen(s.url + "/cache/stats", timeout=30) as resp:
+            spec = json.loads(resp.read())["speculative"]
+        assert spec["draft_policy"] == "radix" and spec["draft_tokens"] == 6
+        time.sleep(0.6)  # the scheduler's status (what /metrics shows) goes out every 0.25 s
+        with urllib.request.urlopen(s.url + "/metrics", timeout=30) as resp:
+            metrics = resp.read().decode()
+        assert 'radixserve_speculative_accepted_tokens{policy="radix"}' in metrics
+        assert 'radixserve_speculative_acceptance_rate{policy="suffix"}' in metrics
+    finally:
+        s.stop()
+
+
+def test_a_request_whose_drafts_keep_failing_backs_off(tiny_models, workload, reference):
+    """Drafts that are always wrong: each rejection doubles the plain steps before the request drafts again (1, 2,
+    4, ...), so 23 decode steps verify only a handful of drafts; the tokens stay the plain ones."""
+    from radixserve import Engine
+
+    class Wrong:
+        name = "wrong"
+
+        def propose(self, rid, tokens, k, cache):
+            return [7] * k  # a token the outputs never hold
+
+        def release(self, rid, tokens):
+            pass
+
+    p = workload[0][0]
+    with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel="eager",
+                speculative_algorithm="ngram", speculative_num_draft_tokens=4) as engine:
+        engine.scheduler.spec.gate = None
+        engine.scheduler.spec.policy = Wrong()
+        out = engine.generate(input_ids=p, sampling_params={"max_new_tokens": 24, "temperature": 0})
+        spec = engine.cache_stats()["speculative"]
+    assert out["output_ids"] == reference[0]
+    assert spec["accepted"] == 0 and spec["drafts"] == 5 and spec["backed_off"] == 1 + 2 + 4 + 8 + 2, spec
+
+
+def test_the_cost_gate_turns_drafting_off_where_verifying_costs_more_than_it_keeps():
+    from radixserve.actors.scheduler.speculate import CostGate, bucket
+
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+    gate = CostGate(hold=10, explore=4, samples=4)
+    for _ in range(4):  # verifying is measured first, 4 steps of it
+        assert gate.allows(1)
+        gate.timed(1, 0.030, 5, verified=True)  # 6 ms a kept token
+    assert not gate.allows(1), "then a plain step"
+    gate.timed(1, 0.010, 1, verified=False)  # plain: 10 ms a token: verifying pays
+    assert [gate.allows(1) for _ in range(8)] == [True, True, False, True, True, True, False, True], \
+        "every 4th step plain"
+    for _ in range(4):
+        assert gate.allows(4)
+        gate.timed(4, 0.040, 5, verified=True)  # batch 4: 8 ms a kept token
+    assert not gate.allows(4)
+    gate.timed(4, 0.020, 4, verified=False)  # 5 ms a token: verifying does not pay
+    assert gate.allows(4)
+    gate.timed(4, 0.040, 5, verified=True)
+    assert not any(gate.allows(4) for _ in range(9)) and gate.turned_off == 1
+    assert gate.allows(4), "measured afresh after the hold"
+    assert gate.allows(1), "another batch size is not affected"
+
+
+def test_open_chat_on_a_random_model_is_not_slowed_by_drafts_that_never_pay(tiny_models):
+    """Random prompts, a policy that always drafts (and is always wrong): the back-off and the gate leave at most
+    a few verifying steps per request."""
+    from radixserve import Engine
+
+    class Wrong:
+        name = "wrong"
+
+        def propose(self, rid, tokens, k, cache):
+            return [7] * k
+
+        def release(self, rid, tokens):
+            pass
+
+    rng = random.Random(5)
+    batch = [[rng.randrange(100, 5000) for _ in range(40)] for _ in range(4)]
+    with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel="eager",
+                speculative_algorithm="ngram") as engine:
+        engine.scheduler.spec.policy = Wrong()
+        engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 64, "temperature": 0})
+        spec = engine.cache_stats()["speculative"]
+    assert spec["steps"] <= 20 and spec["accepted"] == 0, spec
