@@ -395,7 +395,7 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     released: list[str] = []  # requests that ended: the runner drops their grammars, penalty counts, processors
     tiers: TierOps | None = None  # --enable-hierarchical-cache: pages written below and loaded back
     # speculative decoding (an extend plan that verifies drafts): [B] the last drafts[i] input tokens of request i
-    # are a draft; the runner also returns the greedy token after each position before its last (``drafted``)
+    # are a draft; the runner also returns the model's token after each position before its last (``drafted``)
     drafts: np.ndarray | None = None
 
     @property
@@ -415,8 +415,9 @@ class ForwardResult(msgspec.Struct, tag="result", frozen=True):
     grammar_done: list[int] = []  # sampling rows whose grammar is complete with this token: the request ends
     errors: dict[int, str] = {}
     error: str | None = None
-    drafted: dict[int, list[int]] = {}  # batch index -> the greedy token after each of its draft's positions but
-    # the last (plan.drafts[i] of them: the one after the last is its next_ids row)
+    drafted: dict[int, list[int]] = {}  # batch index -> the model's token after each of its draft's positions but
+    # the last (plan.drafts[i] of them, or up to the first a sampled check refused; the one after the last is its
+    # next_ids row)
 
 
 class Prefetched(msgspec.Struct, tag="prefetched", frozen=True):

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
@@ -28,7 +29,7 @@ from radixserve.model.causal_lm import CausalLM
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.loader import cache_root
 from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
-from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows
+from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_draft
 from radixserve.model.slot_table import SlotTable
 
 log = logging.getLogger(__name__)
@@ -87,16 +88,28 @@ def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.
     log.info("%s: %d linear layers quantized", quantization, swapped)
 
 
-def greedy_drafted(logits: torch.Tensor, plan: ForwardPlan) -> dict[int, list[int]]:
-    """Speculative decoding: the greedy token after each draft position but the last, per request (the rows after
-    the sampling and prompt rows: ForwardBatch.logit_rows). Drafts go only with greedy requests that nothing
-    adjusts (no grammar, penalty or processor), so this is the very choice their sampling row makes."""
+def verify_drafts(logits: torch.Tensor, plan: ForwardPlan, sampling: SamplingInputs) -> dict[int, list[int]]:
+    """Speculative decoding: per drafted request, the model's token after each draft position but the last (the
+    rows after the sampling and prompt rows: ForwardBatch.logit_rows); the one after the last is its sampling
+    row's. Drafts go only with requests that nothing adjusts (no grammar, penalty or processor), so a greedy
+    request's check is the very argmax its sampling row takes; a sampled one's keeps each draft token with the
+    model's probability of it and replaces the first one refused (sampler.verify_draft)."""
     first = len(plan.sampling.temperature) + sum(len(w.targets) for w in plan.prompt_logprobs.values())
+    drafts = plan.drafts.tolist()
     ids = logits[first:].argmax(dim=-1).tolist()
+    row = np.cumsum(plan.sample) - 1  # batch index -> its sampling row
+    ends = np.cumsum(plan.extend_lens)  # a request's draft is the end of its input tokens
     out, at = {}, 0
-    for i, d in enumerate(plan.drafts.tolist()):
-        if d:
-            out[i], at = ids[at : at + d], at + d
+    for i, d in enumerate(drafts):
+        if not d:
+            continue
+        j = int(row[i])
+        if sampling.temperature[j] == 0 or sampling.top_k[j] == 1:
+            out[i] = ids[at : at + d]
+        else:
+            draft = plan.input_ids[ends[i] - d : ends[i]].tolist()
+            out[i] = verify_draft(logits[first + at : first + at + d], draft, sampling, j)
+        at += d
     return out
 
 
@@ -282,7 +295,7 @@ class ModelRunner:
         try:
             logits = self._run(batch)  # [S + P + D, vocab]: the rows that sample, prompt rows asked for, drafts
             prompt = prompt_logprobs_of(logits[len(sampling):], plan.prompt_logprobs) if plan.prompt_logprobs else {}
-            drafted = greedy_drafted(logits, plan) if plan.drafts is not None else {}
+            drafted = verify_drafts(logits, plan, sampling) if plan.drafts is not None else {}
         except Exception as exc:
             self._end_if_parallel(plan)
             log.exception("step %d failed", plan.step)

@@ -7,6 +7,7 @@ request's row never mixes with another's), which is what makes the sampler batch
 
 The sampler takes ``SamplingInputs``, decoded once from the plan's ``SamplingBatch`` (it never reads wire bytes).
 A row that fails (a bug around one request's values) fails alone: ``sample_rows`` retries the batch row by row.
+``verify_draft`` is speculative decoding's sampled check: it keeps a draft's tokens with the model's own odds.
 """
 from __future__ import annotations
 
@@ -60,6 +61,19 @@ def seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> tor
     return torch.empty(vocab, device=device).exponential_(generator=g)
 
 
+def filtered_probs(logits: torch.Tensor, s: SamplingInputs, rows: torch.Tensor) -> torch.Tensor:
+    """The distribution row ``rows[n]`` of ``s`` samples ``logits[n]`` from: softmax at its temperature, then
+    top-k, top-p and min-p (the most likely token always survives), unnormalized where filtered."""
+    probs = torch.softmax(logits / s.temperature[rows, None], dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    drop = rank >= s.top_k[rows, None]
+    drop |= (sorted_p.cumsum(-1) - sorted_p) > s.top_p[rows, None]  # top-p: keep the smallest set reaching p
+    drop |= sorted_p < sorted_p[:, :1] * s.min_p[rows, None]
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
 def sample(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """``logits``: float32 ``[S, vocab]``, one row per request that samples (in batch order)."""
     out = logits.argmax(dim=-1)
@@ -69,20 +83,33 @@ def sample(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     rows = (~greedy).nonzero().flatten()
     if len(rows) == 0:
         return out
-    probs = torch.softmax(logits[rows] / s.temperature[rows, None], dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    drop = rank >= s.top_k[rows, None]
-    drop |= (sorted_p.cumsum(-1) - sorted_p) > s.top_p[rows, None]  # top-p: keep the smallest set reaching p
-    drop |= sorted_p < sorted_p[:, :1] * s.min_p[rows, None]
-    sorted_p = sorted_p.masked_fill(drop, 0.0)  # the most likely token always survives
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    probs = filtered_probs(logits[rows], s, rows)
     noise = torch.empty_like(probs).exponential_()
     for j, r in enumerate(rows.tolist()):
         if s.seeds[r] is not None:
             noise[j] = seeded_noise(s.seeds[r], s.output_index[r], probs.shape[-1], probs.device)
     out[rows] = (probs / noise).argmax(dim=-1)
     return out
+
+
+def verify_draft(logits: torch.Tensor, draft: list[int], s: SamplingInputs, row: int) -> list[int]:
+    """Speculative sampling of one request (sampling row ``row`` of ``s``, not greedy, not seeded) against a
+    draft that proposes each token for certain: ``logits[j]`` is the model's distribution for ``draft[j]``'s
+    place. Draft token j is kept with probability p_j(draft[j]); the first one refused is replaced by a draw from
+    p_j without it, and nothing after it counts. Each kept token is thereby distributed exactly as p_j (the
+    speculative sampling rule min(1, p/q) with q a point mass at the draft's token). Returns the draft's kept
+    tokens and, after a refusal, the replacement: the caller compares it with the draft as the greedy check's."""
+    rows = torch.full((len(draft),), row, dtype=torch.long, device=logits.device)
+    probs = filtered_probs(logits.float(), s, rows)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    at = torch.as_tensor(draft, device=logits.device)
+    keep = torch.rand(len(draft), device=logits.device) < probs.gather(1, at[:, None])[:, 0]
+    for j in (~keep).nonzero().flatten().tolist():
+        rest = probs[j].clone()
+        rest[draft[j]] = 0.0
+        if float(rest.sum()) > 0:  # (else p_j(draft[j]) is 1 but for rounding: the token stays)
+            return [*draft[:j], int(torch.multinomial(rest, 1))]
+    return list(draft)
 
 
 def logprobs_of(logits: torch.Tensor, next_ids: torch.Tensor, s: SamplingInputs) -> dict[int, Logprob]:

@@ -119,6 +119,7 @@ def prepare(args: ServerArgs) -> Prepared:
         tiers=tier_config(args, files.path),
         draft_policy=args.draft_policy,
         draft_tokens=args.speculative_num_draft_tokens if args.draft_policy != "none" else 0,
+        draft_sampled=args.random_seed is None,
         check_invariants=args.check_invariants,
     )
     names = args.served_model_name or (files.hub_id or (files.source.stem.split(".")[0] if files.source.suffix ==

@@ -133,9 +133,10 @@ def test_exact_through_chunked_prefill_eviction_and_retraction(tiny_models):
     assert stats["speculative"]["accepted"] > 0
 
 
-def test_only_plain_greedy_requests_speculate(tiny_models):
-    """Sampled and penalized requests beside a greedy one decode as before in the same steps; a request that asks
-    for logprobs gets one per token, and never a draft."""
+def test_seeded_penalized_and_logprob_requests_do_not_speculate(tiny_models):
+    """Seeded sampled and penalized requests beside a greedy one decode as before in the same steps (a seeded
+    request's tokens stay those of its seed); a request that asks for logprobs gets one per token, and never a
+    draft. (Unseeded sampled requests draft: tests/test_speculative_sampling.py.)"""
     from radixserve import Engine
 
     p = prompts(1, 96, seed=3)[0]

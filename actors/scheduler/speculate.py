@@ -1,13 +1,17 @@
 """Speculative decoding, the scheduler's half: drafts for the decoding requests, and what a verified step keeps.
 
 A decode step with drafts is an extend step: each request computes its last token and its draft, and the runner
-returns the greedy token after every one of those positions (``ForwardResult.drafted`` and the sampling row). The
-draft's tokens up to the first one the model disagrees with are the model's own, and so is the token it computed
-after them: a step keeps ``accepted + 1`` tokens, exactly what as many plain greedy steps would have produced.
-The slots of the rejected part go back (``CacheManager.truncate``), so only committed tokens reach the tree.
+returns the model's token after every one of those positions (``ForwardResult.drafted`` and the sampling row). For
+a greedy request that is the argmax: the draft's tokens up to the first one the model disagrees with are the
+model's own, and so is the token it computed after them, so a step keeps ``accepted + 1`` tokens, exactly what as
+many plain greedy steps would have produced. A sampled request's check keeps each draft token with the model's
+probability of it and draws the first refused one's replacement from the rest (speculative sampling,
+``sampler.verify_draft``): each kept token has exactly the distribution a plain step samples from. The slots of
+the rejected part go back (``CacheManager.truncate``), so only committed tokens reach the tree.
 
-Only requests whose next token is the plain argmax of the logits speculate: greedy, with no grammar, penalty,
-logit processor or logprobs; the others decode as before in the same step (a draft of 0 tokens). A request whose
+Only requests whose next token depends on the model's logits and their sampling parameters alone speculate: no
+grammar, penalty, logit processor, logprobs or seed (a seeded request's tokens are a function of its seed, which
+a draft would change); the others decode as before in the same step (a draft of 0 tokens). A request whose
 draft was rejected outright drafts again only after 1, 2, 4 ... 64 plain steps (reset by an accepted token): a
 source that keeps guessing wrong for it stops costing it verification. And a cost gate (``CostGate``) compares the
 seconds per kept token of verifying steps with those of plain decode steps, per batch size, and turns drafting off
@@ -40,10 +44,11 @@ class DraftStats:
                 "mean_accepted": self.accepted / self.drafts if self.drafts else 0.0}
 
 
-def speculates(req: Req) -> bool:
-    """Is ``req``'s next token the argmax of the model's logits, nothing else deciding it?"""
+def speculates(req: Req, sampled: bool = True) -> bool:
+    """Is ``req``'s next token decided by the model's logits and its sampling parameters alone (and greedy, unless
+    ``sampled``)?"""
     p = req.params
-    return (p.greedy and p.constraint is None and not p.penalized and p.custom_logit_processor is None
+    return ((p.greedy or (sampled and p.seed is None)) and p.constraint is None and not p.penalized and p.custom_logit_processor is None
             and req.top_logprobs is None and not req.prefill_only)
 
 
@@ -112,9 +117,10 @@ class CostGate:
 
 
 class Speculation:
-    def __init__(self, policy: str, tokens: int, vocab_size: int) -> None:
-        """``policy``: the draft policy's name (``none``: off); ``tokens``: the most draft tokens per request."""
-        self.tokens, self.vocab_size = tokens, vocab_size
+    def __init__(self, policy: str, tokens: int, vocab_size: int, sampled: bool = True) -> None:
+        """``policy``: the draft policy's name (``none``: off); ``tokens``: the most draft tokens per request;
+        ``sampled``: sampled requests draft too (else greedy ones only)."""
+        self.tokens, self.vocab_size, self.sampled = tokens, vocab_size, sampled
         self.policy: DraftPolicy = NoDrafts() if policy == "none" else load_draft_policy(policy)  # off: no lookup
         self.stats = DraftStats()
         self._bad_drafts = 0
@@ -159,7 +165,7 @@ class Speculation:
         drafts: list[list[int]] = []
         for req in running:
             want = min(self.tokens, req.max_new_tokens - len(req.output_ids) - 1, room)
-            draft = self._draft(req, want, view) if want > 0 and speculates(req) and self._due(req.rid) else []
+            draft = self._draft(req, want, view) if want > 0 and speculates(req, self.sampled) and self._due(req.rid) else []
             room -= len(draft)
             drafts.append(draft)
         return drafts if any(drafts) else None
