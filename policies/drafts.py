@@ -9,6 +9,8 @@ A draft policy is found by name like the others (entry point group ``radixserve.
         def propose(self, rid, tokens, k, cache): return [tokens[-1]] * k
         def release(self, rid, tokens): pass
 
+A policy class may take one argument, ``options`` (``DraftOptions``: a draft model's path and the like).
+
 ``propose(rid, tokens, k, cache)``: ``tokens`` is the request's prompt and output so far (it only grows between
 calls for one ``rid``), ``k`` the most tokens wanted, ``cache`` the radix tree's read-only view (``DraftCache``).
 Returns up to ``k`` token ids (fewer, or none, when it has no good guess). ``release(rid, tokens)``: the request
@@ -17,13 +19,15 @@ ended with these tokens; per-request state goes, and what the policy learns acro
 Built in: ``ngram`` (prompt lookup: the continuation of the last earlier occurrence of the request's last tokens,
 as llama.cpp's and vLLM's n-gram drafting), ``suffix`` (SuffixDecoding's idea: the most frequent continuation of the
 longest matching suffix, in a trie over this request's tokens and one over earlier requests', bounded), ``radix``
-(the continuation of the request's whole sequence in the radix tree: a cached path it is walking again).
+(the continuation of the request's whole sequence in the radix tree: a cached path it is walking again), and
+``draft-model`` (model/draft_model.py: a second, smaller model's greedy tokens; SGLang's STANDALONE).
 """
 from __future__ import annotations
 
 import math
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -36,6 +40,16 @@ def accepted_prefix(draft: Sequence[int], model: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """What the server tells a draft policy whose constructor takes ``options`` (the ``draft-model`` policy):
+    the draft model's checkpoint folder (``--speculative-draft-model-path``), its dtype and its threads."""
+
+    model_path: str | None = None
+    dtype: str = "float32"
+    threads: int = 1
 
 
 class DraftCache(Protocol):

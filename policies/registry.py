@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from radixserve.plugins import load_plugin, registered
 from radixserve.policies.base import EvictionPolicy, SchedulePolicy
-from radixserve.policies.drafts import DraftPolicy
+from radixserve.policies.drafts import DraftOptions, DraftPolicy
 from radixserve.policies.tiers import PrefetchPolicy, WritePolicy
 
 Kind = Literal["eviction", "schedule", "write", "prefetch", "draft"]
@@ -34,10 +34,10 @@ def available(kind: Kind) -> list[str]:
     return registered(GROUPS[kind])
 
 
-def _load(kind: Kind, name: str) -> Any:
+def _load(kind: Kind, name: str, offered: dict[str, Any] | None = None) -> Any:
     see = {"write": "radixserve.policies.tiers", "prefetch": "radixserve.policies.tiers",
            "draft": "radixserve.policies.drafts"}.get(kind, "radixserve.policies.base")
-    return load_plugin(GROUPS[kind], name, f"{kind} policy", needs=NEEDS[kind], see=see)
+    return load_plugin(GROUPS[kind], name, f"{kind} policy", needs=NEEDS[kind], see=see, offered=offered)
 
 
 def load_eviction_policy(name: str) -> EvictionPolicy:
@@ -56,5 +56,6 @@ def load_prefetch_policy(name: str) -> PrefetchPolicy:
     return _load("prefetch", name)
 
 
-def load_draft_policy(name: str) -> DraftPolicy:
-    return _load("draft", name)
+def load_draft_policy(name: str, options: DraftOptions | None = None) -> DraftPolicy:
+    """A policy whose constructor takes ``options`` gets these (the draft model's path, ...)."""
+    return _load("draft", name, {"options": options or DraftOptions()})

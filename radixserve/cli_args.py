@@ -27,7 +27,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "enable_hierarchical_cache", "hicache_ratio", "hicache_size", "hicache_write_policy",
         "hicache_storage_backend", "hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config",
         "hicache_page_size", "hicache_kv_format", "kv_disk_bytes"),
-    "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens"),
+    "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_draft_model_path"),
     "priority scheduling": ("enable_priority_scheduling", "schedule_low_priority_values_first",
                             "priority_scheduling_preemption_threshold", "disable_priority_preemption",
                             "default_priority_value"),
@@ -53,14 +53,19 @@ METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", 
             "api_key": "KEY", "api_key_file": "PATH", "allowed_hosts": "HOST", "host": "HOST",
             "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV", "tool_call_parser": "NAME",
             "logit_processors": "NAME", "priority_scheduling_preemption_threshold": "N", "default_priority_value": "N",
-            "speculative_algorithm": "NAME", "speculative_num_draft_tokens": "K"}
+            "speculative_algorithm": "NAME", "speculative_num_draft_tokens": "K",
+            "speculative_draft_model_path": "PATH"}
 HELP = {
-    "speculative_algorithm": "guess each greedy request's next tokens and verify them in one forward (the tokens are "
-                             "the same): NGRAM (the request's own earlier tokens: prompt lookup), SUFFIX (the longest "
-                             "matching suffix in this request and earlier ones), RADIX (the radix cache's continuation "
-                             "of the request), or a plugin's (entry points radixserve.draft_policies) (default: none: "
-                             "off)",
+    "speculative_algorithm": "guess each request's next tokens and verify them in one forward (greedy: the same "
+                             "tokens; sampled: the same distribution): NGRAM (the request's own earlier tokens: "
+                             "prompt lookup), SUFFIX (the longest matching suffix in this request and earlier ones), "
+                             "RADIX (the radix cache's continuation of the request), STANDALONE (a smaller draft "
+                             "model, --speculative-draft-model-path), or a plugin's (entry points "
+                             "radixserve.draft_policies) (default: none: off)",
     "speculative_num_draft_tokens": "the most tokens a draft may have",
+    "speculative_draft_model_path": "STANDALONE's draft model: a Hugging Face checkpoint folder of a smaller model "
+                                    "with the served model's tokenizer (run by transformers in the scheduler's "
+                                    "process, one thread)",
     "enable_hierarchical_cache": "keep the radix cache's pages below the pool too: host memory (L2) and storage (L3, "
                                  "kept across restarts); a request whose prefix left the pool reads it back instead "
                                  "of recomputing it",

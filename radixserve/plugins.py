@@ -9,6 +9,8 @@ its own error, and one missing what its registry calls is refused before it is u
 """
 from __future__ import annotations
 
+import inspect
+
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -20,8 +22,10 @@ def registered(group: str) -> list[str]:
     return sorted({ep.name for ep in entry_points(group=group)})
 
 
-def load_plugin(group: str, name: str, what: str, *args: Any, needs: tuple[str, ...] = (), see: str = "") -> Any:
-    """The entry point ``name`` of ``group`` loaded and called with ``args``. ValueError, naming ``what`` (e.g.
+def load_plugin(group: str, name: str, what: str, *args: Any, needs: tuple[str, ...] = (), see: str = "",
+                offered: dict[str, Any] | None = None) -> Any:
+    """The entry point ``name`` of ``group`` loaded and called with ``args``, and with those keyword arguments of
+    ``offered`` its signature names (a plugin that takes none of them gets none). ValueError, naming ``what`` (e.g.
     "tool-call parser"): no such name (the registered ones listed); loading or building it raised (a plugin's own
     bug, with its error); the result has no attribute of ``needs`` (``see``: where the contract is written)."""
     matches = [ep for ep in entry_points(group=group) if ep.name == name]
@@ -31,7 +35,15 @@ def load_plugin(group: str, name: str, what: str, *args: Any, needs: tuple[str, 
                          f"{did_you_mean(name, names)}")
     ep = matches[0]
     try:
-        plugin = ep.load()(*args)
+        factory = ep.load()
+        kwargs = {}
+        if offered:
+            try:
+                params = inspect.signature(factory).parameters
+            except (TypeError, ValueError):  # a callable whose signature Python cannot read: it gets none
+                params = {}
+            kwargs = {k: v for k, v in offered.items() if k in params}
+        plugin = factory(*args, **kwargs)
     except Exception as exc:  # a plugin's own bug: name it, keep the caller running
         raise ValueError(f"{what} {name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}") from exc
     for attr in needs:

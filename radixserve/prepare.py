@@ -10,13 +10,14 @@ from typing import Any
 from radixserve.actors.chat_templates import load_chat_template
 from radixserve.actors.scheduler.priority import PriorityConfig
 from radixserve.actors.scheduler.scheduler import SchedulerConfig
+from radixserve.policies.drafts import DraftOptions
 from radixserve.cache.pages import model_fingerprint, namespace
 from radixserve.cache.tiers import TierConfig
 from radixserve.logit_processors import ProcessorCatalog
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import ModelFiles, load_configs, resolve_model, resolve_tokenizer
 from radixserve.model.parallel import check_divisible, kv_heads_per_rank
-from radixserve.policies import load_draft_policy, load_eviction_policy, load_schedule_policy
+from radixserve.policies import available, load_draft_policy, load_eviction_policy, load_schedule_policy
 from radixserve.server_args import ServerArgs
 
 
@@ -95,7 +96,8 @@ def prepare(args: ServerArgs) -> Prepared:
 
         load_tool_parser(args.tool_call_parser)
     ProcessorCatalog(args.logit_processors or ())  # and on logit processors that are not installed or do not load
-    load_draft_policy(args.draft_policy)  # and on a draft policy that is not installed
+    if args.draft_policy not in available("draft"):  # and on a draft policy that is not installed (the scheduler
+        load_draft_policy(args.draft_policy)  # builds it: a draft model loads there): the registry's error
     if args.dp > 1:
         from radixserve.actors.router.policies import load_routing_policy
 
@@ -120,6 +122,8 @@ def prepare(args: ServerArgs) -> Prepared:
         draft_policy=args.draft_policy,
         draft_tokens=args.speculative_num_draft_tokens if args.draft_policy != "none" else 0,
         draft_sampled=args.random_seed is None,
+        draft_options=DraftOptions(args.speculative_draft_model_path,
+                                   "float32" if args.dtype == "float32" else "bfloat16"),
         check_invariants=args.check_invariants,
     )
     names = args.served_model_name or (files.hub_id or (files.source.stem.split(".")[0] if files.source.suffix ==

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from radixserve.errors import did_you_mean
@@ -23,8 +24,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error", "critical"),
     "hicache_kv_format": ("auto", "int8", "fp8_e4m3"),
 }
-BUILT_IN_DRAFTS = ("none", "ngram", "suffix", "radix")  # --speculative-algorithm's own names (any case)
-DRAFT_MODELS = ("standalone", "eagle", "eagle3", "mtp")  # SGLang's algorithms that need a draft model: not built
+BUILT_IN_DRAFTS = ("none", "ngram", "suffix", "radix", "draft-model")  # --speculative-algorithm's (any case)
+DRAFT_MODEL_NAMES = ("standalone", "draft-model")  # a second model's drafts: SGLang's name and the policy's
+NOT_BUILT_DRAFTS = ("eagle", "eagle3", "mtp")  # SGLang's algorithms that need a model's own draft heads
 DEFAULT_MAX_TOTAL_TOKENS = 65536
 KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
 GPU_MEM_FRACTION = 0.85  # CUDA: of the GPU's memory, for weights and the KV pool (the rest: activations, CUDA)
@@ -63,6 +65,7 @@ class ServerArgs:
     # speculative decoding (actors/scheduler/speculate.py): drafts from a draft policy, verified in one forward
     speculative_algorithm: str | None = None  # NGRAM, SUFFIX, RADIX (any case), or a draft policy's entry point
     speculative_num_draft_tokens: int = 8  # the most tokens a draft may have
+    speculative_draft_model_path: str | None = None  # STANDALONE's draft model: a HF checkpoint folder
     # SGLang's priority scheduling (actors/scheduler/priority.py): priorities order the queue, preempt, drop
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False  # with it: smaller priority values are more important
@@ -212,13 +215,26 @@ class ServerArgs:
     def draft_policy(self) -> str:
         """--speculative-algorithm as a draft policy's name (policies/drafts.py): "none" when off."""
         name = self.speculative_algorithm or "none"
+        if name.lower() in DRAFT_MODEL_NAMES:
+            return "draft-model"
         return name.lower() if name.lower() in BUILT_IN_DRAFTS else name
 
     def _check_speculative(self) -> None:
         name = (self.speculative_algorithm or "").lower()
-        if name in DRAFT_MODELS:
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: drafting with a second model is "
-                             "not built yet; the drafts that need no model are NGRAM, SUFFIX and RADIX")
+        if name in NOT_BUILT_DRAFTS:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: drafting with the model's own draft "
+                             "heads is not built yet; built: NGRAM, SUFFIX, RADIX and STANDALONE (a draft model, "
+                             "--speculative-draft-model-path)")
+        path = self.speculative_draft_model_path
+        if name in DRAFT_MODEL_NAMES and not path:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} drafts with a second model: give "
+                             "its checkpoint folder as --speculative-draft-model-path")
+        if path and not self.speculative_algorithm:
+            raise ValueError("--speculative-draft-model-path is for speculative decoding: add --speculative-algorithm "
+                             "STANDALONE")
+        if path and not (Path(path) / "config.json").is_file():
+            raise ValueError(f"--speculative-draft-model-path {path}: not a Hugging Face checkpoint folder (no "
+                             "config.json there)")
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError(f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} must be in 1..64")
 

@@ -320,3 +320,56 @@ def test_open_chat_on_a_random_model_is_not_slowed_by_drafts_that_never_pay(tiny
         engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 64, "temperature": 0})
         spec = engine.cache_stats()["speculative"]
     assert spec["steps"] <= 20 and spec["accepted"] == 0, spec
+
+
+@pytest.mark.parametrize("kernel", ["eager", "auto"])
+def test_a_draft_model_drafts_and_the_tokens_stay_the_plain_ones(tiny_models, workload, reference, kernel):
+    """STANDALONE: the served model itself as its own draft model agrees with itself (almost every draft token is
+    kept); a different random model of the same vocabulary mostly disagrees. Either way the tokens are the plain
+    greedy ones, and a request's draft-model cache follows its kept tokens (rejected ones are cropped)."""
+    same, same_stats = run(tiny_models["llama"], workload, decode_kernel=kernel, speculative_algorithm="STANDALONE",
+                           speculative_draft_model_path=str(tiny_models["llama"]), speculative_num_draft_tokens=4)
+    other, other_stats = run(tiny_models["llama"], workload, decode_kernel=kernel,
+                             speculative_algorithm="standalone",
+                             speculative_draft_model_path=str(tiny_models["qwen2"]))
+    assert same == reference and other == reference
+    s, o = same_stats["speculative"], other_stats["speculative"]
+    assert s["draft_policy"] == "draft-model" and s["acceptance_rate"] > 0.9, s
+    assert o["drafts"] > 0 and o["acceptance_rate"] < s["acceptance_rate"], o
+    assert same_stats["totals"]["steps"] < same_stats["totals"]["generated_tokens"] / 2
+
+
+def test_a_draft_model_server_switches_policies_and_back(tiny_models, workload, reference):
+    """Live switches to and from the draft model keep the plain tokens; without a draft model path, switching to
+    it is refused by name."""
+    from radixserve import Engine
+
+    flat = [q for batch in workload for q in batch]
+    kw = dict(dtype="float32", check_invariants=True, decode_kernel="eager")
+    with Engine(str(tiny_models["llama"]), speculative_algorithm="ngram",
+                speculative_draft_model_path=str(tiny_models["llama"]), **kw) as engine:
+        engine.scheduler.spec.gate = None
+        ids = []
+        for i, name in enumerate(["draft-model", "suffix", "draft-model"]):
+            engine.set_policies(draft=name)
+            ids += [r["output_ids"] for r in engine.generate(
+                input_ids=workload[i], sampling_params={"max_new_tokens": 24, "temperature": 0})]
+        assert engine.cache_stats()["speculative"]["draft_policy"] == "draft-model"
+    assert ids == reference and len(flat) == len(ids)
+    with Engine(str(tiny_models["llama"]), speculative_algorithm="ngram", **kw) as engine:
+        with pytest.raises(ValueError, match="speculative-draft-model-path"):
+            engine.set_policies(draft="draft-model")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"speculative_algorithm": "STANDALONE"}, "give its checkpoint folder as --speculative-draft-model-path"),
+    ({"speculative_draft_model_path": "/tmp"}, "add --speculative-algorithm STANDALONE"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/nonexistent"}, "no config.json"),
+    ({"speculative_algorithm": "EAGLE3"}, "draft heads is not built yet"),
+    ({"speculative_num_draft_tokens": 0, "speculative_algorithm": "ngram"}, "must be in 1..64"),
+])
+def test_speculative_flags_are_checked_at_start(flags, message):
+    from radixserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(model_path="x", **flags)

@@ -47,15 +47,14 @@ class PolicyLab:
         speculative decoding's (``none``: off; only with --speculative-algorithm). These take effect at once and
         start no epoch of their own (their figures are in cache_stats)."""
         from radixserve.policies import (
-            load_draft_policy, load_eviction_policy, load_prefetch_policy, load_schedule_policy, load_write_policy
+            load_eviction_policy, load_prefetch_policy, load_schedule_policy, load_write_policy
         )
 
         if eviction is None and schedule is None and write is None and prefetch is None and draft is None:
             raise ValueError("give an eviction, schedule, write, prefetch and/or draft policy name")
         if draft is not None and (self.speculation is None or not self.speculation.tokens):
             raise ValueError("draft policies are speculative decoding's: start with --speculative-algorithm")
-        if draft is not None:
-            load_draft_policy(draft)
+        new_draft = self.speculation.load(draft) if draft is not None else None
         tiers = self.cache.tiers
         if (write or prefetch) and tiers is None:
             raise ValueError("write and prefetch policies are the KV tiers': start with --enable-hierarchical-cache")
@@ -68,8 +67,8 @@ class PolicyLab:
             tiers.write = new_write
         if new_prefetch is not None:
             tiers.prefetch = new_prefetch
-        if draft is not None:
-            self.speculation.set_policy(draft)
+        if new_draft is not None:
+            self.speculation.set_policy(new_draft)
 
     def adopt(self, eviction: str, schedule: str, reason: str) -> None:
         """Run this pair (--auto-policy): only the policy that differs is replaced, an unchanged one keeps its

@@ -36,6 +36,7 @@ from radixserve.cache.tiers import TierConfig
 from radixserve.errors import InvalidRequest
 from radixserve.logit_processors import ProcessorCatalog
 from radixserve.policies.base import SchedulePolicy
+from radixserve.policies.drafts import DraftOptions
 from radixserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class SchedulerConfig:
     tiers: TierConfig | None = None  # --enable-hierarchical-cache: pages below the pool (cache/tiers.py)
     draft_policy: str = "none"  # speculative decoding (speculate.py): where drafts come from
     draft_tokens: int = 0  # ... and how many tokens a draft may have (0: off)
+    draft_options: DraftOptions = DraftOptions()  # ... for a policy that takes them (the draft model's path)
     draft_sampled: bool = True  # ... sampled requests too (False under --random-seed: their tokens must not
     # depend on which steps drafted)
     check_invariants: bool = False
@@ -90,7 +92,8 @@ class Scheduler:
         self.runner_state = RunnerState(config.max_running_requests + 1)  # table rows and grammars, per request
         self.tap: ShadowTap | None = None  # --shadow-policies: the live trace for the shadow process
         self.processors = ProcessorCatalog(config.logit_processors)  # checks requests' custom_logit_processor
-        self.spec = Speculation(config.draft_policy, config.draft_tokens, config.vocab_size, config.draft_sampled)
+        self.spec = Speculation(config.draft_policy, config.draft_tokens, config.vocab_size, config.draft_sampled,
+                                config.draft_options)
         self.lab.speculation = self.spec
 
     @property

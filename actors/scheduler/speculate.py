@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from radixserve.actors.scheduler.req import Req
 from radixserve.policies import load_draft_policy
-from radixserve.policies.drafts import DraftCache, DraftPolicy, NoCache, NoDrafts, accepted_prefix
+from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, NoCache, NoDrafts, accepted_prefix
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +117,13 @@ class CostGate:
 
 
 class Speculation:
-    def __init__(self, policy: str, tokens: int, vocab_size: int, sampled: bool = True) -> None:
+    def __init__(self, policy: str, tokens: int, vocab_size: int, sampled: bool = True,
+                 options: DraftOptions | None = None) -> None:
         """``policy``: the draft policy's name (``none``: off); ``tokens``: the most draft tokens per request;
-        ``sampled``: sampled requests draft too (else greedy ones only)."""
-        self.tokens, self.vocab_size, self.sampled = tokens, vocab_size, sampled
-        self.policy: DraftPolicy = NoDrafts() if policy == "none" else load_draft_policy(policy)  # off: no lookup
+        ``sampled``: sampled requests draft too (else greedy ones only); ``options``: for a policy that takes
+        them (the draft model's path)."""
+        self.tokens, self.vocab_size, self.sampled, self.options = tokens, vocab_size, sampled, options
+        self.policy: DraftPolicy = self.load(policy)
         self.stats = DraftStats()
         self._bad_drafts = 0
         self._backoff: dict[str, Backoff] = {}  # by rid: requests whose last draft was rejected outright
@@ -150,9 +152,13 @@ class Speculation:
         elif mode == "decode":
             self.gate.timed(batch, seconds, batch, verified=False)
 
-    def set_policy(self, name: str) -> None:
+    def load(self, name: str) -> DraftPolicy:
+        """The draft policy ``name`` built with this server's options (ValueError naming what is wrong)."""
+        return NoDrafts() if name == "none" else load_draft_policy(name, self.options)  # off: no lookup
+
+    def set_policy(self, policy: DraftPolicy) -> None:
         """Switch live (between two steps): the new policy starts with no per-request state."""
-        self.policy = load_draft_policy(name)
+        self.policy = policy
         self.stats = DraftStats()
         self._backoff.clear()
 
