@@ -507,3 +507,34 @@ def test_dashboard_shows_the_kv_tiers_and_switches_the_write_policy(browser, tin
         assert severe(browser) == []
     finally:
         server.stop()
+
+
+def test_dashboard_shows_speculative_decoding_and_switches_the_draft_policy(browser, tiny_models):
+    server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32",
+                           "--speculative-algorithm", "suffix", "--speculative-num-draft-tokens", "6")
+    try:
+        rng = random.Random(4)
+        phrase = [rng.randrange(100, 5000) for _ in range(24)]
+        for _ in range(3):  # the same prompt again: the suffix trie holds the earlier answer, drafts are kept
+            post_json(server.url + "/generate", {"input_ids": phrase * 3,
+                                                 "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+        spec = get_body(server.url + "/cache/stats")["speculative"]
+        assert spec["accepted"] > 0
+        browser.get(server.url + "/dashboard")
+        wait_for(browser, lambda: browser.find_element("id", "speculative-panel").is_displayed(), "the panel")
+        wait_for(browser, lambda: shown_percent(browser.find_element("id", "speculative-acceptance"))
+                 == percent(spec["acceptance_rate"]), "the acceptance rate")
+        assert text(browser, "speculative-policy") == "suffix / 6"
+        assert text(browser, "current-draft") == "suffix"
+
+        from selenium.webdriver.support.ui import Select
+
+        Select(browser.find_element("id", "draft-select")).select_by_value("none")
+        browser.find_element("id", "switch-button").click()
+        wait_for(browser, lambda: "draft none" in text(browser, "policy-reply"), "the server's reply")
+        assert "epoch" not in text(browser, "policy-reply")
+        assert get_body(server.url + "/policies")["draft"]["current"] == "none"
+        wait_for(browser, lambda: text(browser, "speculative-policy") == "none / 6", "drafting off, still shown")
+        assert severe(browser) == []
+    finally:
+        server.stop()

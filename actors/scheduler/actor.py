@@ -237,7 +237,7 @@ def status_of(sched: Scheduler, replica: int = 0) -> Status:
         failed_requests=sched.stats.failed,
         replica=replica,
         tiers=cache.tiers.counts() if cache.tiers is not None else {},
-        speculative=sched.spec.info() if sched.spec.on else {},
+        speculative=sched.spec.info() if sched.spec.tokens else {},
     )
 
 

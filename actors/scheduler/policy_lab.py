@@ -143,6 +143,6 @@ class PolicyLab:
                        "retractions": stats.retractions, "preemptions": stats.preemptions, "steps": stats.steps},
             "epochs": [e.to_dict(now, cache.evicted_tokens) for e in self.epochs],
             **({"tiers": cache.tiers.stats()} if cache.tiers is not None else {}),
-            **({"speculative": self.speculation.info()} if self.speculation is not None and self.speculation.on
+            **({"speculative": self.speculation.info()} if self.speculation is not None and self.speculation.tokens
                else {}),
         }

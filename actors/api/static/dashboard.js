@@ -73,14 +73,41 @@
     ]);
   }
 
+  const DRAFT_PARTS = [["accepted", "draft tokens kept", "#2a9d5c"], ["rejected", "draft tokens rejected", "#c44e52"]];
+
+  function renderSpeculative(stats) {
+    const s = stats.speculative;
+    $("speculative-panel").hidden = !s;
+    document.querySelectorAll(".draft-only").forEach((el) => { el.hidden = !s; });
+    if (!s) return;
+    const counts = {accepted: s.accepted, rejected: s.drafted - s.accepted};
+    Charts.stackedBar($("speculative-bar"), DRAFT_PARTS.map(([key, name, color]) => ({name, color,
+                                                                                      value: counts[key] || 0})),
+                      s.drafted);
+    const off = s.gate_off_batch_sizes || [];
+    fillFigures($("speculative"), [
+      ["policy", "draft policy / most tokens", `${s.draft_policy} / ${s.draft_tokens}`, fmt.text],
+      ["acceptance", "acceptance rate", s.acceptance_rate, fmt.pct],
+      ["mean", "accepted per draft, mean", s.mean_accepted, (v) => (isNum(v) ? v.toFixed(2) : NONE)],
+      ["tokens", "draft tokens kept / drafted", s.accepted, (v) => `${fmt.int(v)} / ${fmt.int(s.drafted)}`],
+      ["steps", "verifying steps / drafts", s.steps, (v) => `${fmt.int(v)} / ${fmt.int(s.drafts)}`],
+      ["backed_off", "drafts skipped (back-off)", s.backed_off, fmt.int],
+      ["gate", "cost gate: times off / off now at", s.gate_turned_off, (v) =>
+        `${fmt.int(v)} / ${off.length ? off.map((b) => `batch ${b}`).join(", ") : "none"}`],
+    ]);
+  }
+
+  const POLICY_KINDS = ["eviction", "schedule", "write", "prefetch", "draft"];
+  const OPTIONAL_KINDS = ["write", "prefetch", "draft"];  // with --enable-hierarchical-cache, --speculative-algorithm
+
   // touched: the user chose in a select (refreshes keep the choice); switches: answers to a switch so far (a
   // refresh that began before one may carry the policies from before it, and must not show them)
   const policies = {info: null, touched: false, switches: 0};
 
   function renderPolicies(info) {
     policies.info = info;
-    for (const kind of ["eviction", "schedule", "write", "prefetch"]) {
-      if (!info[kind] && (kind === "write" || kind === "prefetch")) continue;  // the KV tiers' (when on)
+    for (const kind of POLICY_KINDS) {
+      if (!info[kind] && OPTIONAL_KINDS.includes(kind)) continue;  // the KV tiers' and drafts' (when on)
       const part = info[kind] || {current: null, available: []};
       $(`current-${kind}`).textContent = fmt.text(part.current);
       const select = $(`${kind}-select`);
@@ -102,7 +129,7 @@
     const info = policies.info;
     if (!info) return;
     const body = {};
-    for (const kind of ["eviction", "schedule", "write", "prefetch"]) {
+    for (const kind of POLICY_KINDS) {
       if (!info[kind]) continue;
       const chosen = $(`${kind}-select`).value;
       if (chosen && chosen !== info[kind].current) body[kind] = chosen;
@@ -122,7 +149,9 @@
       renderPolicies(answer);
       reply.textContent = `the server switched: eviction ${answer.eviction.current}, schedule ` +
                           `${answer.schedule.current}` + (answer.write ? `, write ${answer.write.current}, ` +
-                          `prefetch ${answer.prefetch.current}` : "") + " (a new epoch started)";
+                          `prefetch ${answer.prefetch.current}` : "") +
+                          (answer.draft ? `, draft ${answer.draft.current}` : "") +
+                          (body.eviction || body.schedule ? " (a new epoch started)" : "");
       reply.className = "reply ok";
     } catch (err) {
       reply.textContent = `the server refused: ${err.message}`;
@@ -305,6 +334,7 @@
     renderReplicas(stats);
     renderPool(stats);
     renderTiers(stats);
+    renderSpeculative(stats);
     if (switches === policies.switches) renderPolicies(info);
     sample(now, stats, shadow);
     renderEpochs(stats, now);
@@ -378,7 +408,7 @@
       loop.now();
     });
     $("policy-form").addEventListener("submit", switchPolicies);
-    for (const kind of ["eviction", "schedule"]) {
+    for (const kind of POLICY_KINDS) {
       $(`${kind}-select`).addEventListener("change", () => { policies.touched = true; });
     }
     $("switch-button").disabled = true;  // until the policies are known
