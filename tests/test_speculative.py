@@ -274,28 +274,70 @@ def test_a_request_whose_drafts_keep_failing_backs_off(tiny_models, workload, re
     assert spec["accepted"] == 0 and spec["drafts"] == 5 and spec["backed_off"] == 1 + 2 + 4 + 8 + 2, spec
 
 
-def test_the_cost_gate_turns_drafting_off_where_verifying_costs_more_than_it_keeps():
-    from radixserve.actors.scheduler.speculate import CostGate, bucket
+def test_the_cost_model_says_what_acceptance_a_draft_needs_per_batch_size():
+    from radixserve.actors.scheduler.speculate import CostModel, bucket
 
     assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
-    gate = CostGate(hold=10, explore=4, samples=4)
-    for _ in range(4):  # verifying is measured first, 4 steps of it
-        assert gate.allows(1)
-        gate.timed(1, 0.030, 5, verified=True)  # 6 ms a kept token
-    assert not gate.allows(1), "then a plain step"
-    gate.timed(1, 0.010, 1, verified=False)  # plain: 10 ms a token: verifying pays
-    assert [gate.allows(1) for _ in range(8)] == [True, True, False, True, True, True, False, True], \
-        "every 4th step plain"
-    for _ in range(4):
-        assert gate.allows(4)
-        gate.timed(4, 0.040, 5, verified=True)  # batch 4: 8 ms a kept token
-    assert not gate.allows(4)
-    gate.timed(4, 0.020, 4, verified=False)  # 5 ms a token: verifying does not pay
-    assert gate.allows(4)
-    gate.timed(4, 0.040, 5, verified=True)
-    assert not any(gate.allows(4) for _ in range(9)) and gate.turned_off == 1
-    assert gate.allows(4), "measured afresh after the hold"
-    assert gate.allows(1), "another batch size is not affected"
+    m = CostModel(explore=4)
+    assert not m.allows(1), "a batch size's first decode step is plain: it is measured"
+    m.timed(1, 0.010, 0)  # a plain step: 10 ms a token
+    assert m.threshold(1) == 0.0, "until drafts are measured too, every request drafts"
+    assert m.allows(1)
+    m.timed(1, 0.014, 8)  # 8 draft tokens added 4 ms: 0.5 ms each, 5% of a plain token
+    assert m.threshold(1) == pytest.approx(0.05)
+    m.timed(8, 0.016, 0)  # batch 8: 2 ms a token ...
+    m.timed(8, 0.016 + 0.064, 64)  # ... and 1 ms a draft token: a draft token must be kept half the time
+    assert m.threshold(8) == pytest.approx(0.5) and m.threshold(5) == pytest.approx(5 * 0.001 / 0.016)
+    assert [m.allows(1) for _ in range(8)] == [True, False, True, True, True, False, True, True], \
+        "every 4th decode step plain, to keep the plain figure current"
+    assert m.info()["8"]["acceptance_needed"] == pytest.approx(0.5) and set(m.info()) == {"1", "8"}
+
+
+def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(tiny_models, workload, reference):
+    """A cost model that asks for 50% acceptance: a request whose drafts are right keeps drafting; one whose
+    drafts keep 1 token of 8 drafts once, then decodes plainly (it is not rejected outright, so this is not the
+    back-off). The tokens are the plain ones."""
+    from radixserve import Engine
+    from radixserve.actors.scheduler.speculate import CostModel
+
+    class Half(CostModel):
+        def allows(self, batch):
+            return True
+
+        def threshold(self, batch):
+            return 0.5
+
+        def timed(self, batch, seconds, drafted):
+            pass
+
+    good, poor = workload[0][0], workload[0][1]
+    truth = {tuple(good): reference[0], tuple(poor): reference[1]}
+
+    class Policy:
+        name = "fixed"
+
+        def propose(self, rid, tokens, k, cache):
+            for prompt, out in truth.items():
+                if tuple(tokens[: len(prompt)]) == prompt:
+                    done = len(tokens) - len(prompt)
+                    draft = out[done : done + k]
+                    return draft if prompt == tuple(good) else draft[:1] + [7] * (len(draft) - 1)
+            return []
+
+        def release(self, rid, tokens):
+            pass
+
+    with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel="eager",
+                speculative_algorithm="ngram") as engine:
+        engine.scheduler.spec.gate = Half()
+        engine.scheduler.spec.policy = Policy()
+        outs = engine.generate(input_ids=[good, poor], sampling_params={"max_new_tokens": 24, "temperature": 0})
+        spec = engine.cache_stats()["speculative"]
+    assert [o["output_ids"] for o in outs] == reference[:2]
+    assert outs[1]["meta_info"]["completion_tokens_details"] == {"accepted_prediction_tokens": 1,
+                                                                  "rejected_prediction_tokens": 7}
+    assert outs[0]["meta_info"]["completion_tokens_details"]["rejected_prediction_tokens"] == 0
+    assert spec["not_worth"] > 0 and spec["backed_off"] == 0, spec
 
 
 def test_open_chat_on_a_random_model_is_not_slowed_by_drafts_that_never_pay(tiny_models):

@@ -13,9 +13,9 @@ Only requests whose next token depends on the model's logits and their sampling 
 grammar, penalty, logit processor, logprobs or seed (a seeded request's tokens are a function of its seed, which
 a draft would change); the others decode as before in the same step (a draft of 0 tokens). A request whose
 draft was rejected outright drafts again only after 1, 2, 4 ... 64 plain steps (reset by an accepted token): a
-source that keeps guessing wrong for it stops costing it verification. And a cost gate (``CostGate``) compares the
-seconds per kept token of verifying steps with those of plain decode steps, per batch size, and turns drafting off
-for a while where verifying does not pay.
+source that keeps guessing wrong for it stops costing it verification. And a cost model (``CostModel``), timed on
+the steps themselves, says per batch size what acceptance a draft needs to pay for its verification; a request
+whose own acceptance is below it decodes plainly (but for one step in 32, where it is measured again).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class DraftStats:
     drafted: int = 0  # draft tokens
     accepted: int = 0  # draft tokens the model agreed with
     backed_off: int = 0  # drafts not asked for: their request's last draft was rejected outright
+    not_worth: int = 0  # drafts not asked for: their request's acceptance was below what a draft costs
 
     def as_dict(self) -> dict[str, float]:
         return {**self.__dict__, "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
@@ -53,14 +54,19 @@ def speculates(req: Req, sampled: bool = True) -> bool:
 
 
 @dataclass
-class Backoff:
-    """One request's drafting after rejected drafts: skip ``skip`` more decode steps; ``misses`` in a row."""
+class Drafting:
+    """One request's drafting record: its acceptance (a moving average of kept / drafted tokens over its drafts;
+    None before its first), its rejected-outright drafts in a row (``misses``) and the decode steps it still
+    skips after them (``skip``), and the steps since it last drafted while the cost model advised against it."""
 
+    acceptance: float | None = None
     misses: int = 0
     skip: int = 0
+    idle: int = 0
 
 
 MAX_BACKOFF = 64  # plain steps at most between two drafts of a request whose drafts keep being rejected
+ALPHA = 0.3  # weight of the newest figure in the moving averages
 
 
 def bucket(batch: int) -> int:
@@ -68,52 +74,52 @@ def bucket(batch: int) -> int:
     return max(batch - 1, 0).bit_length()
 
 
-@dataclass
-class CostGate:
-    """Does verifying pay at this batch size? Seconds per kept token of verifying steps (a moving average over at
-    least ``samples`` of them) against plain decode steps' seconds per token, measured on the steps themselves.
-    Where verifying is slower (by more than ``margin``), drafting is off for ``hold`` decode steps, then measured
-    afresh; while drafting is on, every ``explore``-th decode step is a plain one, to keep the plain figure
-    current."""
+def average(old: float | None, new: float, alpha: float = ALPHA) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
 
-    margin: float = 0.99
-    hold: int = 64
+
+@dataclass
+class CostModel:
+    """Does a draft pay, at this batch size and for this request? Measured on the steps themselves, per batch-size
+    bucket: ``plain[b]``, a plain decode step's seconds, and ``per_draft[b]``, what a verifying step costs beyond
+    a plain one per draft token. A plain step of B requests makes B tokens in P seconds; verifying D draft tokens
+    adds c D seconds and gains the tokens kept, so it pays when a draft token is kept more often than
+    c / (P / B): what it costs, in plain tokens (``threshold``). Large batches make P / B small and raise the
+    bar; a request drafts while its own acceptance is above it. Until a batch size's figures are measured, its
+    steps are measured: one plain step first, then drafts; while drafting, every ``explore``-th decode step is
+    plain, to keep P current."""
+
     explore: int = 32
-    samples: int = 4
-    alpha: float = 0.25  # weight of the newest step in the moving averages
     steps: int = 0
-    plain: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per token, plain decode steps
-    verify: dict[int, list] = field(default_factory=dict)  # bucket -> [seconds per kept token, steps measured]
-    off_until: dict[int, int] = field(default_factory=dict)  # bucket -> decode step drafting resumes at
-    turned_off: int = 0  # times drafting was turned off at a batch size
+    plain: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of a plain decode step
+    per_draft: dict[int, float] = field(default_factory=dict)  # bucket -> seconds a draft token adds to a step
 
     def allows(self, batch: int) -> bool:
-        """Called once per decode step: may this step draft?"""
+        """Called once per decode step: may this step draft (False: a plain step, measured)?"""
         self.steps += 1
-        b = bucket(batch)
-        if self.off_until.get(b, 0) > self.steps:
-            return False
-        if b not in self.verify or self.verify[b][1] < self.samples:  # verifying is being measured
-            return True
-        if b not in self.plain:  # ... and now a plain step
-            return False
-        return self.steps % self.explore != 0
+        return bucket(batch) in self.plain and self.steps % self.explore != 0
 
-    def timed(self, batch: int, seconds: float, tokens: int, verified: bool) -> None:
-        """A decode step of ``batch`` requests took ``seconds`` and kept ``tokens``."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        b, per_token = bucket(batch), seconds / tokens
-        if not verified:
-            self.plain[b] = per_token if b not in self.plain else (1 - self.alpha) * self.plain[b] + \
-                self.alpha * per_token
-            return
-        v = self.verify.setdefault(b, [per_token, 0])
-        v[0], v[1] = (per_token if v[1] == 0 else (1 - self.alpha) * v[0] + self.alpha * per_token), v[1] + 1
-        if v[1] >= self.samples and b in self.plain and v[0] * self.margin > self.plain[b]:
-            self.turned_off += 1
-            self.off_until[b] = self.steps + self.hold
-            del self.verify[b]  # measured afresh after the hold
+    def threshold(self, batch: int) -> float:
+        """The acceptance a request's drafts need to pay at this batch size (0 while it is being measured)."""
+        b = bucket(batch)
+        if b not in self.per_draft:
+            return 0.0
+        return self.per_draft[b] / (self.plain[b] / batch)
+
+    def timed(self, batch: int, seconds: float, drafted: int) -> None:
+        """A decode step of ``batch`` requests that verified ``drafted`` draft tokens (0: a plain one) took
+        ``seconds``."""
+        b = bucket(batch)
+        if drafted == 0:
+            self.plain[b] = average(self.plain.get(b), seconds)
+        elif b in self.plain:
+            self.per_draft[b] = average(self.per_draft.get(b), max(seconds - self.plain[b], 0.0) / drafted)
+
+    def info(self) -> dict[str, dict[str, float]]:
+        """Per batch size measured (the bucket's largest): the figures and the acceptance a draft needs."""
+        return {str(1 << b): {"plain_step_s": self.plain[b], "per_draft_token_s": self.per_draft[b],
+                              "acceptance_needed": self.threshold(1 << b)}
+                for b in sorted(self.per_draft) if b in self.plain}
 
 
 class Speculation:
@@ -126,8 +132,8 @@ class Speculation:
         self.policy: DraftPolicy = self.load(policy)
         self.stats = DraftStats()
         self._bad_drafts = 0
-        self._backoff: dict[str, Backoff] = {}  # by rid: requests whose last draft was rejected outright
-        self.gate: CostGate | None = CostGate()  # None: draft on every decode step (tests of exactness)
+        self._requests: dict[str, Drafting] = {}  # by rid: the running requests that drafted or were asked to
+        self.gate: CostModel | None = CostModel()  # None: draft on every decode step (tests of exactness)
         self.kept = 0  # tokens the last verifying step kept (all its requests')
 
     @property
@@ -135,22 +141,20 @@ class Speculation:
         return self.tokens > 0 and self.policy.name != "none"
 
     def info(self) -> dict[str, object]:
-        """GET /cache/stats' "speculative": the draft policy, the most tokens a draft has, the totals, and where
-        the cost gate has drafting off now."""
-        g = self.gate
+        """GET /cache/stats' "speculative": the draft policy, the most tokens a draft has, the totals, and the cost
+        model's figures per batch size."""
         return {"draft_policy": self.policy.name, "draft_tokens": self.tokens, **self.stats.as_dict(),
-                "gate_turned_off": g.turned_off if g else 0,
-                "gate_off_batch_sizes": sorted(1 << b for b, until in g.off_until.items() if until > g.steps)
-                if g else []}
+                "cost": self.gate.info() if self.gate is not None else {}}
 
     def timed(self, mode: str, drafts: object, batch: int, seconds: float) -> None:
-        """A step's duration (the scheduler's caller measures it): decode steps feed the cost gate."""
+        """A step's duration (the scheduler's caller measures it; ``drafts``: the plan's draft lengths): decode
+        steps feed the cost model."""
         if not self.on or self.gate is None:
             return
         if drafts is not None:
-            self.gate.timed(batch, seconds, self.kept, verified=True)
+            self.gate.timed(batch, seconds, int(sum(drafts)))
         elif mode == "decode":
-            self.gate.timed(batch, seconds, batch, verified=False)
+            self.gate.timed(batch, seconds, 0)
 
     def load(self, name: str) -> DraftPolicy:
         """The draft policy ``name`` built with this server's options (ValueError naming what is wrong)."""
@@ -160,7 +164,7 @@ class Speculation:
         """Switch live (between two steps): the new policy starts with no per-request state."""
         self.policy = policy
         self.stats = DraftStats()
-        self._backoff.clear()
+        self._requests.clear()
 
     def propose(self, running: list[Req], room: int, cache: DraftCache | None) -> list[list[int]] | None:
         """Each running request's draft (empty where it does not speculate), using at most ``room`` slots beyond
@@ -168,21 +172,33 @@ class Speculation:
         if not self.on or (self.gate is not None and not self.gate.allows(len(running))):
             return None
         view = cache if cache is not None else NoCache()
+        need = self.gate.threshold(len(running)) if self.gate is not None else 0.0
         drafts: list[list[int]] = []
         for req in running:
             want = min(self.tokens, req.max_new_tokens - len(req.output_ids) - 1, room)
-            draft = self._draft(req, want, view) if want > 0 and speculates(req, self.sampled) and self._due(req.rid) else []
+            asked = want > 0 and speculates(req, self.sampled) and self._due(req.rid, need)
+            draft = self._draft(req, want, view) if asked else []
             room -= len(draft)
             drafts.append(draft)
         return drafts if any(drafts) else None
 
-    def _due(self, rid: str) -> bool:
-        """Is ``rid`` asked for a draft this step (not backing off after rejected drafts)?"""
-        b = self._backoff.get(rid)
-        if b is None or b.skip <= 0:
+    def _due(self, rid: str, need: float) -> bool:
+        """Is ``rid`` asked for a draft this step? Not while it backs off after rejected drafts, nor while its
+        acceptance (before its first draft: the policy's so far) is below ``need``, but for one step in
+        ``CostModel.explore`` (its acceptance is measured afresh)."""
+        r = self._requests.setdefault(rid, Drafting())
+        if r.skip > 0:
+            r.skip -= 1
+            self.stats.backed_off += 1
+            return False
+        expected = r.acceptance
+        if expected is None:  # its first draft: as good as the policy's so far
+            expected = self.stats.accepted / self.stats.drafted if self.stats.drafted else 1.0
+        if expected >= need or r.idle + 1 >= (self.gate.explore if self.gate is not None else 1):
+            r.idle = 0
             return True
-        b.skip -= 1
-        self.stats.backed_off += 1
+        r.idle += 1
+        self.stats.not_worth += 1
         return False
 
     def _draft(self, req: Req, want: int, cache: DraftCache) -> list[int]:
@@ -203,19 +219,20 @@ class Speculation:
         """The tokens a verified step keeps: the draft's accepted prefix and the model's token after it."""
         model = [*drafted, last]
         n = accepted_prefix(draft, model)
+        r = self._requests.setdefault(rid, Drafting())
+        r.acceptance = average(r.acceptance, n / len(draft))
         if n:
-            self._backoff.pop(rid, None)
+            r.misses = 0
         else:
-            b = self._backoff.setdefault(rid, Backoff())
-            b.misses += 1
-            b.skip = min(2 ** (b.misses - 1), MAX_BACKOFF)
+            r.misses += 1
+            r.skip = min(2 ** (r.misses - 1), MAX_BACKOFF)
         self.stats.drafts += 1
         self.stats.drafted += len(draft)
         self.stats.accepted += n
         return model[: n + 1]
 
     def release(self, req: Req) -> None:
-        self._backoff.pop(req.rid, None)
+        self._requests.pop(req.rid, None)
         try:
             self.policy.release(req.rid, req.fill_key)
         except Exception:

@@ -84,16 +84,16 @@
     Charts.stackedBar($("speculative-bar"), DRAFT_PARTS.map(([key, name, color]) => ({name, color,
                                                                                       value: counts[key] || 0})),
                       s.drafted);
-    const off = s.gate_off_batch_sizes || [];
+    const needed = Object.entries(s.cost || {}).map(([batch, c]) => `${fmt.pct(c.acceptance_needed)} at ${batch}`);
     fillFigures($("speculative"), [
       ["policy", "draft policy / most tokens", `${s.draft_policy} / ${s.draft_tokens}`, fmt.text],
       ["acceptance", "acceptance rate", s.acceptance_rate, fmt.pct],
       ["mean", "accepted per draft, mean", s.mean_accepted, (v) => (isNum(v) ? v.toFixed(2) : NONE)],
       ["tokens", "draft tokens kept / drafted", s.accepted, (v) => `${fmt.int(v)} / ${fmt.int(s.drafted)}`],
       ["steps", "verifying steps / drafts", s.steps, (v) => `${fmt.int(v)} / ${fmt.int(s.drafts)}`],
-      ["backed_off", "drafts skipped (back-off)", s.backed_off, fmt.int],
-      ["gate", "cost gate: times off / off now at", s.gate_turned_off, (v) =>
-        `${fmt.int(v)} / ${off.length ? off.map((b) => `batch ${b}`).join(", ") : "none"}`],
+      ["skipped", "drafts skipped: back-off / not worth it", s.backed_off, (v) =>
+        `${fmt.int(v)} / ${fmt.int(s.not_worth)}`],
+      ["needed", "acceptance a draft needs, by batch size", needed.length, () => needed.join(", ") || "measuring"],
     ]);
   }
 
