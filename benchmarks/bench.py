@@ -4,7 +4,7 @@ results.json. See benchmarks/README.md.
 
     python benchmarks/bench.py [--quick] [--out benchmarks/results] [--tp N]
                                [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant,
-                                       compile,peer,radix,tp,dp,shadow,sharedcpu,tiers]
+                                       compile,peer,radix,tp,dp,shadow,sharedcpu,tiers,speculative]
 
 ``--only`` reruns some stages and keeps the other stages' results from the last run's results.json (the report
 lists when each stage was measured).
@@ -28,6 +28,7 @@ import deterministic_cost  # noqa: E402
 import dp_cost  # noqa: E402
 import shadow_cost  # noqa: E402
 import shared_cpu  # noqa: E402
+import speculative  # noqa: E402
 import grammar_cost  # noqa: E402
 import kv_tiers  # noqa: E402
 import llama_cpp  # noqa: E402
@@ -46,12 +47,13 @@ from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant", "compile",
-          "peer", "radix", "tp", "dp", "shadow", "sharedcpu", "tiers")
+          "peer", "radix", "tp", "dp", "shadow", "sharedcpu", "tiers", "speculative")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
               "deterministic": (), "grammar": ("grammar",), "quant": ("quant",),
               "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",), "dp": ("dp",),
-              "shadow": ("shadow",), "sharedcpu": (), "tiers": ()}  # deterministic, sharedcpu, tiers: committed
+              "shadow": ("shadow",), "sharedcpu": (), "tiers": (), "speculative": ()}  # deterministic, sharedcpu,
+# tiers, speculative: committed
 # files (stage_results.py)
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
@@ -85,7 +87,7 @@ def main() -> None:
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
-    bar = tqdm(total=14, desc="bench", unit="stage")
+    bar = tqdm(total=15, desc="bench", unit="stage")  # one update per stage (sharedcpu and tiers share one)
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
         llama = start_llama_cpp(files.path) if only & {"shared", "multiturn"} else None
@@ -178,6 +180,9 @@ def main() -> None:
         shared_cpu.save(shared_cpu.measure(q, args.model_path), out)
     if "tiers" in only:  # the same: benchmarks/results/kv_tiers/results.json
         kv_tiers.save(kv_tiers.measure(q), out)
+    bar.update()
+    if "speculative" in only:  # the same: benchmarks/results/speculative/results.json
+        speculative.save(speculative.measure(q), out)
     bar.update()
     bar.close()
     res = keep_other_stages(res, only, out / "results.json")

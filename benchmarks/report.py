@@ -7,6 +7,7 @@ import matplotlib
 
 import kv_tiers
 import shared_cpu
+import speculative
 from stage_results import load_stage
 
 matplotlib.use("Agg")
@@ -240,6 +241,9 @@ def write(res: dict, out: Path) -> None:
     tiers = kv_tiers.load(out)  # the same
     if tiers is not None:
         L += kv_tiers.section(tiers, targets, check)
+    spec = speculative.load(out)  # the same
+    if spec is not None:
+        L += speculative.section(spec, targets, check)
     if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
         L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
               *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]

@@ -65,7 +65,7 @@ HELP = {
     "speculative_num_draft_tokens": "the most tokens a draft may have",
     "speculative_draft_model_path": "STANDALONE's draft model: a Hugging Face checkpoint folder of a smaller model "
                                     "with the served model's tokenizer (run by transformers in the scheduler's "
-                                    "process, one thread)",
+                                    "process, one thread) (default: none)",
     "enable_hierarchical_cache": "keep the radix cache's pages below the pool too: host memory (L2) and storage (L3, "
                                  "kept across restarts); a request whose prefix left the pool reads it back instead "
                                  "of recomputing it",

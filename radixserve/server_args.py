@@ -222,9 +222,9 @@ class ServerArgs:
     def _check_speculative(self) -> None:
         name = (self.speculative_algorithm or "").lower()
         if name in NOT_BUILT_DRAFTS:
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: drafting with the model's own draft "
-                             "heads is not built yet; built: NGRAM, SUFFIX, RADIX and STANDALONE (a draft model, "
-                             "--speculative-draft-model-path)")
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: drafting with the model's own "
+                             "draft heads is not built yet; built: NGRAM, SUFFIX, RADIX and STANDALONE (a draft "
+                             "model, --speculative-draft-model-path)")
         path = self.speculative_draft_model_path
         if name in DRAFT_MODEL_NAMES and not path:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} drafts with a second model: give "

@@ -49,8 +49,8 @@ def speculates(req: Req, sampled: bool = True) -> bool:
     """Is ``req``'s next token decided by the model's logits and its sampling parameters alone (and greedy, unless
     ``sampled``)?"""
     p = req.params
-    return ((p.greedy or (sampled and p.seed is None)) and p.constraint is None and not p.penalized and p.custom_logit_processor is None
-            and req.top_logprobs is None and not req.prefill_only)
+    return ((p.greedy or (sampled and p.seed is None)) and p.constraint is None and not p.penalized
+            and p.custom_logit_processor is None and req.top_logprobs is None and not req.prefill_only)
 
 
 @dataclass
