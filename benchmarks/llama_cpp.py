@@ -23,13 +23,38 @@ from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp
 ROOT = Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve")) / "llama.cpp"
-# Not GGML_NATIVE: on this machine's AMX CPUs a native build's llama-server crashes (SIGSEGV) on its first graph
-# (seen with 0.3.36 here); the explicit AVX-512 set below is what the host has, without the AMX paths.
-CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-               "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-               "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
-               "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+# Not GGML_NATIVE: on AMX CPUs a native build's llama-server crashes (SIGSEGV) on its first graph (seen with
+# 0.3.36); the extensions are named one by one instead, each where the host has it (/proc/cpuinfo), never AMX. A
+# fixed AVX-512 set crashed with SIGILL on an AVX2-only EPYC: each instruction set gets its own build folder, so a
+# home folder shared between machines keeps a build for each.
+ISA = (("AVX", {"avx"}), ("AVX2", {"avx2"}), ("FMA", {"fma"}), ("F16C", {"f16c"}),
+       ("AVX512", {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}), ("AVX512_VBMI", {"avx512vbmi"}),
+       ("AVX512_VNNI", {"avx512_vnni"}), ("AVX512_BF16", {"avx512_bf16"}))
+BASE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+              "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+              "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def host_isa() -> list[str]:
+    """The extensions of ``ISA`` this CPU has (none off x86)."""
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    flags = set(line.split(":", 1)[1].split())
+    if "avx512_vnni" not in flags and "avx512vnni" in flags:  # the kernel's older spelling
+        flags.add("avx512_vnni")
+    return [name for name, needs in ISA if needs <= flags]
+
+
+def cmake_flags() -> list[str]:
+    have = host_isa()
+    return [*BASE_FLAGS, *(f"-DGGML_{name}={'ON' if name in have else 'OFF'}" for name, _ in ISA)]
+
+
+def build_dir() -> Path:
+    """This instruction set's build, e.g. ``build-avx-avx2-fma-f16c``."""
+    return ROOT / ("build-" + ("-".join(n.lower() for n in host_isa()) or "generic"))
 
 
 class Unavailable(RuntimeError):
@@ -60,7 +85,7 @@ def source_dir() -> Path:
 
 
 def binary(name: str) -> Path:
-    return ROOT / "build" / "bin" / name
+    return build_dir() / "bin" / name
 
 
 def build() -> Path:
@@ -69,9 +94,9 @@ def build() -> Path:
         return binary("llama-server")
     if shutil.which("cmake") is None or shutil.which("c++") is None:
         raise Unavailable("llama.cpp needs cmake and a C++ compiler, and this machine lacks one")
-    src, out = source_dir(), ROOT / "build"
+    src, out = source_dir(), build_dir()
     start = time.perf_counter()
-    for cmd in (["cmake", "-S", str(src), "-B", str(out), *CMAKE_FLAGS],
+    for cmd in (["cmake", "-S", str(src), "-B", str(out), *cmake_flags()],
                 ["cmake", "--build", str(out), "-j", str(os.cpu_count() or 2), "--target", "llama-server",
                  "llama-quantize"]):
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -85,7 +110,7 @@ def build_tool(name: str) -> Path:
     """Another of llama.cpp's programs (e.g. ``llama-perplexity``), built beside ``llama-server``."""
     build()
     if not binary(name).exists():
-        proc = subprocess.run(["cmake", "--build", str(ROOT / "build"), "-j", str(os.cpu_count() or 2), "--target",
+        proc = subprocess.run(["cmake", "--build", str(build_dir()), "-j", str(os.cpu_count() or 2), "--target",
                                name], capture_output=True, text=True)
         if proc.returncode != 0:
             raise Unavailable(f"building llama.cpp's {name} failed: {proc.stderr.strip()[-500:]}")
