@@ -243,6 +243,7 @@ class ShadowEnd(msgspec.Struct, array_like=True):
     at: float  # its arrival (with the rid, names the request: a client may reuse a rid)
     output: np.ndarray  # every token it generated (none if it ended before its first)
     admitted: bool  # False: it ended (aborted, timed out) before it ever ran
+    greedy: bool = True  # its output is the model's argmax (the draft policies' shadows measure only those)
 
 
 class StepTiming(msgspec.Struct, array_like=True):

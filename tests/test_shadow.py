@@ -364,3 +364,28 @@ def test_with_kv_tiers_every_pair_is_shadowed_with_them_and_each_write_policy_is
     assert set(writes) == set(available("write")), "the live pair under every write policy"
     assert writes["write_through_selective"]["tier_hit_rates"]["L2"] == 0, "a was never reused before it left"
     assert writes["write_through"]["cached_tokens"] == live["cached_tokens"] > 0
+
+
+def test_with_speculation_every_draft_policy_is_measured_on_the_live_greedy_requests():
+    """A server that drafts: each greedy request that ended goes through every installed draft policy (but
+    draft-model: a second model per request) as the simulator runs them; a sampled request is not measured (its
+    output is not the argmax); each policy's figures equal the simulator's on the same requests."""
+    import dataclasses
+
+    from radixserve.compare.sim_drafts import simulate_drafts
+
+    lab = ShadowLab([("lru", "fcfs")], dataclasses.replace(CONFIG, draft_policy="suffix", draft_tokens=4),
+                    cost=COST, calibrated=True)
+    phrase = list(range(100, 140))
+    greedy = [(phrase * 2 + [i], phrase[:30]) for i in range(3)]
+    for i, (prompt, _) in enumerate(greedy):
+        lab.feed(feed(float(i), [arrival(f"g{i}", float(i), prompt, 30)]), wall=float(i))
+    lab.feed(feed(3.0, [arrival("s", 3.0, phrase * 2, 30)]), wall=3.0)
+    lab.feed(feed(4.0, ends=[end(f"g{i}", out, at=float(i)) for i, (_, out) in enumerate(greedy)]
+                  + [ShadowEnd("s", 3.0, np.asarray(phrase[:30], dtype=np.int32), True, False)]), wall=4.0)
+    drafts = {row["policy"]: row for row in lab.report()["drafts"]}
+    assert set(drafts) == set(available("draft")) - {"none", "draft-model"}
+    for name, row in drafts.items():
+        assert row == simulate_drafts(name, greedy, 4).as_dict(), name
+    assert drafts["suffix"]["requests"] == 3 and drafts["suffix"]["accepted"] > 0
+    assert "drafts" not in ShadowLab([("lru", "fcfs")], CONFIG, cost=COST).report()

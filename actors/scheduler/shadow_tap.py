@@ -40,7 +40,8 @@ class ShadowTap:
             self.arrivals, self.ends = [], []
 
     def ended(self, req: Req) -> None:
-        self.ends.append(ShadowEnd(req.rid, req.arrival, array(req.output_ids), req.cached_tokens is not None))
+        self.ends.append(ShadowEnd(req.rid, req.arrival, array(req.output_ids), req.cached_tokens is not None,
+                                   req.params.greedy))
         self._bound()
 
     def step(self, plan: ForwardPlan, seconds: float) -> None:

@@ -32,6 +32,7 @@ from radixserve.actors.scheduler import Scheduler, SchedulerConfig
 from radixserve.actors.scheduler.stats import latency_summary
 from radixserve.cache import CacheManager
 from radixserve.errors import InvalidRequest
+from radixserve.compare.sim_drafts import DraftSim
 from radixserve.compare.sim_tiers import SimTiers, TierSpec
 from radixserve.compare.simulate import CostModel, CostModelRunner, SimClock
 from radixserve.policies import available, load_eviction_policy, load_schedule_policy
@@ -249,6 +250,7 @@ class ShadowLab:
         self.timings: deque[tuple[str, int, int, float]] = deque(maxlen=1024)
         self.first_fed: float | None = None
         self.broken: dict[Pair, str] = {}  # pairs whose policies failed to load, and why
+        self.drafts = draft_sims(self.config.draft_tokens)  # with --speculative-algorithm: every draft policy
         self.gaps = 0  # times the scheduler dropped trace the shadow could not take
 
     # -- the trace in -----------------------------------------------------------------------------------
@@ -278,6 +280,8 @@ class ShadowLab:
             if (entry := self.by_rid.pop((e.rid, e.at), None)) is not None:
                 entry.output = e.output.tolist()
                 entry.admitted = e.admitted
+                if e.greedy and entry.output:
+                    self._draft(entry)
         if msg.steps:  # refitted before anything is simulated with them: simulated time is live time
             self.timings.extend((t.mode, t.tokens, t.batch, t.seconds) for t in msg.steps)
             self.refit()
@@ -292,6 +296,17 @@ class ShadowLab:
             self.calibrated = min(kinds.count("extend"), kinds.count("decode")) >= MIN_FIT_SAMPLES or (
                 self.first_fed is not None and wall - self.first_fed > MAX_LAG_S)
         return self.calibrated
+
+    def _draft(self, entry: TraceEntry) -> None:
+        """Every draft policy's drafts for a greedy request that ended, against its output (a policy that
+        raises is dropped, with why)."""
+        prompt = entry.prompt.tolist()
+        for name, sim in list(self.drafts.items()):
+            try:
+                sim.add(prompt, entry.output)
+            except Exception:
+                log.exception("draft policy %r failed in the shadow; it is dropped", name)
+                del self.drafts[name]
 
     def _add_pair(self, pair: Pair) -> PairSim | None:
         """Start shadowing ``pair``; None (kept in ``broken`` with the reason) if one of its policies fails to
@@ -397,6 +412,7 @@ class ShadowLab:
             "failed_pairs": [{**pair_dict(p), "error": e} for p, e in self.broken.items()],
             "pairs": rows if rows is not None else self.pair_stats(),
             **({"writes": self.write_stats()} if self.writes else {}),
+            **({"drafts": [sim.stats.as_dict() for sim in self.drafts.values()]} if self.drafts else {}),
         }
 
     def write_stats(self) -> list[dict]:
@@ -405,6 +421,22 @@ class ShadowLab:
         sims = ([self.sims[first.pair]] if first.pair in self.sims else []) + list(self.writes.values())
         now = min(self.horizon, max((s.clock.now for s in sims), default=self.horizon))
         return [sim.window(now, self.window_s) for sim in sims]
+
+
+SHADOWLESS_DRAFTS = ("none", "draft-model")  # nothing to measure; a second model to run for every request
+
+
+def draft_sims(k: int) -> dict[str, DraftSim]:
+    """A simulator for each installed draft policy that can shadow (``k`` tokens a draft; none when 0)."""
+    sims = {}
+    for name in available("draft") if k else []:
+        if name in SHADOWLESS_DRAFTS:
+            continue
+        try:
+            sims[name] = DraftSim(name, k)
+        except ValueError:
+            log.exception("draft policy %r cannot shadow", name)
+    return sims
 
 
 def pair_dict(pair: Pair) -> dict[str, str]:

@@ -48,16 +48,21 @@ class DraftStats:
                 "mean_accepted": self.mean_accepted}
 
 
-def simulate_drafts(policy_name: str, traces: Iterable[tuple[Sequence[int], Sequence[int]]], k: int) -> DraftStats:
-    """Run ``traces`` (prompt ids, greedy output ids) through the draft policy ``policy_name``, ``k`` tokens a draft."""
-    policy = load_draft_policy(policy_name)
-    tree = RadixTree(load_eviction_policy("lru"), lambda slots: None)
-    stats = DraftStats(policy_name)
-    for i, (prompt, output) in enumerate(traces):
-        rid, tokens = f"sim-{i}", [*prompt, *output[:1]]
-        pos = min(1, len(output))
+class DraftSim:
+    """One draft policy, ``k`` tokens a draft, fed recorded requests one at a time (``add``): the simulator's and
+    the shadows' (a server with --speculative-algorithm and --shadow-policies measures every other draft policy on
+    its live greedy requests)."""
+
+    def __init__(self, policy_name: str, k: int) -> None:
+        self.policy, self.k = load_draft_policy(policy_name), k
+        self.tree = RadixTree(load_eviction_policy("lru"), lambda slots: None)
+        self.stats = DraftStats(policy_name)
+
+    def add(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        stats, rid = self.stats, f"sim-{self.stats.requests}"
+        tokens, pos = [*prompt, *output[:1]], min(1, len(output))
         while pos < len(output):
-            draft = policy.propose(rid, tokens, k, tree)[:k]
+            draft = self.policy.propose(rid, tokens, self.k, self.tree)[: self.k]
             ok = accepted_prefix(draft, output[pos:])
             step = min(ok + 1, len(output) - pos)
             stats.drafted += len(draft)
@@ -68,10 +73,16 @@ def simulate_drafts(policy_name: str, traces: Iterable[tuple[Sequence[int], Sequ
             pos += step
         stats.tokens += max(len(output) - 1, 0)
         stats.requests += 1
-        policy.release(rid, tokens)
-        slots = np.arange(len(tokens), dtype=np.int32)
-        tree.insert(tokens, slots)
-    return stats
+        self.policy.release(rid, tokens)
+        self.tree.insert(tokens, np.arange(len(tokens), dtype=np.int32))
+
+
+def simulate_drafts(policy_name: str, traces: Iterable[tuple[Sequence[int], Sequence[int]]], k: int) -> DraftStats:
+    """Run ``traces`` (prompt ids, greedy output ids) through the draft policy ``policy_name``, ``k`` tokens a draft."""
+    sim = DraftSim(policy_name, k)
+    for prompt, output in traces:
+        sim.add(prompt, output)
+    return sim.stats
 
 
 def compare_drafts(names: Sequence[str], traces: Sequence[tuple[Sequence[int], Sequence[int]]],
