@@ -92,12 +92,14 @@ class Oracle:
         pass
 
 
-@pytest.mark.parametrize("kernel", ["eager", "auto"])
+@pytest.mark.parametrize("kernel", ["eager", "auto", "default"])
 def test_partly_wrong_drafts_keep_exactly_the_plain_tokens(tiny_models, workload, reference, kernel):
+    """(``default``: $RADIXSERVE_DECODE_KERNEL's, so `make test-matrix` runs it on each kernel: compiled too.)"""
     from radixserve import Engine
 
     flat = [q for batch in workload for q in batch]
-    with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel=kernel,
+    chosen = {} if kernel == "default" else {"decode_kernel": kernel}
+    with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, **chosen,
                 speculative_algorithm="ngram", speculative_num_draft_tokens=5) as engine:
         engine.scheduler.spec.gate = None
         engine.scheduler.spec.policy = Oracle(flat, reference)
