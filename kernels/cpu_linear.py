@@ -50,7 +50,13 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
+    """Does oneDNN multiply ``dtype`` natively on this CPU? (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an
+    AVX2-only CPU refuses to reorder the weight.)"""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+        return False
+    supported = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
+                 else torch.ops.mkldnn._is_mkldnn_fp16_supported)
+    return bool(supported())
 
 
 def float32_gemm_pays(dtype: torch.dtype, rows: int = 256, features: int = 1024) -> bool:
@@ -78,7 +84,11 @@ def pack_linears(model: nn.Module) -> int:
                and can_pack(c.weight.dtype, c.weight.device)]
     if not linears:
         return 0
-    float32_copy = float32_gemm_pays(linears[0][2].weight.dtype)
+    try:
+        float32_copy = float32_gemm_pays(linears[0][2].weight.dtype)
+    except RuntimeError as exc:  # this CPU or torch build cannot pack after all: plain F.linear everywhere
+        log.info("CPU linears: not packed (%s)", exc)
+        return 0
     log.info("CPU linears: %s", "packed low precision for small batches, float32 for large ones" if float32_copy
              else "packed low precision")
     swapped = 0
