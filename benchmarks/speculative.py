@@ -251,8 +251,8 @@ def section(res: dict, targets: list[str], check) -> list[str]:
          f"(`python benchmarks/speculative.py`; bf16, 2 threads each, the bundled model, greedy, {res['max_new']} new "
          f"tokens, drafts of at most {res['draft_tokens']} tokens; llama.cpp's server on the BF16 GGUF of the same "
          "weights, `--spec-type` each of its model-free types, `--spec-draft-n-max 8`). Systems take turns request "
-         f"by request; {res['rounds']} rounds, each a new variant of every workload (another file, document, poem, "
-         "tool output, topic), medians. Workloads where drafting should pay: rewriting a given code file, copying "
+         f"by request; {res['rounds']} round(s) (1: `--quick`, no batch of 8), each a new variant of every "
+         "workload (another file, document, poem, tool output, topic), medians. Workloads where drafting should pay: rewriting a given code file, copying "
          "a given document, repeating an earlier answer, repeating a tool's output; and open chat, where it should "
          "not.", "", "One stream, decode tok/s (output tokens after the first over the time from the first to the "
          "last):", "", *rows("median_tok_s"), ""]
