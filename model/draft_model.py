@@ -11,6 +11,7 @@ steps, not a pass over the whole sequence.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ class DraftModel:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, options.dtype),
                                                           local_files_only=True).eval()
         self.seen: dict[str, Seen] = {}
+        params = inspect.signature(self.model.forward).parameters  # transformers renamed it (5.2x: ``cache``)
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
         log.info("draft model %s (%.1fM parameters, %s, %d thread(s))", path,
                  sum(p.numel() for p in self.model.parameters()) / 1e6, options.dtype, options.threads)
 
@@ -57,8 +60,8 @@ class DraftModel:
         keep = min(accepted_prefix(seen.tokens, tokens), len(tokens) - 1)  # shared with the cache; >= 1 to feed
         if seen.kv is None or keep == 0:
             seen.kv, keep = DynamicCache(), 0
-        else:
-            seen.kv.crop(keep)
+        elif len(seen.tokens) > keep:
+            seen.kv.crop(keep - len(seen.tokens))  # negative: drop that many (transformers 5.x takes only those)
         seen.tokens = list(tokens[:keep])
         feed, draft = list(tokens[keep:]), []
         threads = torch.get_num_threads()  # the caller's (an Engine's runner shares this thread): given back
@@ -66,7 +69,7 @@ class DraftModel:
         try:
             with torch.inference_mode():
                 for _ in range(k):
-                    out = self.model(input_ids=torch.tensor([feed]), cache=seen.kv, use_cache=True)
+                    out = self.model(input_ids=torch.tensor([feed]), use_cache=True, **{self.cache_arg: seen.kv})
                     seen.tokens += feed
                     feed = [int(out.logits[0, -1].argmax())]
                     draft.append(feed[0])

@@ -379,7 +379,8 @@ def test_a_draft_model_drafts_and_the_tokens_stay_the_plain_ones(tiny_models, wo
     assert same == reference and other == reference
     s, o = same_stats["speculative"], other_stats["speculative"]
     assert s["draft_policy"] == "draft-model" and s["acceptance_rate"] > 0.9, s
-    assert o["drafts"] > 0 and o["acceptance_rate"] < s["acceptance_rate"], o
+    assert s["drafts"] >= 2 * len(reference), "a request drafts again after its first draft (its cache cropped)"
+    assert o["drafts"] >= 2 * len(reference) and o["acceptance_rate"] < s["acceptance_rate"], o  # after rejections
     assert same_stats["totals"]["steps"] < same_stats["totals"]["generated_tokens"] / 2
 
 
