@@ -114,6 +114,10 @@ test-matrix: install
 		echo "== --decode-kernel $$kernel"; \
 		RADIXSERVE_DISABLE_COMPILE=0 RADIXSERVE_DECODE_KERNEL=$$kernel $(PY) -m pytest -q $(KERNEL_SMOKE) || exit 1; \
 	done
+	@if grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null; then \
+		echo "== --decode-kernel native built for AVX2 (x86-64-v3), as an AVX2-only machine builds it"; \
+		RADIXSERVE_MARCH=x86-64-v3 RADIXSERVE_DISABLE_COMPILE=0 RADIXSERVE_DECODE_KERNEL=native \
+			$(PY) -m pytest -q tests/test_native_decode.py $(KERNEL_SMOKE) || exit 1; fi
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 		echo "== deterministic, AVX2: kernels built for x86-64-v3, torch limited to AVX2"; \
 		RADIXSERVE_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q $(DETERMINISTIC); fi

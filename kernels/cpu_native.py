@@ -8,7 +8,12 @@ to compile here). ``-march=native``: the library is built on the machine it runs
 units. Loaded after torch, it shares torch's OpenMP runtime (the same ``libgomp.so.1``), so its threads are
 torch's threads, never a second pool.
 
-Where it cannot run (no compiler, a CPU without AVX-512 BF16/VNNI, float16 weights) ``unavailable_reason`` says why
+Two instruction sets, one source (``native/simd.h``): AVX-512 with BF16 and VNNI where the compiler's target has
+them (``-march=native`` on Zen 4, Sapphire Rapids and later), else AVX2 with FMA and F16C (x86-64-v3: every x86
+CPU since Haswell and Zen 1); ``RADIXSERVE_MARCH=x86-64-v3`` builds the AVX2 one on an AVX-512 machine, to test
+it. ``isa(lib)`` says which a library was built for.
+
+Where it cannot run (no compiler, a CPU without AVX2/FMA/F16C, float16 weights) ``unavailable_reason`` says why
 and ``--decode-kernel auto`` resolves to the next kernel (compiled, then eager); a build that fails at load time
 sends auto there too (ModelRunner).
 """
@@ -24,9 +29,9 @@ from radixserve.kernels.cpp_build import (NativeUnavailable, build_library, comp
 SOURCES = Path(__file__).with_name("native")  # decode.cpp and the headers it includes
 SOURCE = SOURCES / "decode.cpp"
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")  # + -march (cpp_build)
-CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # what the kernel uses
+CPU_FEATURES = ("avx2", "fma", "f16c")  # what the kernel needs at least (x86-64-v3); AVX-512 BF16/VNNI if present
 NATIVE_DTYPES = ("bfloat16", "float32")
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 DENSE, Q8, Q4 = 0, 1, 2  # Linear.format
 
@@ -103,6 +108,7 @@ def load(cache_dir: Path) -> ctypes.CDLL:
     lib.rs_abi_version.restype = ctypes.c_int32
     if lib.rs_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"{SOURCE.name}: ABI {lib.rs_abi_version()}, expected {ABI_VERSION}")
+    lib.rs_isa.restype = ctypes.c_char_p
     lib.rs_request_amx.restype = ctypes.c_int32
     lib.rs_scratch_bytes.restype = ctypes.c_int64
     lib.rs_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int32, ctypes.c_int32]
@@ -117,3 +123,8 @@ def load(cache_dir: Path) -> ctypes.CDLL:
     lib.rs_decode_step.restype = ctypes.c_int32
     lib.rs_decode_step.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step)]
     return lib
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The vector instructions a loaded library was built for: "avx512" or "avx2"."""
+    return lib.rs_isa().decode()

@@ -132,6 +132,7 @@ class NativeDecode:
         if code:
             raise native.NativeUnavailable(f"the kernel refuses this model's {'heads' if code == 1 else 'linear layers'}")
         self.amx = bool(self.desc.amx)
+        self.isa = native.isa(self.lib)  # avx512 or avx2: what the library was built for
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.steps = 0  # steps that ran native
         self.prefill_steps = 0  # of which prefill steps

@@ -158,6 +158,22 @@ def test_the_library_is_built_once_and_reused(tmp_path):
     assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
 
 
+@pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("sapphirerapids", "avx512"),
+                                        ("skylake-avx512", "avx2")])
+def test_one_source_builds_for_each_instruction_set(march, isa, tmp_path, monkeypatch):
+    """AVX2 (x86-64-v3), AVX-512 with BF16/VNNI (and AMX), and AVX-512 without BF16 (which takes the AVX2 code):
+    each build compiles on any machine, whichever of them this one can run; the library names what it uses."""
+    monkeypatch.setenv("RADIXSERVE_MARCH", march)
+    try:
+        lib = cpu_native.build(tmp_path)
+    except NativeUnavailable as exc:
+        if "march" in str(exc) and "bad value" in str(exc):
+            pytest.skip(f"this compiler has no -march={march}")
+        raise
+    names = {name for name in ("avx2", "avx512") if f"{name}\0".encode() in lib.read_bytes()}  # rs_isa's string
+    assert names == {isa}
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_weights_decode_from_their_blocks(quantization, tiny_models):
     """int8 (per-channel scales as 32-weight blocks) and int4 (groups of 32 with offsets) through the kernel's

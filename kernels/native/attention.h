@@ -16,20 +16,16 @@ constexpr int kKeys = 64;  // keys per chunk of the generic online softmax
 
 template <class T>
 inline float dot_head(const T* q, const T* k, int hd) {
-  __m512 a = _mm512_setzero_ps();
+  V16 a = zero16();
   if constexpr (std::is_same_v<T, bf16>) {
-    for (int i = 0; i < hd; i += 32) {
-      const __mmask32 mk = mask32(hd - i);
-      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mk, q + i),
-                           (__m512bh)_mm512_maskz_loadu_epi16(mk, k + i));
-    }
+    for (int i = 0; i < hd; i += 32) a = dot_bf16(a, load_bf32(q + i, hd - i), load_bf32(k + i, hd - i));
   } else {
     for (int i = 0; i < hd; i += 16) {
-      const __mmask16 mk = mask16(hd - i);
-      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + i), _mm512_maskz_loadu_ps(mk, k + i), a);
+      const M16 mk = mask16(hd - i);
+      a = fmadd(load16(q + i, mk), load16(k + i, mk), a);
     }
   }
-  return _mm512_reduce_add_ps(a);
+  return reduce_add(a);
 }
 
 // A task is (row, kv head, share of the row's keys): an online softmax whose state -- per query head the running
@@ -58,31 +54,31 @@ inline void attend_keys(const T* q, const T* kp, const T* vp, int nkv, int g, co
       for (int j = 0; j < nj; ++j) top = std::max(top, score[h][j]);
       const float fix = std::exp(st.best[h] - top);  // rescales what earlier chunks summed (0 on the first)
       st.best[h] = top;
-      __m512 sum = _mm512_setzero_ps();
+      V16 sum = zero16();
       for (int j = 0; j < nj; j += 16) {
-        const __mmask16 mk = mask16(nj - j);
-        const __m512 p = _mm512_maskz_mov_ps(
-            mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, &score[h][j]), _mm512_set1_ps(top))));
-        _mm512_mask_storeu_ps(&score[h][j], mk, p);
-        sum = _mm512_add_ps(sum, p);
+        const M16 mk = mask16(nj - j);
+        const V16 p = select(mk, exp16(load16(&score[h][j], mk) - set1(top)));
+        store16(&score[h][j], p, mk);
+        sum = sum + p;
       }
-      st.total[h] = st.total[h] * fix + _mm512_reduce_add_ps(sum);
+      st.total[h] = st.total[h] * fix + reduce_add(sum);
       for (int i = 0; i < hd; ++i) st.acc[h][i] *= fix;
     }
     for (int j = 0; j < nj; ++j) {
       const T* val = vp + (row[j0 + j] * nkv + g) * hd;
       for (int i = 0; i < hd; i += 16) {
-        const __mmask16 mk = mask16(hd - i);
-        const __m512 v = load16(val + i, mk);
+        const M16 mk = mask16(hd - i);
+        const V16 v = load16(val + i, mk);
         for (int h = 0; h < group; ++h)
-          _mm512_mask_storeu_ps(&st.acc[h][i], mk, _mm512_fmadd_ps(_mm512_set1_ps(score[h][j]), v,
-                                                                   _mm512_maskz_loadu_ps(mk, &st.acc[h][i])));
+          store16(&st.acc[h][i], fmadd(set1(score[h][j]), v, load16(&st.acc[h][i], mk)), mk);
       }
     }
   }
 }
 
-// Sixteen vectors in, one out: lane j = the sum of v[j]'s lanes (a transposing tree: 15 adds, not 16 reductions)
+// Sixteen vectors in, one out: lane j = the sum of v[j]'s lanes (AVX-512: a transposing tree, 15 adds, not 16
+// reductions; AVX2: the reductions)
+#if RS_AVX512
 struct SumTree {
   __m512 a[8];
   int n = 0;
@@ -103,6 +99,17 @@ struct SumTree {
     return _mm512_permutexvar_ps(order, d);
   }
 };
+#else
+struct SumTree {
+  alignas(32) float s[16];
+  int n = 0;
+  inline void push2(V16 x, V16 y) {
+    s[n++] = reduce_add(x);
+    s[n++] = reduce_add(y);
+  }
+  inline V16 sums() const { return loadu(s); }
+};
+#endif
 
 // bf16, head dim HD (64 or 128), HS query heads of a group: queries and value sums kept in registers, the scores
 // of 16 keys at a time summed by one tree.
@@ -110,57 +117,57 @@ template <int HD, int HS>
 inline void attend_heads_bf16(const bf16* q, const bf16* kp, const bf16* vp, int nkv, int g, const int64_t* row,
                               int len, float scale, float* best, float* total, float (*acc)[kMaxHeadDim]) {
   constexpr int QV = HD / 32, AV = HD / 16;
-  __m512bh qv[HS][QV];
-  __m512 av[HS][AV];
+  BF32 qv[HS][QV];
+  V16 av[HS][AV];
   for (int h = 0; h < HS; ++h) {
-    for (int i = 0; i < QV; ++i) qv[h][i] = (__m512bh)_mm512_loadu_si512(q + h * HD + 32 * i);
-    for (int i = 0; i < AV; ++i) av[h][i] = _mm512_loadu_ps(&acc[h][16 * i]);
+    for (int i = 0; i < QV; ++i) qv[h][i] = load_bf32(q + h * HD + 32 * i);
+    for (int i = 0; i < AV; ++i) av[h][i] = loadu(&acc[h][16 * i]);
   }
   alignas(64) float pbuf[HS][16];
-  const __m512 zero = _mm512_setzero_ps();
+  const V16 zero = zero16();
   for (int j0 = 0; j0 < len; j0 += 16) {
     const int nj = std::min(16, len - j0);
-    const __mmask16 real = mask16(nj);
+    const M16 real = mask16(nj);
     const bf16* key[16];
     for (int j = 0; j < 16; ++j) key[j] = kp + (row[j0 + std::min(j, nj - 1)] * nkv + g) * HD;
     for (int h = 0; h < HS; ++h) {
       SumTree tree;
       for (int j = 0; j < 16; j += 2) {
-        __m512 x = zero, y = zero;
+        V16 x = zero, y = zero;
         for (int i = 0; i < QV; ++i) {
-          x = _mm512_dpbf16_ps(x, qv[h][i], (__m512bh)_mm512_loadu_si512(key[j] + 32 * i));
-          y = _mm512_dpbf16_ps(y, qv[h][i], (__m512bh)_mm512_loadu_si512(key[j + 1] + 32 * i));
+          x = dot_bf16(x, qv[h][i], load_bf32(key[j] + 32 * i));
+          y = dot_bf16(y, qv[h][i], load_bf32(key[j + 1] + 32 * i));
         }
         tree.push2(x, y);
       }
-      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), real,
-                                          _mm512_mul_ps(tree.sums(), _mm512_set1_ps(scale)));
-      const float top = std::max(best[h], _mm512_reduce_max_ps(s));
+      const V16 s = blend(set1(-INFINITY), real, tree.sums() * set1(scale));
+      const float top = std::max(best[h], reduce_max(s));
       const float fix = std::exp(best[h] - top);  // 0 on the first keys
       best[h] = top;
-      const __m512 p = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-      total[h] = total[h] * fix + _mm512_reduce_add_ps(p);
-      _mm512_store_ps(pbuf[h], p);
-      for (int i = 0; i < AV; ++i) av[h][i] = _mm512_mul_ps(av[h][i], _mm512_set1_ps(fix));
+      const V16 p = select(real, exp16(s - set1(top)));
+      total[h] = total[h] * fix + reduce_add(p);
+      storeu(pbuf[h], p);
+      for (int i = 0; i < AV; ++i) av[h][i] = av[h][i] * set1(fix);
     }
     for (int j = 0; j < nj; ++j) {
       const bf16* val = vp + (row[j0 + j] * nkv + g) * HD;
-      __m512 v[AV];
+      V16 v[AV];
       for (int i = 0; i < AV; ++i) v[i] = load16(val + 16 * i, 0xffff);
       for (int h = 0; h < HS; ++h) {
-        const __m512 pj = _mm512_set1_ps(pbuf[h][j]);
-        for (int i = 0; i < AV; ++i) av[h][i] = _mm512_fmadd_ps(pj, v[i], av[h][i]);
+        const V16 pj = set1(pbuf[h][j]);
+        for (int i = 0; i < AV; ++i) av[h][i] = fmadd(pj, v[i], av[h][i]);
       }
     }
   }
   for (int h = 0; h < HS; ++h)
-    for (int i = 0; i < AV; ++i) _mm512_storeu_ps(&acc[h][16 * i], av[h][i]);
+    for (int i = 0; i < AV; ++i) storeu(&acc[h][16 * i], av[h][i]);
 }
 
 template <int HD>
 inline void attend_keys_bf16(const bf16* q, const bf16* kp, const bf16* vp, int nkv, int g, const int64_t* row,
                              int len, int group, float scale, SoftmaxState& st) {
-  constexpr int kHeads = HD == 64 ? 4 : 2;  // query heads whose queries and sums fit the registers at once
+  // query heads whose queries and sums fit the registers at once (AVX2: half as many, each half as wide)
+  constexpr int kHeads = RS_AVX512 ? (HD == 64 ? 4 : 2) : 1;
   for (int h0 = 0; h0 < group; h0 += kHeads) {
     const bf16* qh = q + h0 * HD;
     float* b = st.best + h0;
@@ -170,7 +177,7 @@ inline void attend_keys_bf16(const bf16* q, const bf16* kp, const bf16* vp, int 
       case 1: attend_heads_bf16<HD, 1>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
       case 2: attend_heads_bf16<HD, 2>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
       case 3: attend_heads_bf16<HD, 3>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
-      default: attend_heads_bf16<HD, (HD == 64 ? 4 : 2)>(qh, kp, vp, nkv, g, row, len, scale, b, t, a);
+      default: attend_heads_bf16<HD, kHeads>(qh, kp, vp, nkv, g, row, len, scale, b, t, a);
     }
   }
 }
@@ -216,10 +223,10 @@ inline void attention(const Model& md, const Layer& ly, const Step& st, const T*
     if (split == 1) {
       for (int h = 0; h < group; ++h) {
         T* o = out + int64_t(m) * nq * hd + (g * group + h) * hd;
-        const __m512 inv = _mm512_set1_ps(1.0f / s.total[h]);
+        const V16 inv = set1(1.0f / s.total[h]);
         for (int i = 0; i < hd; i += 16) {
-          const __mmask16 mk = mask16(hd - i);
-          store16(o + i, rnd16<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, &s.acc[h][i]), inv)), mk);
+          const M16 mk = mask16(hd - i);
+          store16(o + i, rnd16<T>(load16(&s.acc[h][i], mk) * inv), mk);
         }
       }
     } else {
@@ -249,10 +256,10 @@ inline void attention(const Model& md, const Layer& ly, const Step& st, const T*
         for (int i = 0; i < hd; ++i) acc[i] += w * p[2 + i];
       }
       T* o = out + int64_t(m) * nq * hd + (g * group + h) * hd;
-      const __m512 inv = _mm512_set1_ps(1.0f / total);
+      const V16 inv = set1(1.0f / total);
       for (int i = 0; i < hd; i += 16) {
-        const __mmask16 mk = mask16(hd - i);
-        store16(o + i, rnd16<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, &acc[i]), inv)), mk);
+        const M16 mk = mask16(hd - i);
+        store16(o + i, rnd16<T>(load16(&acc[i], mk) * inv), mk);
       }
     }
   }

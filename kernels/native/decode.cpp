@@ -7,9 +7,10 @@
 // own threads (the same libgomp.so.1), its phases separated by barriers:
 //
 //   abi.h        the structures Python fills (pointers into its tensors) and the bounds both sides check
-//   simd.h       bf16/fp32 storage, AVX-512 loads and stores with torch's rounding, exp
-//   products.h   linear layers: AMX tiles or AVX-512 BF16/FP32 over weights packed in 16-row blocks; int8/int4
-//                blocks times activations quantized to int8 (VNNI), as llama.cpp computes them
+//   simd.h       bf16/fp32 storage; the vector vocabulary (16 fp32 lanes, bf16 pairs, int8 quads) on AVX-512 or
+//                AVX2, loads and stores with torch's rounding, exp
+//   products.h   linear layers: AMX tiles or BF16/FP32 vector tiles over weights packed in 16-row blocks;
+//                int8/int4 blocks times activations quantized to int8 (VNNI or AVX2), as llama.cpp computes them
 //   attention.h  decode attention over the slot pool (online softmax; a row's keys split among threads when
 //                rows are few)
 //   decode.cpp   the element-wise pieces between the products, and the step
@@ -41,16 +42,16 @@ inline void rms_norm(const T* x, const T* w, int rows, int dim, float eps, T* ou
 #pragma omp for schedule(static)
   for (int m = 0; m < rows; ++m) {
     const T* xm = x + int64_t(m) * dim;
-    __m512 ss = _mm512_setzero_ps();
+    V16 ss = zero16();
     for (int i = 0; i < dim; i += 16) {
-      const __m512 v = load16(xm + i, mask16(dim - i));
-      ss = _mm512_fmadd_ps(v, v, ss);
+      const V16 v = load16(xm + i, mask16(dim - i));
+      ss = fmadd(v, v, ss);
     }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / float(dim) + eps);
+    const float inv = 1.0f / std::sqrt(reduce_add(ss) / float(dim) + eps);
     for (int i = 0; i < dim; i += 16) {
-      const __mmask16 mk = mask16(dim - i);
-      const __m512 v = rnd16<T>(_mm512_mul_ps(load16(xm + i, mk), _mm512_set1_ps(inv)));
-      store16(out + int64_t(m) * dim + i, rnd16<T>(_mm512_mul_ps(load16(w + i, mk), v)), mk);
+      const M16 mk = mask16(dim - i);
+      const V16 v = rnd16<T>(load16(xm + i, mk) * set1(inv));
+      store16(out + int64_t(m) * dim + i, rnd16<T>(load16(w + i, mk) * v), mk);
     }
   }
 }
@@ -87,11 +88,11 @@ inline void silu_mul(const T* gu, int rows, int inter, T* act) {
   for (int m = 0; m < rows; ++m) {
     const T* g = gu + int64_t(m) * 2 * inter;
     for (int i = 0; i < inter; i += 16) {
-      const __mmask16 mk = mask16(inter - i);
-      const __m512 x = load16(g + i, mk);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      const __m512 silu = rnd16<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-      store16(act + int64_t(m) * inter + i, rnd16<T>(_mm512_mul_ps(silu, load16(g + inter + i, mk))), mk);
+      const M16 mk = mask16(inter - i);
+      const V16 x = load16(g + i, mk);
+      const V16 e = exp16(zero16() - x);
+      const V16 silu = rnd16<T>(x / (set1(1.0f) + e));
+      store16(act + int64_t(m) * inter + i, rnd16<T>(silu * load16(g + inter + i, mk)), mk);
     }
   }
 }
@@ -144,11 +145,11 @@ void step(const Model& md, const Step& st) {
   const int split = attention_split(rows, md.kv_heads, max_len, omp_get_max_threads());
   const bool common = shared_path(md, st);  // the rows share a prefix: its keys scored for all rows at once
   auto into = [](T* y, int64_t width) {  // a product's outputs stored as they are
-    return [=](int m, int n, __m512 v, __mmask16 mk) { store16(y + m * width + n, v, mk); };
+    return [=](int m, int n, V16 v, M16 mk) { store16(y + m * width + n, v, mk); };
   };
-  auto onto_h = [=](int m, int n, __m512 v, __mmask16 mk) {  // h = round(h + y): the residual
+  auto onto_h = [=](int m, int n, V16 v, M16 mk) {  // h = round(h + y): the residual
     T* r = h + int64_t(m) * H + n;
-    store16(r, rnd16<T>(_mm512_add_ps(load16(r, mk), v)), mk);
+    store16(r, rnd16<T>(load16(r, mk) + v), mk);
   };
   // y = x W^T through emit: x quantized first where W is (every thread takes part in both phases)
   auto linear = [&](const T* x, int n_rows, const Linear& lin, auto&& emit) {
@@ -180,8 +181,8 @@ void step(const Model& md, const Step& st) {
 #pragma omp for schedule(static)
     for (int r = 0; r < st.logit_rows; ++r) std::memcpy(xn + int64_t(r) * H, h + st.logit_row[r] * H, sizeof(T) * H);
     rms_norm(xn, static_cast<const T*>(md.norm), st.logit_rows, H, md.eps, xn);
-    linear(xn, st.logit_rows, md.lm_head, [&](int m, int n, __m512 v, __mmask16 mk) {
-      _mm512_mask_storeu_ps(st.logits + int64_t(m) * md.vocab + n, mk, v);
+    linear(xn, st.logit_rows, md.lm_head, [&](int m, int n, V16 v, M16 mk) {
+      store16(st.logits + int64_t(m) * md.vocab + n, v, mk);
     });
     release_tiles();
   }
@@ -197,7 +198,7 @@ void linear_alone(const Linear& lin, const T* x, int rows, T* y, bool amx, void*
 #pragma omp parallel
   {
     if (lin.format != kDense) quantize_rows(x, rows, lin.k, qx);
-    product(x, qx, rows, lin, amx, [&](int m, int n, __m512 v, __mmask16 mk) {
+    product(x, qx, rows, lin, amx, [&](int m, int n, V16 v, M16 mk) {
       store16(y + int64_t(m) * lin.n + n, v, mk);
     });
     release_tiles();
@@ -248,7 +249,10 @@ int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t shared) {
   return total;
 }
 
-int32_t rs_abi_version() { return 3; }
+int32_t rs_abi_version() { return 4; }
+
+// The vector instructions this build uses: "avx512" or "avx2" (simd.h)
+const char* rs_isa() { return kIsa; }
 
 // Whether AMX tile products can be used in this process (asks the kernel for the tile state once).
 int32_t rs_request_amx() { return request_amx() ? 1 : 0; }

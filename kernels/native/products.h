@@ -16,17 +16,19 @@ namespace rs {
 // Dense weights are packed once (kernels/cpu_native.py) into blocks of 16 output rows,
 //   bf16: [n/16][k/2][16][2] (per k-pair, what one dpbf16 takes per output lane)    fp32: [n/16][k][16],
 // so each lane of an accumulator is one output (no horizontal sums) and each weight vector, loaded once, serves a
-// tile of up to kRowTile rows of x. A thread owns a contiguous share of the blocks.
+// tile of up to kRowTile rows of x. A thread owns a contiguous share of the blocks. The same layout serves AVX2
+// (lane i of a V16 is output i there too).
 
-constexpr int kRowTile = 4, kColTile = 4;  // a register tile: rows of x x blocks of 16 outputs
-using Acc = __m512[kRowTile][kColTile];
+// a register tile: rows of x x blocks of 16 outputs (AVX2 has half the registers, each half as wide)
+constexpr int kRowTile = 4, kColTile = RS_AVX512 ? 4 : 2;
+using Acc = V16[kRowTile][kColTile];
 
 template <int MR, int NB>
 inline void zero(Acc& acc) {
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[r][j] = zero16();
 }
 
 template <int MR, int NB>
@@ -34,16 +36,16 @@ void tile_bf16(const bf16* x, int64_t ldx, int k, const bf16* w, int64_t bstride
   zero<MR, NB>(acc);
   const int pairs = k / 2;
   for (int p = 0; p < pairs; ++p) {
-    __m512bh wv[NB];
+    BF32 wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * bstride + p * 32);
+    for (int j = 0; j < NB; ++j) wv[j] = load_bf32(w + j * bstride + p * 32);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * ldx + 2 * p, 4);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      const BF32 xb = pair_bf32(pair);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
+      for (int j = 0; j < NB; ++j) acc[r][j] = dot_bf16(acc[r][j], wv[j], xb);
     }
   }
 }
@@ -52,14 +54,14 @@ template <int MR, int NB>
 void tile_f32(const float* x, int64_t ldx, int k, const float* w, int64_t bstride, Acc& acc) {
   zero<MR, NB>(acc);
   for (int i = 0; i < k; ++i) {
-    __m512 wv[NB];
+    V16 wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * bstride + i * 16);
+    for (int j = 0; j < NB; ++j) wv[j] = loadu(w + j * bstride + i * 16);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
+      const V16 xb = set1(x[r * ldx + i]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xb, acc[r][j]);
+      for (int j = 0; j < NB; ++j) acc[r][j] = fmadd(wv[j], xb, acc[r][j]);
     }
   }
 }
@@ -75,11 +77,18 @@ constexpr TileFn<T> tile_fn() {
 
 template <class T>
 TileFn<T> tile_for(int mr, int nb) {  // every (rows, blocks) shape a tile can have
+#if RS_AVX512
   static const TileFn<T> table[kRowTile][kColTile] = {
       {tile_fn<T, 1, 1>(), tile_fn<T, 1, 2>(), tile_fn<T, 1, 3>(), tile_fn<T, 1, 4>()},
       {tile_fn<T, 2, 1>(), tile_fn<T, 2, 2>(), tile_fn<T, 2, 3>(), tile_fn<T, 2, 4>()},
       {tile_fn<T, 3, 1>(), tile_fn<T, 3, 2>(), tile_fn<T, 3, 3>(), tile_fn<T, 3, 4>()},
       {tile_fn<T, 4, 1>(), tile_fn<T, 4, 2>(), tile_fn<T, 4, 3>(), tile_fn<T, 4, 4>()}};
+#else
+  static const TileFn<T> table[kRowTile][kColTile] = {{tile_fn<T, 1, 1>(), tile_fn<T, 1, 2>()},
+                                                      {tile_fn<T, 2, 1>(), tile_fn<T, 2, 2>()},
+                                                      {tile_fn<T, 3, 1>(), tile_fn<T, 3, 2>()},
+                                                      {tile_fn<T, 4, 1>(), tile_fn<T, 4, 2>()}};
+#endif
   return table[mr - 1][nb - 1];
 }
 
@@ -178,8 +187,9 @@ inline void release_tiles() {}
 //   q4: 4 groups of 8 k, each 16 lanes x 4 bytes: low nibble q[k0 + b], high nibble q[k0 + 4 + b]  256 bytes
 //   scale: q8 fp32, q4 fp16 [n/16][k/32][16] (d); zero: q4 fp16, the same layout (m)
 // The activations are quantized per row and 32 k to int8 (xq = round(x / dx), dx = max|x| / 127, and sum(xq)),
-// as llama.cpp does for its quantized CPU products, so a block's dot product is integer (VNNI's u8 x s8 dpbusd):
-//   sum_k x w = dx (d sum_k q xq + m sum_k xq);  q8 stores q + 128: sum_k (q + 128) xq - 128 sum_k xq.
+// as llama.cpp does for its quantized CPU products, so a block's dot product is integer (VNNI's u8 x s8 dpbusd;
+// AVX2's maddubs, simd.h):
+//   sum_k x w = dx (d sum_k q xq + m sum_k xq);  q8 stores q + 128: sum_k (q + 128) xq - 128 sum_k xq (kQ8Offset).
 
 struct QuantRows {  // a product's input rows, quantized (scratch)
   int8_t* q;        // [rows, k]
@@ -194,15 +204,11 @@ inline void quantize_rows(const T* x, int rows, int k, const QuantRows& out) {
   for (int m = 0; m < rows; ++m)
     for (int b = 0; b < blocks; ++b) {
       const int64_t at = int64_t(m) * k + b * kBlock;
-      const __m512 lo = load16(x + at, 0xffff), hi = load16(x + at + 16, 0xffff);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const V16 lo = load16(x + at, 0xffff), hi = load16(x + at + 16, 0xffff);
+      const float amax = reduce_max(vmax(vabs(lo), vabs(hi)));
       const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));  // nearest, ties to even
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + at), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + at + 16), _mm512_cvtsepi32_epi8(qhi));
+      out.sum[int64_t(m) * blocks + b] = quantize32(lo, hi, inv, out.q + at);
       out.d[int64_t(m) * blocks + b] = d;
-      out.sum[int64_t(m) * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     }
 }
 
@@ -215,69 +221,59 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
   const uint8_t* w = static_cast<const uint8_t*>(lin.w) + int64_t(b) * blocks * wbytes;
   zero<MR, NB>(acc);
   for (int blk = 0; blk < blocks; ++blk) {
-    __m512i dot[MR][NB];
+    I16 dot[MR][NB];
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) dot[r][j] = _mm512_setzero_si512();
+      for (int j = 0; j < NB; ++j) dot[r][j] = izero16();
     const uint8_t* wb = w + blk * wbytes;
     if constexpr (Format == kQ8) {
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
-        __m512i wv[NB];
+        I16 wv[NB];
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wb + j * blocks * wbytes + g * 64);
+        for (int j = 0; j < NB; ++j) wv[j] = load_i16(wb + j * blocks * wbytes + g * 64);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           int32_t quad;
           std::memcpy(&quad, x.q + int64_t(m0 + r) * k + blk * kBlock + g * 4, 4);
-          const __m512i xb = _mm512_set1_epi32(quad);
 #pragma GCC unroll 4
-          for (int j = 0; j < NB; ++j) dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], wv[j], xb);
+          for (int j = 0; j < NB; ++j) dot[r][j] = dot_q8(dot[r][j], wv[j], quad);
         }
       }
     } else {
-      const __m512i low = _mm512_set1_epi8(0x0f);
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
-        __m512i lo[NB], hi[NB];
+        I16 lo[NB], hi[NB];
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) {
-          const __m512i v = _mm512_loadu_si512(wb + j * blocks * wbytes + g * 64);
-          lo[j] = _mm512_and_si512(v, low);
-          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
+        for (int j = 0; j < NB; ++j) split_nibbles(load_i16(wb + j * blocks * wbytes + g * 64), &lo[j], &hi[j]);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           int32_t q0, q1;
           const int8_t* xq = x.q + int64_t(m0 + r) * k + blk * kBlock + g * 8;
           std::memcpy(&q0, xq, 4);
           std::memcpy(&q1, xq + 4, 4);
-          const __m512i x0 = _mm512_set1_epi32(q0), x1 = _mm512_set1_epi32(q1);
 #pragma GCC unroll 4
-          for (int j = 0; j < NB; ++j) {
-            dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], lo[j], x0);
-            dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], hi[j], x1);
-          }
+          for (int j = 0; j < NB; ++j) dot[r][j] = dot_u4(dot_u4(dot[r][j], lo[j], q0), hi[j], q1);
         }
       }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
       const int64_t at = (int64_t(b + j) * blocks + blk) * 16;
-      __m512 d, c;
+      V16 d, c;
       if constexpr (Format == kQ8) {
-        d = _mm512_loadu_ps(static_cast<const float*>(lin.scale) + at);
-        c = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+        d = loadu(static_cast<const float*>(lin.scale) + at);
+        c = d * set1(-kQ8Offset);
       } else {
-        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(lin.scale) + at)));
-        c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(lin.zero) + at)));
+        d = load_halves(static_cast<const uint16_t*>(lin.scale) + at);
+        c = load_halves(static_cast<const uint16_t*>(lin.zero) + at);
       }
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const int64_t xi = int64_t(m0 + r) * blocks + blk;
-        const __m512 t = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot[r][j]), _mm512_mul_ps(c, _mm512_set1_ps(float(x.sum[xi]))));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x.d[xi]), t, acc[r][j]);
+        const V16 t = fmadd(d, to_float(dot[r][j]), c * set1(float(x.sum[xi])));
+        acc[r][j] = fmadd(set1(x.d[xi]), t, acc[r][j]);
       }
     }
   }
@@ -303,9 +299,9 @@ inline void product(const T* x, const QuantRows& qx, int rows, const Linear& lin
   const int64_t bstride = int64_t(lin.k) * 16;  // elements per block of 16 rows
   const T* w = static_cast<const T*>(lin.w);
   const T* bias = static_cast<const T*>(lin.bias);
-  auto out = [&](int m, int n, __m512 acc) {
-    const __mmask16 mk = mask16(lin.n - n);
-    emit(m, n, rnd16<T>(bias ? _mm512_add_ps(acc, load16(bias + n, mk)) : acc), mk);
+  auto out = [&](int m, int n, V16 acc) {
+    const M16 mk = mask16(lin.n - n);
+    emit(m, n, rnd16<T>(bias ? acc + load16(bias + n, mk) : acc), mk);
   };
   Acc acc;
   if (lin.format != kDense) {  // qx: x quantized (quantize_rows) just before

@@ -1,9 +1,18 @@
-// Storage types (bf16 as uint16_t, fp32) and the AVX-512 pieces every kernel uses: masked loads and stores of 16
-// values with torch's rounding, exp, rounding to the storage type where eager torch would round.
+// Storage types (bf16 as uint16_t, fp32) and the one vocabulary of vector operations every kernel is written in:
+// V16, sixteen float lanes (masked by M16, one bit a lane), and BF32, thirty-two bf16 values taken as sixteen
+// pairs (dot_bf16: lane i += a[2i] b[2i] + a[2i + 1] b[2i + 1]). Two machines implement it:
+//
+//   AVX-512 (F, BW, VL, BF16, VNNI)   V16 is one zmm register, BF32 one __m512bh, dot_bf16 one vdpbf16ps
+//   AVX2 (+ FMA, F16C: x86-64-v3)     V16 is two ymm registers, BF32 four (the even and the odd values of each
+//                                     half, widened to fp32 once, when loaded), dot_bf16 four FMAs
+//
+// The compiler's target picks one (-march: native, or RADIXSERVE_MARCH); the kernels above this file are the same
+// code on both. Lane i is the same value on both, so a packed weight layout serves both.
 #pragma once
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -43,21 +52,45 @@ template <> inline float from_f<float>(float v) { return v; }
 template <> inline bf16 from_f<bf16>(float v) { return f2bf(v); }
 template <class T> inline float rnd(float v) { return to_f(from_f<T>(v)); }
 
-// the first n lanes (none for n <= 0, all for n >= the width)
-inline __mmask16 mask16(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
-inline __mmask32 mask32(int n) { return n >= 32 ? __mmask32(0xffffffffu) : n <= 0 ? 0 : __mmask32((1u << n) - 1); }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VNNI__)
+#define RS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RS_AVX512 0
+#else
+#error "the native kernel needs AVX2, FMA and F16C (x86-64-v3) or AVX-512 with BF16 and VNNI"
+#endif
 
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const bf16* p, __mmask16 m) {
+// the first n lanes (none for n <= 0, all for n >= 16)
+using M16 = uint16_t;
+inline M16 mask16(int n) { return n >= 16 ? M16(0xffff) : n <= 0 ? 0 : M16((1u << n) - 1); }
+
+#if RS_AVX512
+constexpr const char* kIsa = "avx512";
+
+using V16 = __m512;
+using BF32 = __m512bh;
+
+inline V16 zero16() { return _mm512_setzero_ps(); }
+inline V16 set1(float x) { return _mm512_set1_ps(x); }
+inline V16 fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }  // a b + c, one rounding
+inline V16 fnmadd(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b, one rounding
+inline V16 vmax(V16 a, V16 b) { return _mm512_max_ps(a, b); }
+inline V16 vmin(V16 a, V16 b) { return _mm512_min_ps(a, b); }
+inline V16 vabs(V16 a) { return _mm512_abs_ps(a); }
+inline V16 loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void storeu(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+inline V16 select(M16 m, V16 v) { return _mm512_maskz_mov_ps(m, v); }           // v in m's lanes, else 0
+inline V16 blend(V16 src, M16 m, V16 v) { return _mm512_mask_mov_ps(src, m, v); }  // v in m's lanes, else src
+inline float reduce_add(V16 v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(V16 v) { return _mm512_reduce_max_ps(v); }
+
+inline V16 load16(const float* p, M16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline V16 load16(const bf16* p, M16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-template <class T> inline __m512 rnd16(__m512 v);
-inline void store16(bf16* p, __m512 v, __mmask16 m) {  // rounded to nearest even, as torch (finite values)
-  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(rnd16<bf16>(v)), 16);
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits));
-}
-template <class T> inline __m512 rnd16(__m512 v) {
+inline void store16(float* p, V16 v, M16 m) { _mm512_mask_storeu_ps(p, m, v); }
+template <class T> inline V16 rnd16(V16 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {  // v to bf16 and back, round to nearest even (NaN-free inputs: activations)
@@ -67,21 +100,261 @@ template <class T> inline __m512 rnd16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))));
   }
 }
+inline void store16(bf16* p, V16 v, M16 m) {  // rounded to nearest even, as torch (finite values)
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(rnd16<bf16>(v)), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits));
+}
 
-inline __m512 exp16(__m512 x) {  // e^x, ~1 ulp (Cephes' polynomial), scaled by 2^n
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+inline V16 round_even(V16 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V16 scale_pow2(V16 p, V16 n) { return _mm512_scalef_ps(p, n); }  // p 2^n, n integral
+
+inline BF32 load_bf32(const bf16* p) { return (BF32)_mm512_loadu_si512(p); }
+inline BF32 load_bf32(const bf16* p, int n) {  // the first n values (up to 32), zeros after
+  return (BF32)_mm512_maskz_loadu_epi16(n >= 32 ? __mmask32(0xffffffffu) : n <= 0 ? 0 : __mmask32((1u << n) - 1), p);
+}
+inline BF32 pair_bf32(int32_t pair) { return (BF32)_mm512_set1_epi32(pair); }  // one pair in every lane
+inline V16 dot_bf16(V16 acc, BF32 a, BF32 b) { return _mm512_dpbf16_ps(acc, a, b); }
+
+// Integer lanes for the quantized products: I16 is sixteen int32 lanes, each the dot product of 4 weight bytes
+// of one output with 4 int8 activations.
+using I16 = __m512i;
+// dpbusd multiplies unsigned bytes by signed ones: q8 weights are stored as q + 128, corrected after the block
+constexpr float kQ8Offset = 128.0f;
+inline I16 izero16() { return _mm512_setzero_si512(); }
+inline I16 load_i16(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline I16 dot_q8(I16 acc, I16 w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
+inline I16 dot_u4(I16 acc, I16 w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
+inline void split_nibbles(I16 v, I16* lo, I16* hi) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  *lo = _mm512_and_si512(v, low);
+  *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+}
+inline V16 to_float(I16 v) { return _mm512_cvtepi32_ps(v); }
+inline V16 load_halves(const uint16_t* p) {  // 16 fp16 values as fp32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// 32 values times inv to int8 (nearest, ties to even; saturated) into out; returns their sum
+inline int32_t quantize32(V16 lo, V16 hi, float inv, int8_t* out) {
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+  const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qlo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qhi));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+}
+
+#else
+constexpr const char* kIsa = "avx2";
+
+struct V16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline V16 operator+(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 operator-(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 operator*(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 operator/(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+
+inline V16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 fmadd(V16 a, V16 b, V16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V16 fnmadd(V16 a, V16 b, V16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline V16 vabs(V16 a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi)};
+}
+inline V16 loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void storeu(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+
+// m's bits as two vectors of all-ones / all-zeros lanes
+inline void lane_masks(M16 m, __m256i* lo, __m256i* hi) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  *lo = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(m & 0xff), bit), bit);
+  *hi = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(m >> 8), bit), bit);
+}
+inline V16 select(M16 m, V16 v) {
+  __m256i lo, hi;
+  lane_masks(m, &lo, &hi);
+  return {_mm256_and_ps(_mm256_castsi256_ps(lo), v.lo), _mm256_and_ps(_mm256_castsi256_ps(hi), v.hi)};
+}
+inline V16 blend(V16 src, M16 m, V16 v) {
+  __m256i lo, hi;
+  lane_masks(m, &lo, &hi);
+  return {_mm256_blendv_ps(src.lo, v.lo, _mm256_castsi256_ps(lo)), _mm256_blendv_ps(src.hi, v.hi, _mm256_castsi256_ps(hi))};
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_add(V16 v) { return hsum8(_mm256_add_ps(v.lo, v.hi)); }
+inline float reduce_max(V16 v) {
+  const __m256 m8 = _mm256_max_ps(v.lo, v.hi);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline V16 load16(const float* p, M16 m) {  // masked-off lanes are never read (vmaskmovps does not fault)
+  if (m == 0xffff) return loadu(p);
+  __m256i lo, hi;
+  lane_masks(m, &lo, &hi);
+  return {_mm256_maskload_ps(p, lo), _mm256_maskload_ps(p + 8, hi)};
+}
+inline __m256 widen_bf16(__m128i h) {  // 8 bf16 -> 8 fp32: bf16 is fp32's upper half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V16 load16(const bf16* p, M16 m) {
+  if (m == 0xffff) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {widen_bf16(_mm256_castsi256_si128(h)), widen_bf16(_mm256_extracti128_si256(h, 1))};
+  }
+  alignas(32) bf16 tmp[16] = {};  // a tail: only the lanes asked for are read
+  for (int i = 0; i < 16; ++i)
+    if (m >> i & 1) tmp[i] = p[i];
+  return load16(tmp, M16(0xffff));
+}
+inline void store16(float* p, V16 v, M16 m) {
+  if (m == 0xffff) return storeu(p, v);
+  __m256i lo, hi;
+  lane_masks(m, &lo, &hi);
+  _mm256_maskstore_ps(p, lo, v.lo);
+  _mm256_maskstore_ps(p + 8, hi, v.hi);
+}
+inline __m256 rnd8_bf16(__m256 v) {  // to bf16 and back, round to nearest even (NaN-free inputs: activations)
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xffff0000u))));
+}
+template <class T> inline V16 rnd16(V16 v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return {rnd8_bf16(v.lo), rnd8_bf16(v.hi)};
+}
+inline void store16(bf16* p, V16 v, M16 m) {  // rounded to nearest even, as torch (finite values)
+  const V16 r = rnd16<bf16>(v);
+  // the upper halves, packed to 16 bits (packus works within 128-bit lanes: the permute puts them in order)
+  const __m256i packed = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(r.lo), 16),
+                          _mm256_srli_epi32(_mm256_castps_si256(r.hi), 16)), 0xD8);
+  if (m == 0xffff) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+  alignas(32) bf16 tmp[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), packed);
+  for (int i = 0; i < 16; ++i)
+    if (m >> i & 1) p[i] = tmp[i];
+}
+
+inline V16 round_even(V16 x) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(x.lo, kMode), _mm256_round_ps(x.hi, kMode)};
+}
+inline __m256 pow2(__m256 n) {  // 2^n for integral n in [-126, 127]: the exponent field
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline V16 scale_pow2(V16 p, V16 n) {  // p 2^n for integral n in [-128, 128]: two steps of at most 2^64 each
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256 a_lo = _mm256_round_ps(_mm256_mul_ps(n.lo, half), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m256 a_hi = _mm256_round_ps(_mm256_mul_ps(n.hi, half), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  return {_mm256_mul_ps(_mm256_mul_ps(p.lo, pow2(a_lo)), pow2(_mm256_sub_ps(n.lo, a_lo))),
+          _mm256_mul_ps(_mm256_mul_ps(p.hi, pow2(a_hi)), pow2(_mm256_sub_ps(n.hi, a_hi)))};
+}
+
+struct BF32 {  // 32 bf16 as fp32: ev/od = values 2i / 2i + 1 of lanes 0-7 (lo) and 8-15 (hi)
+  __m256 ev_lo, od_lo, ev_hi, od_hi;
+};
+inline BF32 split_bf32(__m256i lo, __m256i hi) {  // 16 bf16 pairs, each in a 32-bit lane
+  const __m256i top = _mm256_set1_epi32(int(0xffff0000u));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_and_si256(lo, top)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), _mm256_castsi256_ps(_mm256_and_si256(hi, top))};
+}
+inline BF32 load_bf32(const bf16* p) {
+  return split_bf32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+}
+inline BF32 load_bf32(const bf16* p, int n) {  // the first n values (up to 32), zeros after
+  if (n >= 32) return load_bf32(p);
+  alignas(32) bf16 tmp[32] = {};
+  for (int i = 0; i < std::max(n, 0); ++i) tmp[i] = p[i];
+  return load_bf32(tmp);
+}
+inline BF32 pair_bf32(int32_t pair) {  // one pair in every lane
+  const __m256 ev = _mm256_set1_ps(bf2f(bf16(pair & 0xffff))), od = _mm256_set1_ps(bf2f(bf16(uint32_t(pair) >> 16)));
+  return {ev, od, ev, od};
+}
+inline V16 dot_bf16(V16 acc, BF32 a, BF32 b) {  // products of bf16 are exact in fp32: the odd one first, as vdpbf16ps
+  return {_mm256_fmadd_ps(a.ev_lo, b.ev_lo, _mm256_fmadd_ps(a.od_lo, b.od_lo, acc.lo)),
+          _mm256_fmadd_ps(a.ev_hi, b.ev_hi, _mm256_fmadd_ps(a.od_hi, b.od_hi, acc.hi))};
+}
+
+struct I16 {
+  __m256i lo, hi;
+};
+// maddubs would saturate on q + 128 (up to 255 x 127, twice): q8 multiplies |q| by x with q's sign instead, so
+// the dot is of q itself (|q| <= 128, |x| <= 127: pairs stay below 2^15) and needs no correction
+constexpr float kQ8Offset = 0.0f;
+inline I16 izero16() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I16 load_i16(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline __m256i sum_quads(__m256i acc, __m256i u8, __m256i s8) {  // lane += 4 products u8 x s8 (pairs < 2^15)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+inline I16 dot_q8(I16 acc, I16 w, int32_t quad) {
+  const __m256i x = _mm256_set1_epi32(quad), flip = _mm256_set1_epi8(char(0x80));
+  const __m256i qlo = _mm256_xor_si256(w.lo, flip), qhi = _mm256_xor_si256(w.hi, flip);  // q + 128 -> q
+  return {sum_quads(acc.lo, _mm256_abs_epi8(qlo), _mm256_sign_epi8(x, qlo)),
+          sum_quads(acc.hi, _mm256_abs_epi8(qhi), _mm256_sign_epi8(x, qhi))};
+}
+inline I16 dot_u4(I16 acc, I16 w, int32_t quad) {  // nibbles: at most 15 x 127, twice
+  const __m256i x = _mm256_set1_epi32(quad);
+  return {sum_quads(acc.lo, w.lo, x), sum_quads(acc.hi, w.hi, x)};
+}
+inline void split_nibbles(I16 v, I16* lo, I16* hi) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  *lo = {_mm256_and_si256(v.lo, low), _mm256_and_si256(v.hi, low)};
+  *hi = {_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), low), _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), low)};
+}
+inline V16 to_float(I16 v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline V16 load_halves(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline int32_t quantize32(V16 lo, V16 hi, float inv, int8_t* out) {
+  const __m256 s = _mm256_set1_ps(inv);
+  const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(lo.lo, s)), b = _mm256_cvtps_epi32(_mm256_mul_ps(lo.hi, s));
+  const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(hi.lo, s)), d = _mm256_cvtps_epi32(_mm256_mul_ps(hi.hi, s));
+  // the packs work within 128-bit lanes: 4-byte groups come out as a0-3 b0-3 c0-3 d0-3 a4-7 b4-7 ..
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+}
+#endif
+
+inline V16 exp16(V16 x) {  // e^x, ~1 ulp (Cephes' polynomial), scaled by 2^n
+  x = vmax(vmin(x, set1(88.3762626647949f)), set1(-88.3762626647949f));
+  const V16 n = round_even(x * set1(1.44269504088896341f));
+  V16 r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  V16 p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  p = fmadd(p * r, r, r + set1(1.0f));
+  return scale_pow2(p, n);
 }
 
 }  // namespace rs
