@@ -23,17 +23,28 @@ namespace rs {
 constexpr int kRowTile = 4, kColTile = RS_AVX512 ? 4 : 2;
 using Acc = V16[kRowTile][kColTile];
 
+// A tile sums into local registers (a[MR][NB]: the vector types alias anything, so sums kept in the caller's
+// Acc would go through memory on every step) and hands them over at the end.
 template <int MR, int NB>
-inline void zero(Acc& acc) {
+inline void zero(V16 (&a)[MR][NB]) {
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[r][j] = zero16();
+    for (int j = 0; j < NB; ++j) a[r][j] = zero16();
+}
+
+template <int MR, int NB>
+inline void hand_over(const V16 (&a)[MR][NB], Acc& acc) {
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = a[r][j];
 }
 
 template <int MR, int NB>
 void tile_bf16(const bf16* x, int64_t ldx, int k, const bf16* w, int64_t bstride, Acc& acc) {
-  zero<MR, NB>(acc);
+  V16 a[MR][NB];
+  zero<MR, NB>(a);
   const int pairs = k / 2;
   for (int p = 0; p < pairs; ++p) {
     BF32 wv[NB];
@@ -45,14 +56,16 @@ void tile_bf16(const bf16* x, int64_t ldx, int k, const bf16* w, int64_t bstride
       std::memcpy(&pair, x + r * ldx + 2 * p, 4);
       const BF32 xb = pair_bf32(pair);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[r][j] = dot_bf16(acc[r][j], wv[j], xb);
+      for (int j = 0; j < NB; ++j) a[r][j] = dot_bf16(a[r][j], wv[j], xb);
     }
   }
+  hand_over<MR, NB>(a, acc);
 }
 
 template <int MR, int NB>
 void tile_f32(const float* x, int64_t ldx, int k, const float* w, int64_t bstride, Acc& acc) {
-  zero<MR, NB>(acc);
+  V16 a[MR][NB];
+  zero<MR, NB>(a);
   for (int i = 0; i < k; ++i) {
     V16 wv[NB];
 #pragma GCC unroll 4
@@ -61,9 +74,10 @@ void tile_f32(const float* x, int64_t ldx, int k, const float* w, int64_t bstrid
     for (int r = 0; r < MR; ++r) {
       const V16 xb = set1(x[r * ldx + i]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[r][j] = fmadd(wv[j], xb, acc[r][j]);
+      for (int j = 0; j < NB; ++j) a[r][j] = fmadd(wv[j], xb, a[r][j]);
     }
   }
+  hand_over<MR, NB>(a, acc);
 }
 
 template <class T>
@@ -219,7 +233,8 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
   const int blocks = k / kBlock;
   const int64_t wbytes = Format == kQ8 ? 512 : 256;  // per 16 rows x 32 k
   const uint8_t* w = static_cast<const uint8_t*>(lin.w) + int64_t(b) * blocks * wbytes;
-  zero<MR, NB>(acc);
+  V16 a[MR][NB];
+  zero<MR, NB>(a);
   for (int blk = 0; blk < blocks; ++blk) {
     I16 dot[MR][NB];
 #pragma GCC unroll 4
@@ -273,10 +288,11 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
       for (int r = 0; r < MR; ++r) {
         const int64_t xi = int64_t(m0 + r) * blocks + blk;
         const V16 t = fmadd(d, to_float(dot[r][j]), c * set1(float(x.sum[xi])));
-        acc[r][j] = fmadd(set1(x.d[xi]), t, acc[r][j]);
+        a[r][j] = fmadd(set1(x.d[xi]), t, a[r][j]);
       }
     }
   }
+  hand_over<MR, NB>(a, acc);
 }
 
 using QuantTileFn = void (*)(const QuantRows&, int, int, const Linear&, int, Acc&);
