@@ -295,6 +295,25 @@ def test_the_cost_model_says_what_acceptance_a_draft_needs_per_batch_size():
     assert m.info()["8"]["acceptance_needed"] == pytest.approx(0.5) and set(m.info()) == {"1", "8"}
 
 
+def test_a_draft_is_as_long_as_pays_at_its_acceptance():
+    """The draft length that makes the most tokens per second: longer the more often a request's draft tokens are
+    kept, none where a kept token is rarer than a draft token is dear."""
+    from radixserve.actors.scheduler.speculate import Drafting, draft_length
+
+    assert draft_length(1.0, 0.3, 8) == 8, "every token kept: the longest draft"
+    assert draft_length(0.2, 0.3, 8) == 0, "a token kept less often than it costs: no draft"
+    # a = 0.9, a draft token 0.3 plain tokens: k = 5 gives (1 + .9 + .81 + .729 + .656 + .59) / 2.5 = 1.87 a step
+    assert draft_length(0.9, 0.3, 8) == 5 and draft_length(0.6, 0.3, 8) == 1
+    assert draft_length(0.9, 0.0, 8) == 8, "free verification: as long as the policy offers"
+    r = Drafting()
+    assert r.acceptance is None
+    r.drafted(3, 8)  # 3 kept, then one refused: 3 of 4 tokens looked at were kept
+    assert r.acceptance == pytest.approx(0.75)
+    for _ in range(20):
+        r.drafted(8, 8)  # kept whole, again and again
+    assert r.acceptance > 0.99
+
+
 def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(tiny_models, workload, reference):
     """A cost model that asks for 50% acceptance: a request whose drafts are right keeps drafting; one whose
     drafts keep 1 token of 8 drafts once, then decodes plainly (it is not rejected outright, so this is not the

@@ -14,8 +14,10 @@ grammar, penalty, logit processor, logprobs or seed (a seeded request's tokens a
 a draft would change); the others decode as before in the same step (a draft of 0 tokens). A request whose
 draft was rejected outright drafts again only after 1, 2, 4 ... 64 plain steps (reset by an accepted token): a
 source that keeps guessing wrong for it stops costing it verification. And a cost model (``CostModel``), timed on
-the steps themselves, says per batch size what acceptance a draft needs to pay for its verification; a request
-whose own acceptance is below it decodes plainly (but for one step in 32, where it is measured again).
+the steps themselves, says per batch size what a draft token costs in plain tokens; with a request's own
+acceptance that decides how long its draft is (``draft_length``: the length that makes the most tokens per second,
+longer the more of its drafts are kept), and a request for which no length pays decodes plainly (but for one step
+in 32, where it is measured again).
 """
 from __future__ import annotations
 
@@ -55,14 +57,43 @@ def speculates(req: Req, sampled: bool = True) -> bool:
 
 @dataclass
 class Drafting:
-    """One request's drafting record: its acceptance (a moving average of kept / drafted tokens over its drafts;
-    None before its first), its rejected-outright drafts in a row (``misses``) and the decode steps it still
-    skips after them (``skip``), and the steps since it last drafted while the cost model advised against it."""
+    """One request's drafting record: moving averages over its drafts of the tokens kept (None before its first)
+    and of whether a token was refused (a draft kept whole refuses none), its rejected-outright drafts in a row
+    (``misses``) and the decode steps it still skips after them (``skip``), and the steps since it last drafted
+    while the cost model advised against it."""
 
-    acceptance: float | None = None
+    kept: float | None = None
+    refused: float = 0.0
     misses: int = 0
     skip: int = 0
     idle: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        """The chance that a draft token is kept when the ones before it were: kept / (kept + refused) per draft,
+        averaged (None before its first draft)."""
+        if self.kept is None:
+            return None
+        return self.kept / (self.kept + self.refused) if self.kept + self.refused > 0 else 0.0
+
+    def drafted(self, kept: int, length: int) -> None:
+        refused = float(kept < length)
+        self.refused = refused if self.kept is None else average(self.refused, refused)
+        self.kept = average(self.kept, kept)
+
+
+def draft_length(acceptance: float, cost: float, most: int) -> int:
+    """The draft length (0 .. ``most``) that makes the most tokens per second: with each draft token kept with
+    probability ``acceptance`` when the ones before it were, a draft of k keeps a + a^2 + .. + a^k tokens on
+    average beyond the one every step makes, and costs 1 + k ``cost`` plain steps (``cost``: a draft token's
+    time, in plain tokens). 0 where no length beats a plain step."""
+    best, best_rate, kept = 0, 1.0, 0.0
+    for k in range(1, most + 1):
+        kept += acceptance ** k
+        rate = (1 + kept) / (1 + k * cost)
+        if rate > best_rate + 1e-9:
+            best, best_rate = k, rate
+    return best
 
 
 MAX_BACKOFF = 64  # plain steps at most between two drafts of a request whose drafts keep being rejected
@@ -100,7 +131,8 @@ class CostModel:
         return bucket(batch) in self.plain and self.steps % self.explore != 0
 
     def threshold(self, batch: int) -> float:
-        """The acceptance a request's drafts need to pay at this batch size (0 while it is being measured)."""
+        """A draft token's cost in plain tokens at this batch size, which is the acceptance a one-token draft
+        needs to pay (0 while it is being measured)."""
         b = bucket(batch)
         if b not in self.per_draft:
             return 0.0
@@ -172,34 +204,39 @@ class Speculation:
         if not self.on or (self.gate is not None and not self.gate.allows(len(running))):
             return None
         view = cache if cache is not None else NoCache()
-        need = self.gate.threshold(len(running)) if self.gate is not None else 0.0
+        cost = self.gate.threshold(len(running)) if self.gate is not None else 0.0
         drafts: list[list[int]] = []
         for req in running:
             want = min(self.tokens, req.max_new_tokens - len(req.output_ids) - 1, room)
-            asked = want > 0 and speculates(req, self.sampled) and self._due(req.rid, need)
-            draft = self._draft(req, want, view) if asked else []
+            if want > 0 and speculates(req, self.sampled):
+                want = self._due(req.rid, cost, want)
+            else:
+                want = 0
+            draft = self._draft(req, want, view) if want > 0 else []
             room -= len(draft)
             drafts.append(draft)
         return drafts if any(drafts) else None
 
-    def _due(self, rid: str, need: float) -> bool:
-        """Is ``rid`` asked for a draft this step? Not while it backs off after rejected drafts, nor while its
-        acceptance (before its first draft: the policy's so far) is below ``need``, but for one step in
-        ``CostModel.explore`` (its acceptance is measured afresh)."""
+    def _due(self, rid: str, cost: float, most: int) -> int:
+        """How many draft tokens ``rid`` is asked for this step (at most ``most``): none while it backs off after
+        rejected drafts; else the length that pays best at its acceptance (before its first draft: the policy's
+        so far) and this batch's ``cost`` of a draft token, and where none pays, none but for one step in
+        ``CostModel.explore`` (``most``: its acceptance is measured afresh)."""
         r = self._requests.setdefault(rid, Drafting())
         if r.skip > 0:
             r.skip -= 1
             self.stats.backed_off += 1
-            return False
+            return 0
         expected = r.acceptance
         if expected is None:  # its first draft: as good as the policy's so far
             expected = self.stats.accepted / self.stats.drafted if self.stats.drafted else 1.0
-        if expected >= need or r.idle + 1 >= (self.gate.explore if self.gate is not None else 1):
+        length = draft_length(expected, cost, most)
+        if length > 0 or r.idle + 1 >= (self.gate.explore if self.gate is not None else 1):
             r.idle = 0
-            return True
+            return length or most
         r.idle += 1
         self.stats.not_worth += 1
-        return False
+        return 0
 
     def _draft(self, req: Req, want: int, cache: DraftCache) -> list[int]:
         try:
@@ -220,7 +257,7 @@ class Speculation:
         model = [*drafted, last]
         n = accepted_prefix(draft, model)
         r = self._requests.setdefault(rid, Drafting())
-        r.acceptance = average(r.acceptance, n / len(draft))
+        r.drafted(n, len(draft))
         if n:
             r.misses = 0
         else:
