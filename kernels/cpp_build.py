@@ -10,8 +10,7 @@ library (an AVX-512 build on an AVX2 machine dies with SIGILL). Two switches, re
 - ``RADIXSERVE_NATIVE=0``: no C++ at all (as on a machine without a compiler): ``--decode-kernel auto`` serves
   with torch and ``--deterministic`` with its row-by-row torch kernels.
 - ``RADIXSERVE_MARCH=x86-64-v3`` (any ``-march`` value; default ``native``): build for another target, e.g. to
-  run the invariant kernels as an AVX2-only machine would (the AVX-512 decode step then fails to build and ``auto``
-  falls back).
+  run the C++ kernels as an AVX2-only machine would (the decode step then takes its AVX2 code, ``simd.h``).
 """
 from __future__ import annotations
 

@@ -201,7 +201,8 @@ HELP = {
     "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
                     "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
     "decode_kernel": "how CPU decode steps (and short prefills) run: native (the whole step in one C++ call, built "
-                     "for this CPU on first use; needs AVX-512 BF16 + VNNI and a C++ compiler; bf16, float32 or "
+                     "for this CPU on first use; needs AVX2 (AVX-512 BF16 + VNNI used where present) and a C++ "
+                     "compiler; bf16, float32 or "
                      "--quantization weights), compiled (torch.compile'd layers), eager; auto: native where it "
                      "can run, else compiled",
     "disable_compile": "run decode steps eagerly: no native step, no torch.compile graphs (compiling them at "
