@@ -168,7 +168,7 @@ class ModelRunner:
             self.native_build_seconds = time.perf_counter() - native_start
             if self.native is not None:
                 log.info("native decode step ready in %.1fs (%s)", self.native_build_seconds,
-                         "AMX tiles" if self.native.amx else self.native.isa.upper().replace("AVX512", "AVX-512"))
+                         "AMX tiles" if self.native.amx else self.native.isa)
         if not deterministic:  # --deterministic computes every linear layer itself (below)
             pack(self.model)
         positions = cfg.max_position_embeddings

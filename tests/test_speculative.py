@@ -283,13 +283,13 @@ def test_the_cost_model_says_what_acceptance_a_draft_needs_per_batch_size():
     m = CostModel(explore=4)
     assert not m.allows(1), "a batch size's first decode step is plain: it is measured"
     m.timed(1, 0.010, 0)  # a plain step: 10 ms a token
-    assert m.threshold(1) == 0.0, "until drafts are measured too, every request drafts"
+    assert m.draft_cost(1) == 0.0, "until drafts are measured too, every request drafts"
     assert m.allows(1)
     m.timed(1, 0.014, 8)  # 8 draft tokens added 4 ms: 0.5 ms each, 5% of a plain token
-    assert m.threshold(1) == pytest.approx(0.05)
+    assert m.draft_cost(1) == pytest.approx(0.05)
     m.timed(8, 0.016, 0)  # batch 8: 2 ms a token ...
     m.timed(8, 0.016 + 0.064, 64)  # ... and 1 ms a draft token: a draft token must be kept half the time
-    assert m.threshold(8) == pytest.approx(0.5) and m.threshold(5) == pytest.approx(5 * 0.001 / 0.016)
+    assert m.draft_cost(8) == pytest.approx(0.5) and m.draft_cost(5) == pytest.approx(5 * 0.001 / 0.016)
     assert [m.allows(1) for _ in range(8)] == [True, False, True, True, True, False, True, True], \
         "every 4th decode step plain, to keep the plain figure current"
     assert m.info()["8"]["acceptance_needed"] == pytest.approx(0.5) and set(m.info()) == {"1", "8"}
@@ -325,7 +325,7 @@ def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(ti
         def allows(self, batch):
             return True
 
-        def threshold(self, batch):
+        def draft_cost(self, batch):
             return 0.5
 
         def timed(self, batch, seconds, drafted):

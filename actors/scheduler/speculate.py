@@ -115,7 +115,7 @@ class CostModel:
     bucket: ``plain[b]``, a plain decode step's seconds, and ``per_draft[b]``, what a verifying step costs beyond
     a plain one per draft token. A plain step of B requests makes B tokens in P seconds; verifying D draft tokens
     adds c D seconds and gains the tokens kept, so it pays when a draft token is kept more often than
-    c / (P / B): what it costs, in plain tokens (``threshold``). Large batches make P / B small and raise the
+    c / (P / B): what it costs, in plain tokens (``draft_cost``). Large batches make P / B small and raise the
     bar; a request drafts while its own acceptance is above it. Until a batch size's figures are measured, its
     steps are measured: one plain step first, then drafts; while drafting, every ``explore``-th decode step is
     plain, to keep P current."""
@@ -130,7 +130,7 @@ class CostModel:
         self.steps += 1
         return bucket(batch) in self.plain and self.steps % self.explore != 0
 
-    def threshold(self, batch: int) -> float:
+    def draft_cost(self, batch: int) -> float:
         """A draft token's cost in plain tokens at this batch size, which is the acceptance a one-token draft
         needs to pay (0 while it is being measured)."""
         b = bucket(batch)
@@ -150,7 +150,7 @@ class CostModel:
     def info(self) -> dict[str, dict[str, float]]:
         """Per batch size measured (the bucket's largest): the figures and the acceptance a draft needs."""
         return {str(1 << b): {"plain_step_s": self.plain[b], "per_draft_token_s": self.per_draft[b],
-                              "acceptance_needed": self.threshold(1 << b)}
+                              "acceptance_needed": self.draft_cost(1 << b)}
                 for b in sorted(self.per_draft) if b in self.plain}
 
 
@@ -204,14 +204,11 @@ class Speculation:
         if not self.on or (self.gate is not None and not self.gate.allows(len(running))):
             return None
         view = cache if cache is not None else NoCache()
-        cost = self.gate.threshold(len(running)) if self.gate is not None else 0.0
+        cost = self.gate.draft_cost(len(running)) if self.gate is not None else 0.0
         drafts: list[list[int]] = []
         for req in running:
             want = min(self.tokens, req.max_new_tokens - len(req.output_ids) - 1, room)
-            if want > 0 and speculates(req, self.sampled):
-                want = self._due(req.rid, cost, want)
-            else:
-                want = 0
+            want = self._due(req.rid, cost, want) if want > 0 and speculates(req, self.sampled) else 0
             draft = self._draft(req, want, view) if want > 0 else []
             room -= len(draft)
             drafts.append(draft)
