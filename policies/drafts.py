@@ -185,8 +185,11 @@ class SuffixTrie:
 class Suffix:
     """SuffixDecoding's drafting: the longest suffix of the request's tokens found in a trie of this request's
     own tokens (its prompt and output so far) or in one of earlier requests' (prompts and outputs), then the most
-    frequent continuation, longer the longer the match. Bounded: past ``MAX_NODES`` the shared trie is rebuilt
-    from the latest finished requests, newest first, up to half that."""
+    frequent continuation, longer the longer the match. Of the two tries' drafts, the one with more tokens
+    expected to be kept: each trie's drafts for this request are judged by the tokens that followed them
+    (``_Trust``), so a request that answers with its own prompt's text (a quoted document, an edited file, an
+    earlier answer repeated) stops taking the drafts of earlier requests that once went on alike. Bounded: past
+    ``MAX_NODES`` the shared trie is rebuilt from the latest finished requests, newest first, up to half that."""
 
     name = "suffix"
     DEPTH = 32  # window: the longest match plus draft a trie can give
@@ -196,6 +199,8 @@ class Suffix:
 
     def __init__(self) -> None:
         self.own: dict[str, tuple[SuffixTrie, list | None, int]] = {}  # rid -> (trie, open windows, tokens added)
+        self.trust: dict[str, dict[str, _Trust]] = {}  # rid -> trie ("own", "shared") -> how its drafts fared
+        self.last: dict[str, tuple[str, list[int], int]] = {}  # rid -> (trie, draft, tokens then) of its last
         self.shared = SuffixTrie(self.DEPTH)
         self.recent: deque[tuple[int, ...]] = deque()  # finished requests' tokens, oldest first, to rebuild from
         self.recent_tokens = 0
@@ -207,12 +212,21 @@ class Suffix:
         upto = max(len(tokens) - 1, seen)
         open_ = trie.add(tokens[seen:upto], open_)
         self.own[rid] = (trie, open_, upto)
-        own = trie.draft(tokens, k, self.MAX_MATCH, self.FACTOR)
-        shared = self.shared.draft(tokens, k, self.MAX_MATCH, self.FACTOR)
-        return max(own, shared, key=lambda d: (d[0], len(d[1])))[1]
+        trust = self.trust.setdefault(rid, {"own": _Trust(OWN_PRIOR), "shared": _Trust(SHARED_PRIOR)})
+        if rid in self.last:
+            source, draft, then = self.last.pop(rid)
+            trust[source].judge(draft, tokens[then:])
+        drafts = {"own": trie.draft(tokens, k, self.MAX_MATCH, self.FACTOR)[1],
+                  "shared": self.shared.draft(tokens, k, self.MAX_MATCH, self.FACTOR)[1]}
+        source = max(drafts, key=lambda s: trust[s].expected(len(drafts[s])))  # ties: own, the first
+        if drafts[source]:
+            self.last[rid] = (source, drafts[source], len(tokens))
+        return drafts[source]
 
     def release(self, rid: str, tokens: Sequence[int]) -> None:
         self.own.pop(rid, None)
+        self.trust.pop(rid, None)
+        self.last.pop(rid, None)
         seq = tuple(tokens)
         self.shared.add(seq)
         self.recent.append(seq)
@@ -230,6 +244,28 @@ class Suffix:
             trie.add(seq)
             kept.appendleft(seq)
         self.shared, self.recent, self.recent_tokens = trie, kept, sum(map(len, kept))
+
+
+OWN_PRIOR = (2.0, 1.0)  # (kept, refused) a trie's drafts start with: the request's own text is the likelier copy
+SHARED_PRIOR = (1.0, 1.0)
+
+
+class _Trust:
+    """How one trie's drafts fared for one request: its draft tokens kept and refused, after ``prior``."""
+
+    def __init__(self, prior: tuple[float, float]) -> None:
+        self.kept, self.refused = prior
+
+    def judge(self, draft: Sequence[int], came: Sequence[int]) -> None:
+        """``came``: the tokens the request made after ``draft`` was proposed (as many as are known)."""
+        kept = accepted_prefix(draft, came)
+        self.kept += kept
+        self.refused += kept < min(len(draft), len(came))
+
+    def expected(self, length: int) -> float:
+        """The draft tokens of a draft of ``length`` expected to be kept: a + a^2 + .. + a^length."""
+        a = self.kept / (self.kept + self.refused)
+        return sum(a ** i for i in range(1, length + 1))
 
 
 class Radix:

@@ -48,6 +48,21 @@ def test_suffix_drafts_from_the_request_and_from_earlier_requests():
     assert p.propose("u", [30, 31], 4, NoCache()) == []
 
 
+def test_suffix_takes_the_request_own_text_over_an_earlier_request_longer_match_until_it_fails():
+    """Repeating an answer the prompt quotes: an earlier request's longer match went on otherwise. The request's
+    own continuation is drafted (its trie is trusted more to begin with); once the tokens that came refuse it, the
+    own trie is trusted less."""
+    p = Suffix()
+    p.release("old", [1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 51, 52, 53])
+    tokens = [70, 8, 9, 60, 61, 62, 63, 71, 3, 4, 5, 6, 7, 8, 9]  # own: [8, 9] -> 60..; shared: [3 .. 9] -> 50..
+    assert p.propose("r", tokens, 8, NoCache()) == [60, 61, 62, 63]
+    before = p.trust["r"]["own"].expected(4)
+    assert p.propose("r", tokens + [50, 51], 8, NoCache()) == [52, 53]  # the model went on as the earlier request
+    assert p.trust["r"]["own"].expected(4) < before
+    p.release("r", tokens)
+    assert "r" not in p.trust and "r" not in p.last
+
+
 def test_suffix_follows_the_most_frequent_continuation():
     trie = SuffixTrie(depth=8)
     for seq in ([1, 2, 3], [1, 2, 3], [1, 2, 4]):

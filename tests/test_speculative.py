@@ -306,27 +306,48 @@ def test_a_draft_is_as_long_as_pays_at_its_acceptance():
     assert draft_length(0.9, 0.3, 8) == 5 and draft_length(0.6, 0.3, 8) == 1
     assert draft_length(0.9, 0.0, 8) == 8, "free verification: as long as the policy offers"
     r = Drafting()
-    assert r.acceptance is None
-    r.drafted(3, 8)  # 3 kept, then one refused: 3 of 4 tokens looked at were kept
-    assert r.acceptance == pytest.approx(0.75)
+    assert r.acceptance(0.5) == 0.5, "before its first draft: the policy's acceptance"
+    r.drafted(3, 8)  # 3 kept, then one refused; one draft's worth of the prior mixed in
+    assert r.acceptance(0.5) == pytest.approx((3 + 0.5) / (3 + 1 + 1))
     for _ in range(20):
-        r.drafted(8, 8)  # kept whole, again and again
-    assert r.acceptance > 0.99
+        r.drafted(8, 8)  # kept whole, again and again: the refusal fades
+    assert r.acceptance(0.5) > 0.97
+
+
+def test_a_draft_not_verified_is_judged_by_the_tokens_that_follow():
+    """A request that does not draft still has its policy's draft watched: judged once the tokens that came settle
+    it (a wrong token, or every token right), not before; and it drafts again once its watched drafts would pay."""
+    from radixserve.actors.scheduler.speculate import Drafting, draft_length
+
+    r = Drafting()
+    for _ in range(3):
+        r.drafted(0, 4)  # rejected outright, three times
+    assert draft_length(r.acceptance(0.5), 0.3, 8) == 0
+    tokens = [1, 2, 3]
+    r.watch, r.watch_at = [4, 5, 6], len(tokens)
+    assert not r.judge(tokens + [4, 5]), "right so far: it waits for the third token"
+    assert r.judge(tokens + [4, 5, 6]) and r.watch is None, "all three right: judged"
+    r.watch, r.watch_at = [7, 8, 9], 6
+    assert r.judge([1, 2, 3, 4, 5, 6, 7, 0]), "a wrong second token settles it"
+    for _ in range(6):
+        r.watch, r.watch_at = [1, 2, 3, 4], 0
+        r.judge([1, 2, 3, 4])
+    assert draft_length(r.acceptance(0.5), 0.3, 8) > 0, "its drafts would now pay: it drafts again"
 
 
 def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(tiny_models, workload, reference):
-    """A cost model that asks for 50% acceptance: a request whose drafts are right keeps drafting; one whose
-    drafts keep 1 token of 8 drafts once, then decodes plainly (it is not rejected outright, so this is not the
-    back-off). The tokens are the plain ones."""
+    """A cost model where a draft token costs 0.9 plain tokens: a request whose drafts are right keeps drafting;
+    one whose drafts keep 1 token of 8 (not rejected outright, so this is not the back-off) drafts once, then
+    decodes plainly, its drafts only watched. The tokens are the plain ones."""
     from radixserve import Engine
     from radixserve.actors.scheduler.speculate import CostModel
 
-    class Half(CostModel):
+    class Dear(CostModel):
         def allows(self, batch):
             return True
 
         def draft_cost(self, batch):
-            return 0.5
+            return 0.9
 
         def timed(self, batch, seconds, drafted):
             pass
@@ -350,7 +371,7 @@ def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(ti
 
     with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel="eager",
                 speculative_algorithm="ngram") as engine:
-        engine.scheduler.spec.gate = Half()
+        engine.scheduler.spec.gate = Dear()
         engine.scheduler.spec.policy = Policy()
         outs = engine.generate(input_ids=[good, poor], sampling_params={"max_new_tokens": 24, "temperature": 0})
         spec = engine.cache_stats()["speculative"]
@@ -358,7 +379,7 @@ def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(ti
     assert outs[1]["meta_info"]["completion_tokens_details"] == {"accepted_prediction_tokens": 1,
                                                                   "rejected_prediction_tokens": 7}
     assert outs[0]["meta_info"]["completion_tokens_details"]["rejected_prediction_tokens"] == 0
-    assert spec["not_worth"] > 0 and spec["backed_off"] == 0, spec
+    assert spec["not_worth"] > 0 and spec["watched"] > 0 and spec["backed_off"] == 0, spec
 
 
 def test_open_chat_on_a_random_model_is_not_slowed_by_drafts_that_never_pay(tiny_models):

@@ -16,12 +16,14 @@ draft was rejected outright drafts again only after 1, 2, 4 ... 64 plain steps (
 source that keeps guessing wrong for it stops costing it verification. And a cost model (``CostModel``), timed on
 the steps themselves, says per batch size what a draft token costs in plain tokens; with a request's own
 acceptance that decides how long its draft is (``draft_length``: the length that makes the most tokens per second,
-longer the more of its drafts are kept), and a request for which no length pays decodes plainly (but for one step
-in 32, where it is measured again).
+longer the more of its drafts are kept). A request for which no length pays decodes plainly, while the policy's
+drafts for it are still proposed and judged against the tokens it makes (what verifying them would have kept, at no
+model cost), so it drafts again as soon as its drafts would pay.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixserve.actors.scheduler.req import Req
@@ -40,7 +42,8 @@ class DraftStats:
     drafted: int = 0  # draft tokens
     accepted: int = 0  # draft tokens the model agreed with
     backed_off: int = 0  # drafts not asked for: their request's last draft was rejected outright
-    not_worth: int = 0  # drafts not asked for: their request's acceptance was below what a draft costs
+    not_worth: int = 0  # drafts not verified: their request's acceptance was below what a draft costs
+    watched: int = 0  # drafts not verified but judged against the tokens that came (Drafting.watch)
 
     def as_dict(self) -> dict[str, float]:
         return {**self.__dict__, "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
@@ -57,29 +60,41 @@ def speculates(req: Req, sampled: bool = True) -> bool:
 
 @dataclass
 class Drafting:
-    """One request's drafting record: moving averages over its drafts of the tokens kept (None before its first)
-    and of whether a token was refused (a draft kept whole refuses none), its rejected-outright drafts in a row
-    (``misses``) and the decode steps it still skips after them (``skip``), and the steps since it last drafted
-    while the cost model advised against it."""
+    """One request's drafting record: its draft tokens kept and its refusals (a draft kept whole refuses none),
+    as sums that fade by ``FADE`` a draft, so the newest drafts count most; its rejected-outright drafts in a row
+    (``misses``) and the decode steps it still skips after them (``skip``); and ``watch``, a draft proposed but
+    not verified (the cost model advised against it), judged against the tokens the request makes next (from
+    ``watch_at`` on): what verifying it would have kept, learnt at no model cost."""
 
-    kept: float | None = None
+    kept: float = 0.0
     refused: float = 0.0
     misses: int = 0
     skip: int = 0
-    idle: int = 0
+    watch: list[int] | None = None
+    watch_at: int = 0
 
-    @property
-    def acceptance(self) -> float | None:
-        """The chance that a draft token is kept when the ones before it were: kept / (kept + refused) per draft,
-        averaged (None before its first draft)."""
-        if self.kept is None:
-            return None
-        return self.kept / (self.kept + self.refused) if self.kept + self.refused > 0 else 0.0
+    def acceptance(self, prior: float) -> float:
+        """The chance that a draft token is kept when the ones before it were: kept / (kept + refused), with one
+        draft's worth of ``prior`` (the policy's figure over all requests) mixed in, so that one unlucky draft
+        does not settle a request's fate."""
+        return (self.kept + PRIOR_WEIGHT * prior) / (self.kept + self.refused + PRIOR_WEIGHT)
 
     def drafted(self, kept: int, length: int) -> None:
-        refused = float(kept < length)
-        self.refused = refused if self.kept is None else average(self.refused, refused)
-        self.kept = average(self.kept, kept)
+        self.kept = FADE * self.kept + kept
+        self.refused = FADE * self.refused + float(kept < length)
+
+    def judge(self, tokens: Sequence[int]) -> bool:
+        """Judge the watched draft by the tokens made since it was proposed, once they settle it (a token it got
+        wrong, or all of it right). True when it was judged."""
+        if self.watch is None:
+            return False
+        new = tokens[self.watch_at : self.watch_at + len(self.watch)]
+        kept = accepted_prefix(self.watch, new)
+        if kept == len(new) < len(self.watch):
+            return False  # right so far: wait for more tokens
+        self.drafted(kept, len(self.watch))
+        self.watch = None
+        return True
 
 
 def draft_length(acceptance: float, cost: float, most: int) -> int:
@@ -97,7 +112,9 @@ def draft_length(acceptance: float, cost: float, most: int) -> int:
 
 
 MAX_BACKOFF = 64  # plain steps at most between two drafts of a request whose drafts keep being rejected
-ALPHA = 0.3  # weight of the newest figure in the moving averages
+ALPHA = 0.3  # weight of the newest figure in the cost model's moving averages
+FADE = 0.7  # a request's drafting sums fade by this a draft
+PRIOR_WEIGHT = 1.0  # how many of its own drafts the policy-wide acceptance counts as, in a request's
 
 
 def bucket(batch: int) -> int:
@@ -208,32 +225,32 @@ class Speculation:
         drafts: list[list[int]] = []
         for req in running:
             want = min(self.tokens, req.max_new_tokens - len(req.output_ids) - 1, room)
-            want = self._due(req.rid, cost, want) if want > 0 and speculates(req, self.sampled) else 0
-            draft = self._draft(req, want, view) if want > 0 else []
+            draft = self._due(req, cost, want, view) if want > 0 and speculates(req, self.sampled) else []
             room -= len(draft)
             drafts.append(draft)
         return drafts if any(drafts) else None
 
-    def _due(self, rid: str, cost: float, most: int) -> int:
-        """How many draft tokens ``rid`` is asked for this step (at most ``most``): none while it backs off after
-        rejected drafts; else the length that pays best at its acceptance (before its first draft: the policy's
-        so far) and this batch's ``cost`` of a draft token, and where none pays, none but for one step in
-        ``CostModel.explore`` (``most``: its acceptance is measured afresh)."""
-        r = self._requests.setdefault(rid, Drafting())
+    def _due(self, req: Req, cost: float, most: int, cache: DraftCache) -> list[int]:
+        """``req``'s draft this step (at most ``most`` tokens): none while it backs off after rejected drafts;
+        else as long as pays best at its acceptance and this batch's ``cost`` of a draft token. Where no length
+        pays, the policy's draft is watched instead of verified (``Drafting.watch``): the request's acceptance
+        keeps being measured, for free, and it drafts again once its drafts would pay."""
+        r = self._requests.setdefault(req.rid, Drafting())
+        if r.judge(req.fill_key):
+            self.stats.watched += 1
         if r.skip > 0:
             r.skip -= 1
             self.stats.backed_off += 1
-            return 0
-        expected = r.acceptance
-        if expected is None:  # its first draft: as good as the policy's so far
-            expected = self.stats.accepted / self.stats.drafted if self.stats.drafted else 1.0
-        length = draft_length(expected, cost, most)
-        if length > 0 or r.idle + 1 >= (self.gate.explore if self.gate is not None else 1):
-            r.idle = 0
-            return length or most
-        r.idle += 1
+            return []
+        prior = self.stats.accepted / self.stats.drafted if self.stats.drafted else 1.0
+        length = draft_length(r.acceptance(prior), cost, most) if self.gate is not None else most
+        if length > 0:
+            r.watch = None  # a verified draft is judged by accept()
+            return self._draft(req, length, cache)
         self.stats.not_worth += 1
-        return 0
+        if r.watch is None:
+            r.watch, r.watch_at = self._draft(req, most, cache) or None, len(req.fill_key)
+        return []
 
     def _draft(self, req: Req, want: int, cache: DraftCache) -> list[int]:
         try:
