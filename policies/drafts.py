@@ -18,14 +18,14 @@ ended with these tokens; per-request state goes, and what the policy learns acro
 
 Built in: ``ngram`` (prompt lookup: the continuation of the last earlier occurrence of the request's last tokens,
 as llama.cpp's and vLLM's n-gram drafting), ``suffix`` (SuffixDecoding's idea: the most frequent continuation of the
-longest matching suffix, in a trie over this request's tokens and one over earlier requests', bounded), ``radix``
+longest matching suffix, in this request's own tokens and in a trie over earlier requests' answers, bounded), ``radix``
 (the continuation of the request's whole sequence in the radix tree: a cached path it is walking again), and
 ``draft-model`` (model/draft_model.py: a second, smaller model's greedy tokens; SGLang's STANDALONE).
 """
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -182,41 +182,92 @@ class SuffixTrie:
         return 0, []
 
 
+class OwnText:
+    """One request's tokens, indexed by where each token and each pair of neighbouring tokens occurred with a next
+    token: O(1) a token to add (a trie of windows costs its depth a token, which a long prompt pays at once).
+    ``draft`` finds the longest suffix that occurred before, comparing backwards from the latest ``SCAN``
+    occurrences of its last two tokens (or, where they never occurred, of its last one), and follows the
+    continuation most of the longest matches share (ties: the latest)."""
+
+    SCAN = 64
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.after1: defaultdict[int, list[int]] = defaultdict(list)  # token -> its positions with a next token
+        self.after2: defaultdict[tuple[int, int], list[int]] = defaultdict(list)  # pair -> its second's positions
+
+    def add(self, tokens: Sequence[int]) -> None:
+        s = self.tokens
+        for t in tokens:
+            if s:  # the token before t now has a continuation
+                self.after1[s[-1]].append(len(s) - 1)
+                if len(s) > 1:
+                    self.after2[(s[-2], s[-1])].append(len(s) - 1)
+            s.append(t)
+
+    def draft(self, k: int, max_match: int, factor: float) -> list[int]:
+        """The continuation of the longest earlier occurrence of the end of the tokens (at most ``max_match``
+        tokens of it), at most ``factor`` x the match and ``k`` tokens long."""
+        s, end = self.tokens, len(self.tokens) - 1
+        if end < 1:
+            return []
+        ends = self.after2.get((s[-2], s[-1])) or self.after1.get(s[-1]) or []
+        matched = {}
+        for j in reversed(ends[-self.SCAN:]):  # the latest first
+            m = 1
+            while m < max_match and m <= j and s[j - m] == s[end - m]:
+                m += 1
+            matched[j] = m
+        if not matched:
+            return []
+        best = max(matched.values())
+        starts = [j + 1 for j, m in matched.items() if m == best]
+        out: list[int] = []
+        while len(out) < min(k, math.ceil(factor * best)):
+            votes = Counter(s[i] for i in starts if i <= end)
+            if not votes:
+                break
+            t = votes.most_common(1)[0][0]
+            out.append(t)
+            starts = [i + 1 for i in starts if i <= end and s[i] == t]
+        return out
+
+
 class Suffix:
-    """SuffixDecoding's drafting: the longest suffix of the request's tokens found in a trie of this request's
-    own tokens (its prompt and output so far) or in one of earlier requests' (prompts and outputs), then the most
-    frequent continuation, longer the longer the match. Of the two tries' drafts, the one with more tokens
-    expected to be kept: each trie's drafts for this request are judged by the tokens that followed them
-    (``_Trust``), so a request that answers with its own prompt's text (a quoted document, an edited file, an
+    """SuffixDecoding's drafting: the longest suffix of the request's tokens found in its own tokens (its prompt
+    and output so far, ``OwnText``) or in a trie of earlier requests' answers (each with the end of its prompt
+    before it), then the most frequent continuation, longer the longer the match. Of the two drafts, the one with
+    more tokens expected to be kept: each source's drafts for this request are judged by the tokens that followed
+    them (``_Trust``), so a request that answers with its own prompt's text (a quoted document, an edited file, an
     earlier answer repeated) stops taking the drafts of earlier requests that once went on alike. Bounded: past
-    ``MAX_NODES`` the shared trie is rebuilt from the latest finished requests, newest first, up to half that."""
+    ``MAX_NODES`` the shared trie is rebuilt from the latest finished requests, newest first, up to half that.
+    A request's prompt goes into no trie: a trie costs ``DEPTH`` steps a token, which a long prompt would cost
+    every stream at once; a request the policy never drafted for adds nothing (where its answer starts is not
+    known)."""
 
     name = "suffix"
-    DEPTH = 32  # window: the longest match plus draft a trie can give
+    DEPTH = 32  # window: the longest match plus draft the shared trie can give
     MAX_MATCH = 16
     FACTOR = 2.0  # draft up to this many tokens per matched token (SuffixDecoding's alpha)
     MAX_NODES = 200_000  # the shared trie's bound (~60 MB of Python lists and dicts)
 
     def __init__(self) -> None:
-        self.own: dict[str, tuple[SuffixTrie, list | None, int]] = {}  # rid -> (trie, open windows, tokens added)
-        self.trust: dict[str, dict[str, _Trust]] = {}  # rid -> trie ("own", "shared") -> how its drafts fared
-        self.last: dict[str, tuple[str, list[int], int]] = {}  # rid -> (trie, draft, tokens then) of its last
+        self.own: dict[str, tuple[OwnText, int]] = {}  # rid -> (its tokens, where its first draft was asked)
+        self.trust: dict[str, dict[str, _Trust]] = {}  # rid -> source ("own", "shared") -> how its drafts fared
+        self.last: dict[str, tuple[str, list[int], int]] = {}  # rid -> (source, draft, tokens then) of its last
         self.shared = SuffixTrie(self.DEPTH)
-        self.recent: deque[tuple[int, ...]] = deque()  # finished requests' tokens, oldest first, to rebuild from
+        self.recent: deque[tuple[int, ...]] = deque()  # finished requests' answers, oldest first, to rebuild from
         self.recent_tokens = 0
 
     def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> list[int]:
-        trie, open_, seen = self.own.get(rid) or (SuffixTrie(self.DEPTH), None, 0)
-        # the newest token is left out of the request's own trie until the next one: a match there must have a
-        # continuation that is not the request's current end
-        upto = max(len(tokens) - 1, seen)
-        open_ = trie.add(tokens[seen:upto], open_)
-        self.own[rid] = (trie, open_, upto)
+        text, start = self.own.get(rid) or (OwnText(), len(tokens))
+        self.own[rid] = (text, start)
+        text.add(tokens[len(text.tokens):])
         trust = self.trust.setdefault(rid, {"own": _Trust(OWN_PRIOR), "shared": _Trust(SHARED_PRIOR)})
         if rid in self.last:
             source, draft, then = self.last.pop(rid)
             trust[source].judge(draft, tokens[then:])
-        drafts = {"own": trie.draft(tokens, k, self.MAX_MATCH, self.FACTOR)[1],
+        drafts = {"own": text.draft(k, self.MAX_MATCH, self.FACTOR),
                   "shared": self.shared.draft(tokens, k, self.MAX_MATCH, self.FACTOR)[1]}
         source = max(drafts, key=lambda s: trust[s].expected(len(drafts[s])))  # ties: own, the first
         if drafts[source]:
@@ -224,10 +275,13 @@ class Suffix:
         return drafts[source]
 
     def release(self, rid: str, tokens: Sequence[int]) -> None:
-        self.own.pop(rid, None)
+        own = self.own.pop(rid, None)
         self.trust.pop(rid, None)
         self.last.pop(rid, None)
-        seq = tuple(tokens)
+        if own is None:
+            return
+        # the answer, after the prompt's last MAX_MATCH tokens (tokens were asked for first at the first output)
+        seq = tuple(tokens[max(own[1] - 1 - self.MAX_MATCH, 0):])
         self.shared.add(seq)
         self.recent.append(seq)
         self.recent_tokens += len(seq)

@@ -53,6 +53,7 @@ def test_suffix_takes_the_request_own_text_over_an_earlier_request_longer_match_
     own continuation is drafted (its trie is trusted more to begin with); once the tokens that came refuse it, the
     own trie is trusted less."""
     p = Suffix()
+    p.propose("old", [1], 4, NoCache())  # its answer began at the second token: all of it is kept
     p.release("old", [1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 51, 52, 53])
     tokens = [70, 8, 9, 60, 61, 62, 63, 71, 3, 4, 5, 6, 7, 8, 9]  # own: [8, 9] -> 60..; shared: [3 .. 9] -> 50..
     assert p.propose("r", tokens, 8, NoCache()) == [60, 61, 62, 63]
@@ -70,12 +71,42 @@ def test_suffix_follows_the_most_frequent_continuation():
     assert trie.draft([9, 1, 2], k=4, max_match=4, factor=4) == (2, [3])
 
 
+def test_a_request_own_text_drafts_the_longest_match_and_its_most_frequent_continuation():
+    from radixserve.policies.drafts import OwnText
+
+    text = OwnText()
+    text.add([1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3, 5, 8, 1, 2, 3])
+    # [1, 2, 3] occurred once before (then 4): the longest match wins over the commoner [2, 3] -> 5
+    assert text.draft(k=8, max_match=16, factor=2.0) == [4, 9, 2, 3, 5, 7]
+    text.add([6, 2, 3])  # [6, 2, 3] never occurred; [2, 3] four times, then 4, 5, 5, 6; after 5: 7, then 8
+    assert text.draft(k=3, max_match=16, factor=2.0) == [5, 8, 1], "the continuation most share; ties: the latest"
+    assert OwnText().draft(4, 16, 2.0) == [] and text.draft(0, 16, 2.0) == []
+    text.add([42])
+    assert text.draft(4, 16, 2.0) == [], "a token never seen before has no continuation"
+
+
+def test_the_shared_trie_takes_answers_not_prompts():
+    """A long prompt would cost the shared trie DEPTH steps a token at the end of every request: it takes the
+    answer, after the prompt's last MAX_MATCH tokens; a request the policy never drafted for adds nothing."""
+    p = Suffix()
+    prompt = list(range(100, 140))
+    p.propose("r", prompt + [7], 4, NoCache())  # asked first once the first output token (7) came
+    p.release("r", prompt + [7, 8, 9])
+    assert p.recent[-1] == tuple(prompt[-p.MAX_MATCH:] + [7, 8, 9])
+    assert p.propose("s", [1, 138, 139], 4, NoCache()) == [7, 8, 9]
+    assert p.propose("t", [1, 110, 111], 4, NoCache()) == [], "the prompt's start is not in the trie"
+    p.release("never asked", list(range(300, 400)))
+    assert len(p.recent) == 1
+
+
 def test_the_shared_suffix_trie_stays_bounded():
     p = Suffix()
     p.MAX_NODES = 2_000
     rng = np.random.default_rng(0)
     for i in range(40):  # random tokens: every window of every request is new (~2,700 nodes a request)
-        p.release(f"r{i}", rng.integers(0, 50_000, 100).tolist())
+        tokens = rng.integers(0, 50_000, 100).tolist()
+        p.propose(f"r{i}", tokens[:1], 4, NoCache())
+        p.release(f"r{i}", tokens)
         assert p.shared.nodes <= p.MAX_NODES // 2 + 100 * p.DEPTH and p.recent_tokens <= p.MAX_NODES
     seq = list(p.recent[-1])  # the newest request is always kept
     assert p.propose("x", [1] + seq[:20], 4, NoCache()) == seq[20:24]

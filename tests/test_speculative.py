@@ -335,23 +335,34 @@ def test_a_draft_not_verified_is_judged_by_the_tokens_that_follow():
     assert draft_length(r.acceptance(0.5), 0.3, 8) > 0, "its drafts would now pay: it drafts again"
 
 
-def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(tiny_models, workload, reference):
-    """A cost model where a draft token costs 0.9 plain tokens: a request whose drafts are right keeps drafting;
-    one whose drafts keep 1 token of 8 (not rejected outright, so this is not the back-off) drafts once, then
-    decodes plainly, its drafts only watched. The tokens are the plain ones."""
+def at_fixed_cost(model, cost, policy, prompts, max_new):
+    """Greedy outputs and speculative statistics with ``policy`` drafting and a cost model where a draft token
+    costs ``cost`` plain tokens at every batch size."""
     from radixserve import Engine
     from radixserve.actors.scheduler.speculate import CostModel
 
-    class Dear(CostModel):
+    class Fixed(CostModel):
         def allows(self, batch):
             return True
 
         def draft_cost(self, batch):
-            return 0.9
+            return cost
 
         def timed(self, batch, seconds, drafted):
             pass
 
+    with Engine(str(model), dtype="float32", check_invariants=True, decode_kernel="eager",
+                speculative_algorithm="ngram") as engine:
+        engine.scheduler.spec.gate = Fixed()
+        engine.scheduler.spec.policy = policy
+        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": max_new, "temperature": 0})
+        return outs, engine.cache_stats()["speculative"]
+
+
+def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(tiny_models, workload, reference):
+    """A cost model where a draft token costs 0.9 plain tokens: a request whose drafts are right keeps drafting;
+    one whose drafts keep 1 token of 8 (not rejected outright, so this is not the back-off) drafts once, then
+    decodes plainly, its drafts only watched. The tokens are the plain ones."""
     good, poor = workload[0][0], workload[0][1]
     truth = {tuple(good): reference[0], tuple(poor): reference[1]}
 
@@ -369,17 +380,31 @@ def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(ti
         def release(self, rid, tokens):
             pass
 
-    with Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel="eager",
-                speculative_algorithm="ngram") as engine:
-        engine.scheduler.spec.gate = Dear()
-        engine.scheduler.spec.policy = Policy()
-        outs = engine.generate(input_ids=[good, poor], sampling_params={"max_new_tokens": 24, "temperature": 0})
-        spec = engine.cache_stats()["speculative"]
+    outs, spec = at_fixed_cost(tiny_models["llama"], 0.9, Policy(), [good, poor], 24)
     assert [o["output_ids"] for o in outs] == reference[:2]
     assert outs[1]["meta_info"]["completion_tokens_details"] == {"accepted_prediction_tokens": 1,
                                                                   "rejected_prediction_tokens": 7}
     assert outs[0]["meta_info"]["completion_tokens_details"]["rejected_prediction_tokens"] == 0
     assert spec["not_worth"] > 0 and spec["watched"] > 0 and spec["backed_off"] == 0, spec
+
+
+def test_where_a_draft_token_costs_a_plain_token_the_policy_is_not_asked(tiny_models, workload, reference):
+    """At a batch size where verifying a draft token costs as much as a plain step's token (large batches on a
+    CPU), no acceptance could pay: the step is plain and the policy is not even asked (its work would be waste)."""
+    class Counted:
+        name = "counted"
+        asked = 0
+
+        def propose(self, rid, tokens, k, cache):
+            Counted.asked += 1
+            return [7] * k
+
+        def release(self, rid, tokens):
+            pass
+
+    outs, spec = at_fixed_cost(tiny_models["llama"], 1.0, Counted(), workload[0][:2], 12)
+    assert [o["output_ids"] for o in outs] == [r[:12] for r in reference[:2]]
+    assert Counted.asked == 0 and spec["drafts"] == 0 and spec["not_worth"] == 0, spec
 
 
 def test_open_chat_on_a_random_model_is_not_slowed_by_drafts_that_never_pay(tiny_models):

@@ -18,7 +18,8 @@ the steps themselves, says per batch size what a draft token costs in plain toke
 acceptance that decides how long its draft is (``draft_length``: the length that makes the most tokens per second,
 longer the more of its drafts are kept). A request for which no length pays decodes plainly, while the policy's
 drafts for it are still proposed and judged against the tokens it makes (what verifying them would have kept, at no
-model cost), so it drafts again as soon as its drafts would pay.
+model cost), so it drafts again as soon as its drafts would pay. At a batch size where a draft token costs as much
+as a plain token or more (large batches on a CPU), no draft pays: the policy is not asked at all.
 """
 from __future__ import annotations
 
@@ -220,8 +221,10 @@ class Speculation:
         one a request; None when no request has one (a plain decode step)."""
         if not self.on or (self.gate is not None and not self.gate.allows(len(running))):
             return None
-        view = cache if cache is not None else NoCache()
         cost = self.gate.draft_cost(len(running)) if self.gate is not None else 0.0
+        if cost >= 1.0:  # a draft token costs a plain token or more here: no acceptance pays, nothing to ask
+            return None
+        view = cache if cache is not None else NoCache()
         drafts: list[list[int]] = []
         for req in running:
             want = min(self.tokens, req.max_new_tokens - len(req.output_ids) - 1, room)

@@ -91,8 +91,8 @@
       ["mean", "accepted per draft, mean", s.mean_accepted, (v) => (isNum(v) ? v.toFixed(2) : NONE)],
       ["tokens", "draft tokens kept / drafted", s.accepted, (v) => `${fmt.int(v)} / ${fmt.int(s.drafted)}`],
       ["steps", "verifying steps / drafts", s.steps, (v) => `${fmt.int(v)} / ${fmt.int(s.drafts)}`],
-      ["skipped", "drafts skipped: back-off / not worth it", s.backed_off, (v) =>
-        `${fmt.int(v)} / ${fmt.int(s.not_worth)}`],
+      ["skipped", "drafts skipped: back-off / not worth it (unchecked drafts judged)", s.backed_off, (v) =>
+        `${fmt.int(v)} / ${fmt.int(s.not_worth)} (${fmt.int(s.watched)})`],
       ["needed", "acceptance a draft needs, by batch size", needed.length, () => needed.join(", ") || "measuring"],
     ]);
   }
