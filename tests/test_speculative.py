@@ -288,6 +288,7 @@ def test_the_cost_model_says_what_acceptance_a_draft_needs_per_batch_size():
     m.timed(1, 0.014, 8)  # 8 draft tokens added 4 ms: 0.5 ms each, 5% of a plain token
     assert m.draft_cost(1) == pytest.approx(0.05)
     m.timed(8, 0.016, 0)  # batch 8: 2 ms a token ...
+    assert m.draft_cost(8) == pytest.approx(0.0005 * 8 / 0.016), "measuring: batch 1's seconds a draft token"
     m.timed(8, 0.016 + 0.064, 64)  # ... and 1 ms a draft token: a draft token must be kept half the time
     assert m.draft_cost(8) == pytest.approx(0.5) and m.draft_cost(5) == pytest.approx(5 * 0.001 / 0.016)
     assert [m.allows(1) for _ in range(8)] == [True, False, True, True, True, False, True, True], \

@@ -150,11 +150,13 @@ class CostModel:
 
     def draft_cost(self, batch: int) -> float:
         """A draft token's cost in plain tokens at this batch size, which is the acceptance a one-token draft
-        needs to pay (0 while it is being measured)."""
+        needs to pay. While it is being measured, the largest smaller batch size's seconds a draft token stand in
+        (they only grow with the batch: a lower bound); 0 where none is measured."""
         b = bucket(batch)
-        if b not in self.per_draft:
+        known = [m for m in self.per_draft if m <= b]
+        if not known or b not in self.plain:
             return 0.0
-        return self.per_draft[b] / (self.plain[b] / batch)
+        return self.per_draft[max(known)] / (self.plain[b] / batch)
 
     def timed(self, batch: int, seconds: float, drafted: int) -> None:
         """A decode step of ``batch`` requests that verified ``drafted`` draft tokens (0: a plain one) took
