@@ -41,6 +41,7 @@ LLAMA_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")  # llama.cpp's model-
 POLICY = "radixserve, suffix"  # the one the targets are for
 DRAFT_TOKENS = 8
 MAX_NEW = 128
+BATCH_ROUNDS = 3  # rounds of 8 requests at once (not with --quick)
 
 WORDS = ("path", "limit", "items", "count", "table", "frame", "block", "token", "river", "cache", "queue", "index")
 SENTENCES = (
@@ -123,7 +124,7 @@ def spec_stats(url: str) -> dict:
         return json.loads(resp.read()).get("speculative", {})
 
 
-def measure(quick: bool = False, rounds: int = 3) -> dict:
+def measure(quick: bool = False, rounds: int = 5) -> dict:
     systems = {f"radixserve, {a}": (lambda a=a: ServerProcess(
         "--num-threads", "2", "--served-model-name", "m", "--max-total-tokens", "16384",
         *([] if a == "none" else ["--speculative-algorithm", a, "--speculative-num-draft-tokens",
@@ -137,13 +138,15 @@ def measure(quick: bool = False, rounds: int = 3) -> dict:
     running = {name: make() for name, make in tqdm(systems.items(), desc="starting servers")}
     names = list(running)
     runs: dict[str, dict[str, list]] = {name: {w: [] for w in WORKLOADS} for name in names}
-    batched: dict[str, dict[str, float]] = {name: {} for name in names}
+    batched: dict[str, dict[str, list[float]]] = {name: {} for name in names}
     same: dict[str, dict[str, list[bool]]] = {name: {w: [] for w in WORKLOADS} for name in names
                                                if name.startswith("radixserve") and name != "radixserve, none"}
     stats = {}
     try:
-        for name in names:  # a first request warms each server up (not measured)
+        for name in names:  # first requests warm each server up, alone and 8 at once (not measured)
             asyncio.run(one(running[name].url, workloads(-1)["open chat"][0], 16))
+            if not quick:
+                asyncio.run(at_once(running[name].url, workloads(-1)["code edit"][0], 16, 8))
         for r in tqdm(range(1 if quick else rounds), desc="rounds, one stream"):
             for w, (messages, _) in workloads(r).items():
                 answers = {}
@@ -153,10 +156,11 @@ def measure(quick: bool = False, rounds: int = 3) -> dict:
                     answers[name] = out["answer"]
                 for name in same:
                     same[name][w].append(answers[name] == answers["radixserve, none"])
-        if not quick:
-            for w, (messages, _) in tqdm(workloads(100).items(), desc="8 at once"):
-                for name in names:
-                    batched[name][w] = asyncio.run(at_once(running[name].url, messages, MAX_NEW, 8))
+        for r in tqdm(range(0 if quick else BATCH_ROUNDS), desc="rounds, 8 at once"):
+            for w, (messages, _) in workloads(100 + r).items():
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    batched[name].setdefault(w, []).append(
+                        asyncio.run(at_once(running[name].url, messages, MAX_NEW, 8)))
         stats = {name: spec_stats(running[name].url) for name in names if name in same}
     finally:
         for system in running.values():
@@ -164,7 +168,9 @@ def measure(quick: bool = False, rounds: int = 3) -> dict:
     return {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "max_new": MAX_NEW,
             "draft_tokens": DRAFT_TOKENS, "rounds": 1 if quick else rounds, "llama_cpp_missing": why_not,
             "median_tok_s": {name: {w: statistics.median(v) for w, v in ws.items()} for name, ws in runs.items()},
-            "runs_tok_s": runs, "batch8_tok_s": batched, "same_text_as_none": same, "speculative_stats": stats,
+            "runs_tok_s": runs,
+            "batch8_tok_s": {name: {w: statistics.median(v) for w, v in ws.items()} for name, ws in batched.items()},
+            "batch8_runs_tok_s": batched, "same_text_as_none": same, "speculative_stats": stats,
             "drafting": {w: pays for w, (_, pays) in workloads(0).items()}}
 
 
@@ -257,7 +263,9 @@ def section(res: dict, targets: list[str], check) -> list[str]:
          "not.", "", "One stream, decode tok/s (output tokens after the first over the time from the first to the "
          "last):", "", *rows("median_tok_s"), ""]
     if any(b8.values()):
-        L += ["8 identical requests at once, output tok/s over the wall time:", "", *rows("batch8_tok_s"), ""]
+        L += [f"8 identical requests at once, output tok/s over the wall time (medians of {BATCH_ROUNDS} rounds, "
+              "taking turns as above; each server first warmed up by 8 short requests at once):", "",
+              *rows("batch8_tok_s"), ""]
     if stats:
         L += ["Draft statistics over the whole run: " + "; ".join(
             f"{n.split(', ')[1]}: {s.get('acceptance_rate', 0):.0%} of {s.get('drafted', 0)} draft tokens kept, "
