@@ -159,10 +159,11 @@ class SuffixTrie:
         return active
 
     def draft(self, tokens: Sequence[int], k: int, max_match: int, factor: float,
-              min_count: int = 1) -> tuple[int, list[int]]:
+              min_prob: float = 0.0) -> tuple[int, list[int]]:
         """(match length, draft): the longest suffix of ``tokens`` (at most ``max_match``) found, and the most
-        frequent path after it, at most ``factor`` x the match length and ``k`` tokens, while seen ``min_count``
-        times or more. (0, []) when nothing matches."""
+        frequent path after it, at most ``factor`` x the match length and ``k`` tokens, while the path's share of
+        the match's occurrences (each token's count over its parent's, multiplied) is ``min_prob`` or more.
+        (0, []) when nothing matches."""
         for m in range(min(max_match, len(tokens), self.depth - 1), 0, -1):
             node = self.root
             for t in tokens[len(tokens) - m :]:
@@ -171,10 +172,11 @@ class SuffixTrie:
                     break
             if node is None or not node[1]:
                 continue
-            out, want = [], min(k, math.ceil(factor * m), self.depth - m)
+            out, want, prob = [], min(k, math.ceil(factor * m), self.depth - m), 1.0
             while len(out) < want and node[1]:
                 t, child = max(node[1].items(), key=lambda kv: kv[1][0])
-                if child[0] < min_count:
+                prob *= child[0] / node[0]
+                if prob < min_prob:
                     break
                 out.append(t)
                 node = child
@@ -205,9 +207,10 @@ class OwnText:
                     self.after2[(s[-2], s[-1])].append(len(s) - 1)
             s.append(t)
 
-    def draft(self, k: int, max_match: int, factor: float) -> list[int]:
+    def draft(self, k: int, max_match: int, factor: float, min_prob: float = 0.0) -> list[int]:
         """The continuation of the longest earlier occurrence of the end of the tokens (at most ``max_match``
-        tokens of it), at most ``factor`` x the match and ``k`` tokens long."""
+        tokens of it), at most ``factor`` x the match and ``k`` tokens long, while the share of those occurrences
+        that went on so is ``min_prob`` or more."""
         s, end = self.tokens, len(self.tokens) - 1
         if end < 1:
             return []
@@ -223,11 +226,14 @@ class OwnText:
         best = max(matched.values())
         starts = [j + 1 for j, m in matched.items() if m == best]
         out: list[int] = []
+        occurrences = len(starts)
         while len(out) < min(k, math.ceil(factor * best)):
             votes = Counter(s[i] for i in starts if i <= end)
             if not votes:
                 break
-            t = votes.most_common(1)[0][0]
+            t, n = votes.most_common(1)[0]
+            if n < min_prob * occurrences:
+                break
             out.append(t)
             starts = [i + 1 for i in starts if i <= end and s[i] == t]
         return out
@@ -236,7 +242,8 @@ class OwnText:
 class Suffix:
     """SuffixDecoding's drafting: the longest suffix of the request's tokens found in its own tokens (its prompt
     and output so far, ``OwnText``) or in a trie of earlier requests' answers (each with the end of its prompt
-    before it), then the most frequent continuation, longer the longer the match. Of the two drafts, the one with
+    before it), then the most frequent continuation, longer the longer the match, while at least ``MIN_PROB`` of
+    the match's occurrences went on so (SuffixDecoding's minimum token probability). Of the two drafts, the one with
     more tokens expected to be kept: each source's drafts for this request are judged by the tokens that followed
     them (``_Trust``), so a request that answers with its own prompt's text (a quoted document, an edited file, an
     earlier answer repeated) stops taking the drafts of earlier requests that once went on alike. Bounded: past
@@ -249,6 +256,7 @@ class Suffix:
     DEPTH = 32  # window: the longest match plus draft the shared trie can give
     MAX_MATCH = 16
     FACTOR = 2.0  # draft up to this many tokens per matched token (SuffixDecoding's alpha)
+    MIN_PROB = 0.1  # a draft stops where fewer than this share of the match's occurrences went on so
     MAX_NODES = 200_000  # the shared trie's bound (~60 MB of Python lists and dicts)
 
     def __init__(self) -> None:
@@ -267,8 +275,8 @@ class Suffix:
         if rid in self.last:
             source, draft, then = self.last.pop(rid)
             trust[source].judge(draft, tokens[then:])
-        drafts = {"own": text.draft(k, self.MAX_MATCH, self.FACTOR),
-                  "shared": self.shared.draft(tokens, k, self.MAX_MATCH, self.FACTOR)[1]}
+        drafts = {"own": text.draft(k, self.MAX_MATCH, self.FACTOR, self.MIN_PROB),
+                  "shared": self.shared.draft(tokens, k, self.MAX_MATCH, self.FACTOR, self.MIN_PROB)[1]}
         source = max(drafts, key=lambda s: trust[s].expected(len(drafts[s])))  # ties: own, the first
         if drafts[source]:
             self.last[rid] = (source, drafts[source], len(tokens))

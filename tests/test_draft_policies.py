@@ -69,6 +69,11 @@ def test_suffix_follows_the_most_frequent_continuation():
     for seq in ([1, 2, 3], [1, 2, 3], [1, 2, 4]):
         trie.add(seq)
     assert trie.draft([9, 1, 2], k=4, max_match=4, factor=4) == (2, [3])
+    for t in range(10, 30):  # after 5: twenty tokens, once each
+        trie.add([5, t])
+    assert trie.draft([5], k=2, max_match=4, factor=2) == (1, [10])
+    assert trie.draft([5], k=2, max_match=4, factor=2, min_prob=0.1) == (1, []), "1 in 20 is no draft"
+    assert trie.draft([1, 2], k=4, max_match=4, factor=4, min_prob=0.5) == (2, [3]), "2 of 3 is"
 
 
 def test_a_request_own_text_drafts_the_longest_match_and_its_most_frequent_continuation():
@@ -81,6 +86,7 @@ def test_a_request_own_text_drafts_the_longest_match_and_its_most_frequent_conti
     text.add([6, 2, 3])  # [6, 2, 3] never occurred; [2, 3] four times, then 4, 5, 5, 6; after 5: 7, then 8
     assert text.draft(k=3, max_match=16, factor=2.0) == [5, 8, 1], "the continuation most share; ties: the latest"
     assert OwnText().draft(4, 16, 2.0) == [] and text.draft(0, 16, 2.0) == []
+    assert text.draft(k=3, max_match=16, factor=2.0, min_prob=0.5) == [5], "then 1 of 2 went on to 8: no more"
     text.add([42])
     assert text.draft(4, 16, 2.0) == [], "a token never seen before has no continuation"
 
