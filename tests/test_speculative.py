@@ -294,6 +294,12 @@ def test_the_cost_model_says_what_acceptance_a_draft_needs_per_batch_size():
     assert [m.allows(1) for _ in range(8)] == [True, False, True, True, True, False, True, True], \
         "every 4th decode step plain, to keep the plain figure current"
     assert m.info()["8"]["acceptance_needed"] == pytest.approx(0.5) and set(m.info()) == {"1", "8"}
+    m.timed(1, 0.010 + 8 * 0.1, 8)  # one very slow checking step: at most a doubling's worth of a move
+    assert m.draft_cost(1) == pytest.approx(0.7 * 0.05 + 0.3 * 0.1)
+    rechecks = []
+    for m.steps in range(8):
+        rechecks.append(m.recheck())
+    assert rechecks == [False, False, True, False] * 2, "one step in 4 (explore) rechecks a cost said too dear"
 
 
 def test_a_draft_is_as_long_as_pays_at_its_acceptance():
@@ -336,9 +342,9 @@ def test_a_draft_not_verified_is_judged_by_the_tokens_that_follow():
     assert draft_length(r.acceptance(0.5), 0.3, 8) > 0, "its drafts would now pay: it drafts again"
 
 
-def at_fixed_cost(model, cost, policy, prompts, max_new):
+def at_fixed_cost(model, cost, policy, prompts, max_new, recheck=False):
     """Greedy outputs and speculative statistics with ``policy`` drafting and a cost model where a draft token
-    costs ``cost`` plain tokens at every batch size."""
+    costs ``cost`` plain tokens at every batch size (``recheck``: every step is a recheck step)."""
     from radixserve import Engine
     from radixserve.actors.scheduler.speculate import CostModel
 
@@ -348,6 +354,9 @@ def at_fixed_cost(model, cost, policy, prompts, max_new):
 
         def draft_cost(self, batch):
             return cost
+
+        def recheck(self):
+            return recheck
 
         def timed(self, batch, seconds, drafted):
             pass
@@ -391,13 +400,15 @@ def test_a_request_whose_drafts_do_not_pay_stops_drafting_and_another_goes_on(ti
 
 def test_where_a_draft_token_costs_a_plain_token_the_policy_is_not_asked(tiny_models, workload, reference):
     """At a batch size where verifying a draft token costs as much as a plain step's token (large batches on a
-    CPU), no acceptance could pay: the step is plain and the policy is not even asked (its work would be waste)."""
+    CPU), no acceptance could pay: the step is plain and the policy is not even asked (its work would be waste),
+    but on the cost model's recheck steps (one in 32: one-token drafts, to measure the cost again)."""
     class Counted:
         name = "counted"
         asked = 0
 
         def propose(self, rid, tokens, k, cache):
             Counted.asked += 1
+            assert k == 1, "a recheck drafts one token"
             return [7] * k
 
         def release(self, rid, tokens):
@@ -406,6 +417,10 @@ def test_where_a_draft_token_costs_a_plain_token_the_policy_is_not_asked(tiny_mo
     outs, spec = at_fixed_cost(tiny_models["llama"], 1.0, Counted(), workload[0][:2], 12)
     assert [o["output_ids"] for o in outs] == [r[:12] for r in reference[:2]]
     assert Counted.asked == 0 and spec["drafts"] == 0 and spec["not_worth"] == 0, spec
+    outs, spec = at_fixed_cost(tiny_models["llama"], 1.0, Counted(), workload[0][:2], 24, recheck=True)
+    assert [o["output_ids"] for o in outs] == reference[:2]
+    # each request's one-token draft is verified once and refused; after that its drafts are only watched
+    assert spec["drafts"] == 2 and spec["drafted"] == 2 and spec["watched"] > 0, spec
 
 
 def test_open_chat_on_a_random_model_is_not_slowed_by_drafts_that_never_pay(tiny_models):

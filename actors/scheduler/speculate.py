@@ -165,7 +165,15 @@ class CostModel:
         if drafted == 0:
             self.plain[b] = average(self.plain.get(b), seconds)
         elif b in self.plain:
-            self.per_draft[b] = average(self.per_draft.get(b), max(seconds - self.plain[b], 0.0) / drafted)
+            sample, old = max(seconds - self.plain[b], 0.0) / drafted, self.per_draft.get(b)
+            # one slow step (a busy neighbour, a first shape) moves the figure at most as far as a doubling would
+            self.per_draft[b] = average(old, sample if old is None else min(sample, 2 * old))
+
+    def recheck(self) -> bool:
+        """Where a draft token costs a plain one or more, is this the step (one in ``explore``) that verifies
+        one-token drafts all the same, to measure that cost again (else one slow step would stop drafting at
+        that batch size for good)?"""
+        return self.steps % self.explore == self.explore // 2
 
     def info(self) -> dict[str, dict[str, float]]:
         """Per batch size measured (the bucket's largest): the figures and the acceptance a draft needs."""
@@ -224,12 +232,15 @@ class Speculation:
         if not self.on or (self.gate is not None and not self.gate.allows(len(running))):
             return None
         cost = self.gate.draft_cost(len(running)) if self.gate is not None else 0.0
-        if cost >= 1.0:  # a draft token costs a plain token or more here: no acceptance pays, nothing to ask
-            return None
+        most = self.tokens
+        if cost >= 1.0:  # a draft token costs a plain token or more here: no acceptance pays, nothing to ask ...
+            if not self.gate.recheck():
+                return None
+            cost, most = 0.0, 1  # ... but on a recheck step: one-token drafts, to measure the cost again
         view = cache if cache is not None else NoCache()
         drafts: list[list[int]] = []
         for req in running:
-            want = min(self.tokens, req.max_new_tokens - len(req.output_ids) - 1, room)
+            want = min(most, req.max_new_tokens - len(req.output_ids) - 1, room)
             draft = self._due(req, cost, want, view) if want > 0 and speculates(req, self.sampled) else []
             room -= len(draft)
             drafts.append(draft)
