@@ -398,6 +398,9 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     # speculative decoding (an extend plan that verifies drafts): [B] the last drafts[i] input tokens of request i
     # are a draft; the runner also returns the model's token after each position before its last (``drafted``)
     drafts: np.ndarray | None = None
+    # ... a draft tree's: each draft token's parent (an index into its request's draft, -1: its last token), all
+    # drafts back to back; None when every draft is a chain (parents -1, 0, 1, ...)
+    draft_parents: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -418,7 +421,7 @@ class ForwardResult(msgspec.Struct, tag="result", frozen=True):
     error: str | None = None
     drafted: dict[int, list[int]] = {}  # batch index -> the model's token after each of its draft's positions but
     # the last (plan.drafts[i] of them, or up to the first a sampled check refused; the one after the last is its
-    # next_ids row)
+    # next_ids row). A draft tree's: the model's tokens along the path they walk, the one after it in next_ids
 
 
 class Prefetched(msgspec.Struct, tag="prefetched", frozen=True):

@@ -182,6 +182,18 @@ class CacheManager:
         handle.kv_len = kv_len
         handle.synced = min(handle.synced, kv_len)
 
+    def keep(self, handle: KVHandle, start: int, path: Sequence[int]) -> None:
+        """A verified draft tree's kept path: row positions ``start + path[0]``, ``start + path[1]``, ... move to
+        ``start``, ``start + 1``, ...; the others of ``start .. kv_len`` follow them (for ``truncate`` to give
+        back). A chain's path (0, 1, ...) changes nothing."""
+        if list(path) == list(range(len(path))):
+            return
+        require(handle.tree_len <= start and start + len(path) <= handle.kv_len, "a kept path outside the draft")
+        own = handle.row[start : handle.kv_len]
+        rest = np.ones(len(own), dtype=bool)
+        rest[list(path)] = False
+        handle.rewrite(start, np.concatenate([own[list(path)], own[rest]]))
+
     def close(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         """The request leaves the pool (finished, retracted or aborted): its computed KV goes to the tree as
         evictable (the next turn of a chat, or the retried request, may reuse it), or is freed without a tree."""

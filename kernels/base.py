@@ -30,6 +30,44 @@ class AttentionBatch:
     group: int = 1  # query heads per kv head
     windows: tuple[int, ...] = ()  # the sliding windows some layer attends within: prepare() builds their masks
     backend_data: Any = None  # whatever the backend's prepare() precomputes
+    # a verified draft tree (speculative decoding): per request, each new token's parent among its new tokens (-1:
+    # none, the prefix only); a new token sees the prefix, its ancestors and itself. None (or a request's None):
+    # causal, each new token's parent is the one before it
+    tree: list[np.ndarray | None] | None = None
+
+    def seen(self, i: int) -> np.ndarray:
+        """Request i's new tokens: [e, e] bool, whether new token a sees new token b (b is a or an ancestor)."""
+        e = self.extend_lens[i]
+        parents = self.tree[i] if self.tree is not None else None
+        if parents is None:
+            return np.tri(e, dtype=bool)
+        out = np.eye(e, dtype=bool)
+        for a, p in enumerate(parents.tolist()):
+            if p >= 0:
+                out[a] |= out[p]
+        return out
+
+    def tree_contexts(self, window: int | None = None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """``contexts`` for a step with a draft tree: (slots, start, length) where a tree request's rows read
+        their own lists appended to ``slots`` -- the prefix, the ancestors and the token itself, in position
+        order (so a window is again the last ``window`` of them). Without a tree: (self.slots, *contexts())."""
+        first, length = self.contexts(window)
+        if self.tree is None or all(t is None for t in self.tree):
+            return self.slots, first, length
+        slots = self.slots.cpu().numpy()
+        extra, at, row, seq_at = [], len(slots), 0, 0
+        first, length = first.copy(), length.copy()
+        for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
+            if self.tree[i] is not None:
+                for a, sees in enumerate(self.seen(i)):
+                    keys = np.concatenate([slots[seq_at : seq_at + p], slots[seq_at + p + np.flatnonzero(sees)]])
+                    if window is not None:
+                        keys = keys[-window:]
+                    extra.append(keys)
+                    first[row + a], length[row + a] = at, len(keys)
+                    at += len(keys)
+            row, seq_at = row + e, seq_at + p + e
+        return torch.from_numpy(np.concatenate([slots, *extra])).to(self.slots.device), first, length
 
     @property
     def seq_lens(self) -> list[int]:

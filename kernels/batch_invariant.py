@@ -16,7 +16,7 @@ from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.invariant import InvariantOps
 
 
-Contexts = dict[int | None, tuple[torch.Tensor, torch.Tensor]]  # window (None: all) -> each row's (first, length)
+Contexts = dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # window (None: all) -> (slots, each row's first, length)
 
 
 class BatchInvariantAttention:
@@ -26,7 +26,9 @@ class BatchInvariantAttention:
         self.ops = ops
 
     def prepare(self, batch: AttentionBatch) -> Contexts:
-        return {w: tuple(map(torch.from_numpy, batch.contexts(w))) for w in (None, *batch.windows)}
+        # each row's keys as (slots, start, length); a draft tree's rows read lists of their own (tree_contexts)
+        return {w: (slots, torch.from_numpy(first), torch.from_numpy(length))
+                for w in (None, *batch.windows) for slots, first, length in [batch.tree_contexts(w)]}
 
     def store_kv(self, k_pool, v_pool, batch, k, v) -> None:
         k_pool.index_copy_(0, batch.out_slots, k)
@@ -37,5 +39,5 @@ class BatchInvariantAttention:
         return self.decode(q, k_pool, v_pool, batch, scale, window, softcap)
 
     def decode(self, q, k_pool, v_pool, batch, scale, window=None, softcap=None):
-        first, length = batch.backend_data[window]
-        return self.ops.attention(q, k_pool, v_pool, batch.slots, first, length, scale, softcap)
+        slots, first, length = batch.backend_data[window]
+        return self.ops.attention(q, k_pool, v_pool, slots, first, length, scale, softcap)

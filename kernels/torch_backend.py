@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from radixserve.kernels.base import AttentionBatch
@@ -71,6 +72,17 @@ def _extend_mask(p: int, e: int, first: int, window: int | None, device: torch.d
     return (j <= i) if window is None else (j <= i) & (j > i - window)
 
 
+def _tree_mask(batch: AttentionBatch, i: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Request i's [e, p + e] bool mask under a draft tree (AttentionBatch.tree), within ``window`` positions."""
+    p = batch.prefix_lens[i]
+    seen = np.concatenate([np.ones((batch.extend_lens[i], p), dtype=bool), batch.seen(i)], axis=1)
+    if window is not None:
+        new = p - 1 + seen[:, p:].sum(axis=1)  # a new token's position: its ancestors and itself after the prefix
+        keys = np.concatenate([np.arange(p), new])
+        seen &= new[:, None] - keys[None, :] < window
+    return torch.from_numpy(seen).to(device)
+
+
 def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, L] bool -> [B, 1, 1, L] additive, in the model's dtype: SDPA would otherwise convert a boolean mask in
     every layer."""
@@ -116,6 +128,11 @@ class TorchAttention:
                  for p, e in zip(batch.prefix_lens, batch.extend_lens)]
         windowed = {w: [(max(0, p - w + 1), _extend_mask(p, e, max(0, p - w + 1), w, device))
                         for p, e in zip(batch.prefix_lens, batch.extend_lens)] for w in batch.windows}
+        for i, parents in enumerate(batch.tree or ()):
+            if parents is not None:  # a draft tree: new token i sees the prefix, its ancestors and itself
+                masks[i] = _tree_mask(batch, i, None, device)
+                for w in batch.windows:
+                    windowed[w][i] = (0, _tree_mask(batch, i, w, device))
         return _Extend(_starts(batch.extend_lens), _starts(batch.seq_lens), masks, windowed)
 
     @staticmethod

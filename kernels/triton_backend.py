@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
@@ -25,10 +26,32 @@ class _Meta:
     seq_len: torch.Tensor  # int32 [B]
     max_extend: int
     num_splits: int  # decode only
+    # a draft tree (extend only): (uint8 e x e masks back to back, int32 [B] where each request's starts or -1,
+    # int32 [new tokens] each one's position after its prefix)
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _starts(lengths: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
+
+
+def _tree_inputs(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The extend kernel's TREE inputs: each tree request's mask (AttentionBatch.seen), where it starts (-1: a
+    causal request), and every new token's position after its prefix (a tree's: its depth - 1)."""
+    masks, starts, positions, at = [], [], [], 0
+    for i, e in enumerate(batch.extend_lens):
+        if batch.tree[i] is None:
+            starts.append(-1)
+            positions.append(np.arange(e))
+            continue
+        seen = batch.seen(i)
+        masks.append(seen.astype(np.uint8).ravel())
+        starts.append(at)
+        positions.append(seen.sum(axis=1) - 1)
+        at += e * e
+    device = batch.slots.device
+    return (torch.from_numpy(np.concatenate(masks)).to(device), torch.tensor(starts, dtype=torch.int32, device=device),
+            torch.from_numpy(np.concatenate(positions).astype(np.int32)).to(device))
 
 
 def _pow2(n: int) -> int:
@@ -49,7 +72,10 @@ class TritonAttention:
         seq = prefix + extend
         longest = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
         splits = min(MAX_SPLITS, _pow2(triton.cdiv(longest, SPLIT_TOKENS))) if batch.mode == "decode" else 1
-        return _Meta(_starts(seq), _starts(extend), prefix, extend, seq, max(batch.extend_lens), splits)
+        meta = _Meta(_starts(seq), _starts(extend), prefix, extend, seq, max(batch.extend_lens), splits)
+        if batch.tree is not None and any(t is not None for t in batch.tree):
+            meta.tree = _tree_inputs(batch)
+        return meta
 
     def _f32(self, t: torch.Tensor) -> bool:
         return INTERPRET or t.dtype == torch.float32
@@ -66,12 +92,14 @@ class TritonAttention:
         n, heads, head_dim = q.shape
         out = torch.empty_like(q)
         grid = (len(batch.extend_lens), heads, triton.cdiv(meta.max_extend, self.block_m))
+        tree, tree_start, new_pos = meta.tree or (meta.extend_len,) * 3  # (unread without a tree)
         extend_kernel[grid](
             q, k, v, k_pool, v_pool, out, batch.slots, meta.seq_start, meta.qo_start, meta.prefix_len,
             meta.extend_len, scale, window or 0, softcap or 0.0, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
+            tree, tree_start, new_pos,
             GROUP=heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), BLOCK_M=self.block_m,
-            BLOCK_N=self.block_n, F32=self._f32(q), SOFTCAP=softcap is not None,
+            BLOCK_N=self.block_n, F32=self._f32(q), SOFTCAP=softcap is not None, TREE=meta.tree is not None,
         )
         return out
 

@@ -1,7 +1,8 @@
 """Triton kernels for attention over the slot pool (RadixAttention's third layer).
 
     extend     each request's new tokens attend to (a) its cached prefix, gathered from the pool through its slot
-               row, then (b) causally to themselves; one online softmax across both parts; ragged, no padding
+               row, then (b) causally to themselves (a draft tree's: to their ancestors, TREE); one online
+               softmax across both parts; ragged, no padding
     decode     one query per request over its whole row, split into chunks (split-KV) computed in parallel and
                merged by a second kernel with their log-sum-exps
     store_kv   new K/V rows into the pool at their slots
@@ -47,9 +48,9 @@ def _online_update(m_i, l_i, acc, qk, v, F32: tl.constexpr):
 @triton.jit
 def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart, PrefixLen, ExtendLen, sm_scale,
                   window, softcap, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ks,
-                  stride_kph, stride_vs, stride_vph, stride_ot, stride_oh,
+                  stride_kph, stride_vs, stride_vph, stride_ot, stride_oh, Tree, TreeStart, NewPos,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, F32: tl.constexpr, SOFTCAP: tl.constexpr):
+                  BLOCK_N: tl.constexpr, F32: tl.constexpr, SOFTCAP: tl.constexpr, TREE: tl.constexpr):
     req, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ext = tl.load(ExtendLen + req)
     if mblock * BLOCK_M >= ext:
@@ -68,9 +69,17 @@ def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # a draft tree (TREE, where TreeStart[req] >= 0): query i is at position prefix + NewPos[i] (its depth - 1)
+    # and sees the new tokens Tree[i, :] marks (its ancestors and itself); otherwise at prefix + i, causally
+    if TREE:
+        tree = tl.load(TreeStart + req)
+        pos_m = tl.load(NewPos + qo + offs_m, mask=mask_m, other=0)
+    else:
+        tree = -1
+        pos_m = offs_m
     # (a) the cached prefix, read from the pool through the slot row; with a window, from the block holding the
     # first key the block's first query sees (query i, at position prefix + i, sees keys > prefix + i - window)
-    first = tl.where(window > 0, tl.maximum(prefix + mblock * BLOCK_M - window + 1, 0), 0)
+    first = tl.where((window > 0) & (tree < 0), tl.maximum(prefix + mblock * BLOCK_M - window + 1, 0), 0)
     for start in range(first // BLOCK_N * BLOCK_N, prefix, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix
@@ -83,7 +92,7 @@ def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart
             qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
         else:
             qk = tl.dot(q, tl.trans(k)) * sm_scale
-        seen = mask_n[None, :] & ((window == 0) | (offs_n[None, :] > prefix + offs_m[:, None] - window))
+        seen = mask_n[None, :] & ((window == 0) | (offs_n[None, :] > prefix + pos_m[:, None] - window))
         qk = tl.where(seen, _capped(qk, softcap, SOFTCAP), float("-inf"))
         m_i, l_i, acc = _online_update(m_i, l_i, acc, qk, v, F32)
     # (b) the new tokens, causally: query i sees new tokens 0..i
@@ -102,7 +111,14 @@ def extend_kernel(Q, K_new, V_new, K_pool, V_pool, Out, Slots, SeqStart, QoStart
         else:
             qk = tl.dot(q, tl.trans(k)) * sm_scale
         causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
-        causal = causal & ((window == 0) | (offs_n[None, :] > offs_m[:, None] - window))
+        pos_n = offs_n
+        if TREE:
+            in_tree = mask_m[:, None] & mask_n[None, :] & (offs_m[:, None] * 0 + tree >= 0)
+            marked = tl.load(Tree + tl.maximum(tree, 0) + offs_m[:, None] * ext + offs_n[None, :], mask=in_tree,
+                             other=0)
+            causal = tl.where(tree >= 0, (marked != 0) & mask_n[None, :], causal)
+            pos_n = tl.load(NewPos + qo + offs_n, mask=mask_n, other=0)
+        causal = causal & ((window == 0) | (pos_n[None, :] > pos_m[:, None] - window))
         qk = tl.where(causal, _capped(qk, softcap, SOFTCAP), float("-inf"))
         m_i, l_i, acc = _online_update(m_i, l_i, acc, qk, v, F32)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -48,6 +48,31 @@ class RopeTable:
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
+def depths(parents: np.ndarray) -> np.ndarray:
+    """Each token's depth in a tree of parent indices (-1: a root, depth 1)."""
+    out = np.empty(len(parents), dtype=np.int64)
+    for a, p in enumerate(parents.tolist()):
+        out[a] = 1 if p < 0 else out[p] + 1
+    return out
+
+
+def draft_tree(draft_parents: np.ndarray, drafts: np.ndarray, extend: np.ndarray) -> list[np.ndarray | None]:
+    """Per request, each new token's parent among its new tokens (AttentionBatch.tree), None for one that drafts
+    a chain or nothing: its tokens before the draft are a chain, and the draft's roots hang off the last of them."""
+    out: list[np.ndarray | None] = []
+    at = 0
+    for e, d in zip(extend.tolist(), drafts.tolist()):
+        mine = draft_parents[at : at + d]
+        at += d
+        if d == 0 or (mine == np.arange(-1, d - 1)).all():
+            out.append(None)
+            continue
+        parents = np.arange(-1, e - 1)
+        parents[e - d :] = np.where(mine < 0, e - d - 1, e - d + mine)
+        out.append(parents)
+    return out
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T]
@@ -86,6 +111,13 @@ class ForwardBatch:
             rows.append(np.arange(first, first + len(want.targets)))
         if plan.drafts is not None:  # then each draft's positions but its last (whose row is the sampling row)
             rows += [np.arange(end - 1 - d, end - 1) for end, d in zip(ext_ends.tolist(), plan.drafts.tolist()) if d]
+        tree = None
+        if plan.draft_parents is not None:  # a draft tree: its tokens' positions are their depths, and a tree mask
+            tree = draft_tree(plan.draft_parents, plan.drafts, extend)
+            for i, parents in enumerate(tree):
+                if parents is not None:
+                    at = int(ext_ends[i] - extend[i])
+                    positions[at : at + extend[i]] = prefix[i] - 1 + depths(parents)
         positions_t = torch.from_numpy(positions).to(device)
         attn = AttentionBatch(
             mode=plan.mode,
@@ -96,6 +128,7 @@ class ForwardBatch:
             dtype=dtype,
             group=group,
             windows=windows,
+            tree=tree,
         )
         if prepare_attention:
             attn.backend_data = backend.prepare(attn)

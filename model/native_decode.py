@@ -193,7 +193,7 @@ class NativeDecode:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
-        first, length = batch.attn.contexts(self.window)
+        slots, first, length = batch.attn.tree_contexts(self.window)  # a draft tree's rows: lists of their own
         # the kernel's shared-prefix path takes AMX tiles, bf16 and head dim 64 (attention_shared.h's shared_path)
         shares = self.desc.amx and self._head_dim == 64
         shared = shared_prefix(batch.attn, first, length) if shares else 0
@@ -203,7 +203,7 @@ class NativeDecode:
         h = self.model.model.embed_tokens(batch.input_ids).contiguous()
         cos, sin = batch.cos.reshape(rows, -1).contiguous(), batch.sin.reshape(rows, -1).contiguous()
         starts, lens = torch.from_numpy(first), torch.from_numpy(length)
-        slots, out_slot = batch.attn.slots.contiguous(), batch.attn.out_slots.contiguous()
+        slots, out_slot = slots.contiguous(), batch.attn.out_slots.contiguous()
         logit_row = batch.logit_rows.contiguous()
         # the kernel indexes raw memory with these: a bad index fails this step, never corrupts memory
         check_indices("context slots", slots, self.pool_slots)

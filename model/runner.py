@@ -29,7 +29,7 @@ from radixserve.model.causal_lm import CausalLM
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.loader import cache_root
 from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
-from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_draft
+from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_draft, verify_tree
 from radixserve.model.slot_table import SlotTable
 
 log = logging.getLogger(__name__)
@@ -88,29 +88,37 @@ def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.
     log.info("%s: %d linear layers quantized", quantization, swapped)
 
 
-def verify_drafts(logits: torch.Tensor, plan: ForwardPlan, sampling: SamplingInputs) -> dict[int, list[int]]:
+def verify_drafts(logits: torch.Tensor, plan: ForwardPlan,
+                  sampling: SamplingInputs) -> tuple[dict[int, list[int]], dict[int, int]]:
     """Speculative decoding: per drafted request, the model's token after each draft position but the last (the
     rows after the sampling and prompt rows: ForwardBatch.logit_rows); the one after the last is its sampling
     row's. Drafts go only with requests that nothing adjusts (no grammar, penalty or processor), so a greedy
     request's check is the very argmax its sampling row takes; a sampled one's keeps each draft token with the
-    model's probability of it and replaces the first one refused (sampler.verify_draft)."""
+    model's probability of it and replaces the first one refused (sampler.verify_draft). A draft tree's check
+    walks it (sampler.verify_tree): its path's tokens, and the token after them, which replaces what its
+    sampling row drew (the second dict: sampling row -> token)."""
     first = len(plan.sampling.temperature) + sum(len(w.targets) for w in plan.prompt_logprobs.values())
     drafts = plan.drafts.tolist()
+    parents = plan.draft_parents.tolist() if plan.draft_parents is not None else None
     ids = logits[first:].argmax(dim=-1).tolist()
     row = np.cumsum(plan.sample) - 1  # batch index -> its sampling row
     ends = np.cumsum(plan.extend_lens)  # a request's draft is the end of its input tokens
-    out, at = {}, 0
+    out, finals, at = {}, {}, 0
     for i, d in enumerate(drafts):
         if not d:
             continue
         j = int(row[i])
-        if sampling.temperature[j] == 0 or sampling.top_k[j] == 1:
+        draft = plan.input_ids[ends[i] - d : ends[i]].tolist()
+        mine = parents[at : at + d] if parents is not None else None
+        if mine is not None and mine != list(range(-1, d - 1)):
+            rows = torch.cat([logits[first + at : first + at + d], logits[j : j + 1]])  # after the root, each token
+            *out[i], finals[j] = verify_tree(rows, draft, mine, sampling, j)
+        elif sampling.temperature[j] == 0 or sampling.top_k[j] == 1:
             out[i] = ids[at : at + d]
         else:
-            draft = plan.input_ids[ends[i] - d : ends[i]].tolist()
             out[i] = verify_draft(logits[first + at : first + at + d], draft, sampling, j)
         at += d
-    return out
+    return out, finals
 
 
 class ModelRunner:
@@ -295,7 +303,7 @@ class ModelRunner:
         try:
             logits = self._run(batch)  # [S + P + D, vocab]: the rows that sample, prompt rows asked for, drafts
             prompt = prompt_logprobs_of(logits[len(sampling):], plan.prompt_logprobs) if plan.prompt_logprobs else {}
-            drafted = verify_drafts(logits, plan, sampling) if plan.drafts is not None else {}
+            drafted, finals = verify_drafts(logits, plan, sampling) if plan.drafts is not None else ({}, {})
         except Exception as exc:
             self._end_if_parallel(plan)
             log.exception("step %d failed", plan.step)
@@ -308,6 +316,8 @@ class ModelRunner:
         penalized, processed = plan.sampling.penalized, plan.sampling.processed
         if not rows and not penalized and not processed:
             next_ids, logprobs, errors = sample_rows(raw, sampling)
+            for j, token in finals.items():
+                next_ids[j] = token
             return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
                                  errors=errors, drafted=drafted)
         adjusted = raw.clone()  # logprobs stay the model's own; only the choice is penalized / constrained
@@ -324,6 +334,8 @@ class ModelRunner:
             refused.update(filled.errors)
             refused.update({j: start_errors[rid] for j, rid in enumerate(rows) if rid in start_errors})
         next_ids, logprobs, errors = sample_rows(adjusted, sampling, logprob_logits=raw)
+        for j, token in finals.items():  # (a drafted request is never penalized nor constrained)
+            next_ids[j] = token
         for j in refused:  # a row that could not be penalized / constrained is not sampled: it fails alone
             next_ids[j] = None
             logprobs.pop(j, None)

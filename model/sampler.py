@@ -7,7 +7,8 @@ request's row never mixes with another's), which is what makes the sampler batch
 
 The sampler takes ``SamplingInputs``, decoded once from the plan's ``SamplingBatch`` (it never reads wire bytes).
 A row that fails (a bug around one request's values) fails alone: ``sample_rows`` retries the batch row by row.
-``verify_draft`` is speculative decoding's sampled check: it keeps a draft's tokens with the model's own odds.
+``verify_draft`` is speculative decoding's sampled check: it keeps a draft's tokens with the model's own odds;
+``verify_tree`` checks a draft tree, greedy or sampled.
 """
 from __future__ import annotations
 
@@ -110,6 +111,45 @@ def verify_draft(logits: torch.Tensor, draft: list[int], s: SamplingInputs, row:
         if float(rest.sum()) > 0:  # (else p_j(draft[j]) is 1 but for rounding: the token stays)
             return [*draft[:j], int(torch.multinomial(rest, 1))]
     return list(draft)
+
+
+def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], s: SamplingInputs,
+                row: int) -> list[int]:
+    """A draft tree's check (policies/drafts.py's DraftTree): ``logits[0]`` is the model's distribution after the
+    request's last token, ``logits[a + 1]`` after draft token a. From the root, the next token is chosen as a
+    plain step would choose it, and the walk goes on while that token is one of the draft's children. Greedy: the
+    argmax. Sampled (not seeded): each child in turn is taken with its probability in what is left of p, else
+    ruled out (p without it, renormalized), and where none is taken the token is drawn from the rest -- drawing
+    from p by elimination, so every token has exactly the distribution a plain step samples from. Returns the
+    tokens of the path walked and the token after it."""
+    kids: dict[int, list[int]] = {}
+    for a, p in enumerate(parents):
+        kids.setdefault(p, []).append(a)
+    greedy = bool(s.temperature[row] == 0 or s.top_k[row] == 1)
+    if greedy:
+        ids = logits.argmax(dim=-1).tolist()
+    else:
+        rows = torch.full((len(logits),), row, dtype=torch.long, device=logits.device)
+        probs = filtered_probs(logits.float(), s, rows)
+    out, at = [], -1
+    while True:
+        children = kids.get(at, [])
+        if greedy:
+            token = ids[at + 1]
+            nxt = next((c for c in children if tokens[c] == token), None)
+        else:
+            p, nxt = probs[at + 1].clone(), None
+            for c in children:
+                total = float(p.sum())
+                if total <= 0 or float(torch.rand(())) * total < float(p[tokens[c]]):
+                    nxt = c  # (a total of 0: what is left is this child's, but for rounding)
+                    break
+                p[tokens[c]] = 0.0
+            token = tokens[nxt] if nxt is not None else int(torch.multinomial(p, 1))
+        out.append(token)
+        if nxt is None:
+            return out
+        at = nxt
 
 
 def logprobs_of(logits: torch.Tensor, next_ids: torch.Tensor, s: SamplingInputs) -> dict[int, Logprob]:

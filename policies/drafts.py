@@ -24,6 +24,7 @@ longest matching suffix, in this request's own tokens and in a trie over earlier
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
@@ -31,15 +32,121 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+class DraftTree(list):
+    """A draft that branches: its tokens (a list, as a chain's are) and each one's ``parents`` entry, the index of
+    an earlier token of the draft or -1 (the request's last token). Siblings have different tokens, so the tokens
+    the model makes pick one path (``walk``). A chain's parents are -1, 0, 1, ...; one forward verifies every
+    path at once, each token attending to its ancestors only (a tree mask).
+
+        tokens   [ a, b, c, d ]        last token -+-> a --> b --> d
+        parents  [-1, 0,-1, 1 ]                    +-> c
+    """
+
+    def __init__(self, tokens: Sequence[int] = (), parents: Sequence[int] | None = None) -> None:
+        super().__init__(tokens)
+        self.parents = list(range(-1, len(self) - 1)) if parents is None else list(parents)
+
+    def __getitem__(self, i):  # a slice keeps the tree (tokens are in parent-first order: any head is a tree)
+        if isinstance(i, slice):
+            if i.start not in (None, 0) or i.step not in (None, 1):
+                raise IndexError("a draft tree's slice is a head: [:n]")
+            return DraftTree(list.__getitem__(self, i), self.parents[i])
+        return list.__getitem__(self, i)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Each token's depth: 1 for a child of the request's last token."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def walk(self, tokens: Sequence[int]) -> list[int]:
+        """The draft tokens (indices) that ``tokens`` follow from the root: what a verifier that saw ``tokens``
+        keeps."""
+        path, at = [], -1
+        kids = self.children()
+        for t in tokens:
+            nxt = kids.get(at, {}).get(t)
+            if nxt is None:
+                break
+            path.append(nxt)
+            at = nxt
+        return path
+
+    def goes_on(self, tokens: Sequence[int]) -> bool:
+        """Does the draft go on where ``tokens`` leave its root's path (a token after them is still checked)?"""
+        path = self.walk(tokens)
+        return bool(self.children().get(path[-1] if path else -1))
+
+    def children(self) -> dict[int, dict[int, int]]:
+        """index (-1: the root) -> {token: the child's index}."""
+        out: dict[int, dict[int, int]] = {}
+        for i, (t, p) in enumerate(zip(self, self.parents)):
+            out.setdefault(p, {})[t] = i
+        return out
+
+    def problem(self) -> str | None:
+        """What makes this not a draft tree (None: it is one)."""
+        if len(self.parents) != len(self):
+            return f"{len(self)} tokens with {len(self.parents)} parents"
+        if any(not isinstance(p, int) or not -1 <= p < i for i, p in enumerate(self.parents)):
+            return "a parent is not an earlier token's index (or -1)"
+        if sum(map(len, self.children().values())) != len(self):
+            return "two siblings have the same token"
+        return None
+
+
 def accepted_prefix(draft: Sequence[int], model: Sequence[int]) -> int:
-    """How many leading draft tokens are the model's own greedy choices (``model[i]``: its token after draft
-    position i, i.e. in place of draft[i]): what a greedy verifier keeps, in the engine and the simulator."""
+    """How many draft tokens the model's own greedy choices keep (``model[i]``: its token after the i-th kept
+    one, i.e. in place of the next): what a greedy verifier keeps, in the engine and the simulator. A
+    ``DraftTree`` keeps the path ``model`` walks."""
+    if isinstance(draft, DraftTree):
+        return len(draft.walk(model))
     n = 0
     for d, m in zip(draft, model):
         if d != m:
             break
         n += 1
     return n
+
+
+def judged(draft: Sequence[int], came: Sequence[int]) -> tuple[int, bool]:
+    """A draft against the tokens that came after it (as many as are known): (its tokens kept, whether one was
+    refused: the kept path stopped where the draft went on and a token came that it did not have)."""
+    tree = draft if isinstance(draft, DraftTree) else DraftTree(draft)
+    kept = len(tree.walk(came))
+    return kept, len(came) > kept and tree.goes_on(came)
+
+
+def grow_tree(root: object, children, k: int, max_depth: int, min_prob: float, width: int) -> DraftTree:
+    """The draft tree of at most ``k`` tokens and ``max_depth`` levels whose paths are the likeliest: grown best
+    path first from ``root``, taking up to ``width`` children a token, while a path's share of the occurrences is
+    ``min_prob`` or more. ``children(state)`` lists a state's continuations as (token, share of the parent's
+    occurrences, state), likeliest first; with ``width`` 1 the tree is the most frequent path (a chain)."""
+    tree = DraftTree()
+    frontier: list[tuple[float, int, int, int, int, object]] = []  # (-prob, order, parent, depth, token, state)
+    order = 0
+
+    def offer(parent: int, depth: int, prob: float, state: object) -> None:
+        nonlocal order
+        if depth > max_depth:
+            return
+        for token, share, child in children(state)[:width]:
+            if prob * share >= min_prob:
+                heapq.heappush(frontier, (-prob * share, order, parent, depth, token, child))
+                order += 1
+
+    offer(-1, 1, 1.0, root)
+    while frontier and len(tree) < k:
+        neg, _, parent, depth, token, state = heapq.heappop(frontier)
+        tree.append(token)
+        tree.parents.append(parent)
+        offer(len(tree) - 1, depth + 1, -neg, state)
+    return tree
 
 
 @dataclass(frozen=True)
@@ -50,6 +157,7 @@ class DraftOptions:
     model_path: str | None = None
     dtype: str = "float32"
     threads: int = 1
+    width: int = 1  # the most children a draft token may have, for a policy that drafts trees (1: chains)
 
 
 class DraftCache(Protocol):
@@ -158,12 +266,12 @@ class SuffixTrie:
             active = grown[-(self.depth - 1):] if self.depth > 1 else []  # a window of depth tokens is complete
         return active
 
-    def draft(self, tokens: Sequence[int], k: int, max_match: int, factor: float,
-              min_prob: float = 0.0) -> tuple[int, list[int]]:
-        """(match length, draft): the longest suffix of ``tokens`` (at most ``max_match``) found, and the most
-        frequent path after it, at most ``factor`` x the match length and ``k`` tokens, while the path's share of
-        the match's occurrences (each token's count over its parent's, multiplied) is ``min_prob`` or more.
-        (0, []) when nothing matches."""
+    def draft(self, tokens: Sequence[int], k: int, max_match: int, factor: float, min_prob: float = 0.0,
+              width: int = 1) -> tuple[int, DraftTree]:
+        """(match length, draft): the longest suffix of ``tokens`` (at most ``max_match``) found, and the likeliest
+        paths after it (``grow_tree``: up to ``width`` children a token), at most ``factor`` x the match length
+        deep and ``k`` tokens, while a path's share of the match's occurrences (each token's count over its
+        parent's, multiplied) is ``min_prob`` or more. (0, []) when nothing matches."""
         for m in range(min(max_match, len(tokens), self.depth - 1), 0, -1):
             node = self.root
             for t in tokens[len(tokens) - m :]:
@@ -172,16 +280,14 @@ class SuffixTrie:
                     break
             if node is None or not node[1]:
                 continue
-            out, want, prob = [], min(k, math.ceil(factor * m), self.depth - m), 1.0
-            while len(out) < want and node[1]:
-                t, child = max(node[1].items(), key=lambda kv: kv[1][0])
-                prob *= child[0] / node[0]
-                if prob < min_prob:
-                    break
-                out.append(t)
-                node = child
-            return m, out
-        return 0, []
+            depth = min(math.ceil(factor * m), self.depth - m)
+            return m, grow_tree(node, _trie_children, k, depth, min_prob, width)
+        return 0, DraftTree()
+
+
+def _trie_children(node: list) -> list[tuple[int, float, list]]:
+    kids = sorted(node[1].items(), key=lambda kv: -kv[1][0])  # stable: the first seen first on a tie
+    return [(t, child[0] / node[0], child) for t, child in kids]
 
 
 class OwnText:
@@ -207,13 +313,14 @@ class OwnText:
                     self.after2[(s[-2], s[-1])].append(len(s) - 1)
             s.append(t)
 
-    def draft(self, k: int, max_match: int, factor: float, min_prob: float = 0.0) -> list[int]:
-        """The continuation of the longest earlier occurrence of the end of the tokens (at most ``max_match``
-        tokens of it), at most ``factor`` x the match and ``k`` tokens long, while the share of those occurrences
-        that went on so is ``min_prob`` or more."""
+    def draft(self, k: int, max_match: int, factor: float, min_prob: float = 0.0, width: int = 1) -> DraftTree:
+        """The continuations of the longest earlier occurrences of the end of the tokens (at most ``max_match``
+        tokens of it): the likeliest paths (``grow_tree``: up to ``width`` children a token), at most ``factor`` x
+        the match deep and ``k`` tokens, while the share of those occurrences that went on so is ``min_prob`` or
+        more."""
         s, end = self.tokens, len(self.tokens) - 1
         if end < 1:
-            return []
+            return DraftTree()
         ends = self.after2.get((s[-2], s[-1])) or self.after1.get(s[-1]) or []
         matched = {}
         for j in reversed(ends[-self.SCAN:]):  # the latest first
@@ -222,21 +329,15 @@ class OwnText:
                 m += 1
             matched[j] = m
         if not matched:
-            return []
+            return DraftTree()
         best = max(matched.values())
         starts = [j + 1 for j, m in matched.items() if m == best]
-        out: list[int] = []
-        occurrences = len(starts)
-        while len(out) < min(k, math.ceil(factor * best)):
-            votes = Counter(s[i] for i in starts if i <= end)
-            if not votes:
-                break
-            t, n = votes.most_common(1)[0]
-            if n < min_prob * occurrences:
-                break
-            out.append(t)
-            starts = [i + 1 for i in starts if i <= end and s[i] == t]
-        return out
+
+        def children(at: list[int]) -> list[tuple[int, float, list[int]]]:  # the tokens that came after ``at``
+            votes = Counter(s[i] for i in at if i <= end)
+            return [(t, n / len(at), [i + 1 for i in at if i <= end and s[i] == t]) for t, n in votes.most_common()]
+
+        return grow_tree(starts, children, k, math.ceil(factor * best), min_prob, width)
 
 
 class Suffix:
@@ -259,7 +360,8 @@ class Suffix:
     MIN_PROB = 0.1  # a draft stops where fewer than this share of the match's occurrences went on so
     MAX_NODES = 200_000  # the shared trie's bound (~60 MB of Python lists and dicts)
 
-    def __init__(self) -> None:
+    def __init__(self, options: DraftOptions | None = None) -> None:
+        self.width = options.width if options is not None else 1  # children a draft token may have (1: chains)
         self.own: dict[str, tuple[OwnText, int]] = {}  # rid -> (its tokens, where its first draft was asked)
         self.trust: dict[str, dict[str, _Trust]] = {}  # rid -> source ("own", "shared") -> how its drafts fared
         self.last: dict[str, tuple[str, list[int], int]] = {}  # rid -> (source, draft, tokens then) of its last
@@ -267,7 +369,7 @@ class Suffix:
         self.recent: deque[tuple[int, ...]] = deque()  # finished requests' answers, oldest first, to rebuild from
         self.recent_tokens = 0
 
-    def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> list[int]:
+    def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> DraftTree:
         text, start = self.own.get(rid) or (OwnText(), len(tokens))
         self.own[rid] = (text, start)
         text.add(tokens[len(text.tokens):])
@@ -275,9 +377,9 @@ class Suffix:
         if rid in self.last:
             source, draft, then = self.last.pop(rid)
             trust[source].judge(draft, tokens[then:])
-        drafts = {"own": text.draft(k, self.MAX_MATCH, self.FACTOR, self.MIN_PROB),
-                  "shared": self.shared.draft(tokens, k, self.MAX_MATCH, self.FACTOR, self.MIN_PROB)[1]}
-        source = max(drafts, key=lambda s: trust[s].expected(len(drafts[s])))  # ties: own, the first
+        drafts = {"own": text.draft(k, self.MAX_MATCH, self.FACTOR, self.MIN_PROB, self.width),
+                  "shared": self.shared.draft(tokens, k, self.MAX_MATCH, self.FACTOR, self.MIN_PROB, self.width)[1]}
+        source = max(drafts, key=lambda s: trust[s].expected(max(drafts[s].depths(), default=0)))  # ties: own
         if drafts[source]:
             self.last[rid] = (source, drafts[source], len(tokens))
         return drafts[source]
@@ -320,9 +422,9 @@ class _Trust:
 
     def judge(self, draft: Sequence[int], came: Sequence[int]) -> None:
         """``came``: the tokens the request made after ``draft`` was proposed (as many as are known)."""
-        kept = accepted_prefix(draft, came)
+        kept, refused = judged(draft, came)
         self.kept += kept
-        self.refused += kept < min(len(draft), len(came))
+        self.refused += refused
 
     def expected(self, length: int) -> float:
         """The draft tokens of a draft of ``length`` expected to be kept: a + a^2 + .. + a^length."""

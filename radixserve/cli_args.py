@@ -27,7 +27,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "enable_hierarchical_cache", "hicache_ratio", "hicache_size", "hicache_write_policy",
         "hicache_storage_backend", "hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config",
         "hicache_page_size", "hicache_kv_format", "kv_disk_bytes"),
-    "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_draft_model_path"),
+    "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_draft_width",
+                             "speculative_draft_model_path"),
     "priority scheduling": ("enable_priority_scheduling", "schedule_low_priority_values_first",
                             "priority_scheduling_preemption_threshold", "disable_priority_preemption",
                             "default_priority_value"),
@@ -53,7 +54,7 @@ METAVARS = {"model_path": "PATH_OR_HUB_ID", "tokenizer_path": "PATH_OR_HUB_ID", 
             "api_key": "KEY", "api_key_file": "PATH", "allowed_hosts": "HOST", "host": "HOST",
             "port": "PORT", "shadow_policies": "all|NAMES", "revision": "REV", "tool_call_parser": "NAME",
             "logit_processors": "NAME", "priority_scheduling_preemption_threshold": "N", "default_priority_value": "N",
-            "speculative_algorithm": "NAME", "speculative_num_draft_tokens": "K",
+            "speculative_algorithm": "NAME", "speculative_num_draft_tokens": "K", "speculative_draft_width": "W",
             "speculative_draft_model_path": "PATH"}
 HELP = {
     "speculative_algorithm": "guess each request's next tokens and verify them in one forward (greedy: the same "
@@ -62,7 +63,10 @@ HELP = {
                              "RADIX (the radix cache's continuation of the request), STANDALONE (a smaller draft "
                              "model, --speculative-draft-model-path), or a plugin's (entry points "
                              "radixserve.draft_policies) (default: none: off)",
-    "speculative_num_draft_tokens": "the most tokens a draft may have",
+    "speculative_num_draft_tokens": "the most tokens a draft may have (a draft tree's: all its branches')",
+    "speculative_draft_width": "the most children a draft token may have: above 1, SUFFIX drafts a tree (its "
+                               "likeliest continuations where earlier text went on in more than one way), verified "
+                               "in the same one forward under a tree mask; 1: chains",
     "speculative_draft_model_path": "STANDALONE's draft model: a Hugging Face checkpoint folder of a smaller model "
                                     "with the served model's tokenizer (run by transformers in the scheduler's "
                                     "process, one thread) (default: none)",

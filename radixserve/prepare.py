@@ -123,7 +123,8 @@ def prepare(args: ServerArgs) -> Prepared:
         draft_tokens=args.speculative_num_draft_tokens if args.draft_policy != "none" else 0,
         draft_sampled=args.random_seed is None,
         draft_options=DraftOptions(args.speculative_draft_model_path,
-                                   "float32" if args.dtype == "float32" else "bfloat16"),
+                                   "float32" if args.dtype == "float32" else "bfloat16",
+                                   width=args.speculative_draft_width),
         check_invariants=args.check_invariants,
     )
     names = args.served_model_name or (files.hub_id or (files.source.stem.split(".")[0] if files.source.suffix ==

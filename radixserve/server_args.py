@@ -65,6 +65,7 @@ class ServerArgs:
     # speculative decoding (actors/scheduler/speculate.py): drafts from a draft policy, verified in one forward
     speculative_algorithm: str | None = None  # NGRAM, SUFFIX, RADIX (any case), or a draft policy's entry point
     speculative_num_draft_tokens: int = 8  # the most tokens a draft may have
+    speculative_draft_width: int = 1  # the most children a draft token may have (SUFFIX's trees; 1: chains)
     speculative_draft_model_path: str | None = None  # STANDALONE's draft model: a HF checkpoint folder
     # SGLang's priority scheduling (actors/scheduler/priority.py): priorities order the queue, preempt, drop
     enable_priority_scheduling: bool = False
@@ -235,6 +236,8 @@ class ServerArgs:
         if path and not (Path(path) / "config.json").is_file():
             raise ValueError(f"--speculative-draft-model-path {path}: not a Hugging Face checkpoint folder (no "
                              "config.json there)")
+        if not 1 <= self.speculative_draft_width <= 8:
+            raise ValueError(f"--speculative-draft-width {self.speculative_draft_width} must be in 1..8")
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError(f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} must be in 1..64")
 

@@ -314,10 +314,10 @@ def test_a_draft_is_as_long_as_pays_at_its_acceptance():
     assert draft_length(0.9, 0.0, 8) == 8, "free verification: as long as the policy offers"
     r = Drafting()
     assert r.acceptance(0.5) == 0.5, "before its first draft: the policy's acceptance"
-    r.drafted(3, 8)  # 3 kept, then one refused; one draft's worth of the prior mixed in
+    r.count(3, True)  # 3 kept, then one refused; one draft's worth of the prior mixed in
     assert r.acceptance(0.5) == pytest.approx((3 + 0.5) / (3 + 1 + 1))
     for _ in range(20):
-        r.drafted(8, 8)  # kept whole, again and again: the refusal fades
+        r.count(8, False)  # kept whole, again and again: the refusal fades
     assert r.acceptance(0.5) > 0.97
 
 
@@ -325,19 +325,23 @@ def test_a_draft_not_verified_is_judged_by_the_tokens_that_follow():
     """A request that does not draft still has its policy's draft watched: judged once the tokens that came settle
     it (a wrong token, or every token right), not before; and it drafts again once its watched drafts would pay."""
     from radixserve.actors.scheduler.speculate import Drafting, draft_length
+    from radixserve.policies.drafts import DraftTree
 
     r = Drafting()
     for _ in range(3):
-        r.drafted(0, 4)  # rejected outright, three times
+        r.count(0, True)  # rejected outright, three times
     assert draft_length(r.acceptance(0.5), 0.3, 8) == 0
     tokens = [1, 2, 3]
-    r.watch, r.watch_at = [4, 5, 6], len(tokens)
+    r.watch, r.watch_at = DraftTree([4, 5, 6]), len(tokens)
     assert not r.judge(tokens + [4, 5]), "right so far: it waits for the third token"
     assert r.judge(tokens + [4, 5, 6]) and r.watch is None, "all three right: judged"
-    r.watch, r.watch_at = [7, 8, 9], 6
+    r.watch, r.watch_at = DraftTree([7, 8, 9]), 6
     assert r.judge([1, 2, 3, 4, 5, 6, 7, 0]), "a wrong second token settles it"
+    r.watch, r.watch_at = DraftTree([4, 9, 5], parents=[-1, -1, 0]), len(tokens)  # 4 then 5, or 9 alone
+    assert not r.judge(tokens + [4]), "on the branch that goes on: it waits"
+    assert r.judge(tokens + [9]) and r.watch is None, "the other branch, whole: judged"
     for _ in range(6):
-        r.watch, r.watch_at = [1, 2, 3, 4], 0
+        r.watch, r.watch_at = DraftTree([1, 2, 3, 4]), 0
         r.judge([1, 2, 3, 4])
     assert draft_length(r.acceptance(0.5), 0.3, 8) > 0, "its drafts would now pay: it drafts again"
 

@@ -10,6 +10,7 @@ from radixserve.actors.messages import (
     ForwardPlan, GrammarSpec, PenaltySpec, ProcessorSpec, PromptLogprobs, SamplingBatch, TierOps
 )
 from radixserve.actors.scheduler.req import Req
+from radixserve.policies.drafts import DraftTree
 
 
 @dataclass
@@ -20,7 +21,7 @@ class Step:
     reqs: list[Req]
     starts: list[int]
     floors: list[int] | None = None  # per request, what was in the pool before the step's loads (default: starts)
-    drafts: list[list[int]] | None = None  # speculative decoding: the draft each request's step verifies
+    drafts: list[DraftTree] | None = None  # speculative decoding: the draft each request's step verifies
 
     def floor_of(self, req: Req) -> int | None:
         """How many of ``req``'s tokens hold KV whatever becomes of this step (its loads from the lower tiers and
@@ -33,10 +34,11 @@ class Step:
 
 def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], starts: list[int],
                vocab_size: int, released: list[str] | None = None, tiers: TierOps | None = None,
-               drafts: list[list[int]] | None = None) -> ForwardPlan:
+               drafts: list[DraftTree] | None = None) -> ForwardPlan:
     """``starts[i]``: how many of reqs[i]'s tokens were in the pool before this step (the rest are new).
     ``drafts`` (an extend step that verifies them): the tokens guessed to follow each decoding request, computed
-    after its last token; its KV handle already holds their slots.
+    after its last token; its KV handle already holds their slots. A draft that branches (``DraftTree``) sends its
+    tokens' parents (``draft_parents``), for the tree mask.
 
     Every request's KV handle must already hold slots for all the tokens it computes now, and a runner table row
     (``table_row``); the runner holds each row up to ``kv.synced``. A constrained request
@@ -73,6 +75,8 @@ def build_plan(step: int, mode: Literal["extend", "decode"], reqs: list[Req], st
         released=released or [],
         tiers=tiers,
         drafts=None if drafts is None else np.asarray([len(d) for d in drafts], dtype=np.int32),
+        draft_parents=(np.asarray([p for d in drafts for p in d.parents], dtype=np.int32)
+                       if drafts is not None and not all(d.is_chain for d in drafts) else None),
     )
 
 

@@ -289,8 +289,10 @@ class Scheduler:
             if req is self.chunked:
                 self.chunked = None
             if verify and step.drafts[i]:
-                new = self.spec.accept(req.rid, step.drafts[i], result.drafted.get(i, []), result.next_ids[j])
+                new, path = self.spec.accept(req.rid, step.drafts[i], result.drafted.get(i, []), result.next_ids[j])
                 req.drafted, req.accepted = req.drafted + len(step.drafts[i]), req.accepted + len(new) - 1
+                # the kept path's K/V moves up to follow the request's last token (a chain's is there already)
+                self.cache.keep(req.kv, req.seq_len, path)
             else:
                 new = [result.next_ids[j]]
             grammar_done = j in done_rows

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from radixserve.actors.scheduler.req import Req
 from radixserve.policies import load_draft_policy
-from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, NoCache, NoDrafts, accepted_prefix
+from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, DraftTree, NoCache, NoDrafts, judged
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Drafting:
     refused: float = 0.0
     misses: int = 0
     skip: int = 0
-    watch: list[int] | None = None
+    watch: DraftTree | None = None
     watch_at: int = 0
 
     def acceptance(self, prior: float) -> float:
@@ -80,9 +80,9 @@ class Drafting:
         does not settle a request's fate."""
         return (self.kept + PRIOR_WEIGHT * prior) / (self.kept + self.refused + PRIOR_WEIGHT)
 
-    def drafted(self, kept: int, length: int) -> None:
+    def count(self, kept: int, refused: bool) -> None:
         self.kept = FADE * self.kept + kept
-        self.refused = FADE * self.refused + float(kept < length)
+        self.refused = FADE * self.refused + float(refused)
 
     def judge(self, tokens: Sequence[int]) -> bool:
         """Judge the watched draft by the tokens made since it was proposed, once they settle it (a token it got
@@ -90,10 +90,10 @@ class Drafting:
         if self.watch is None:
             return False
         new = tokens[self.watch_at : self.watch_at + len(self.watch)]
-        kept = accepted_prefix(self.watch, new)
-        if kept == len(new) < len(self.watch):
+        kept, refused = judged(self.watch, new)
+        if not refused and self.watch.goes_on(new):
             return False  # right so far: wait for more tokens
-        self.drafted(kept, len(self.watch))
+        self.count(kept, refused)
         self.watch = None
         return True
 
@@ -226,7 +226,7 @@ class Speculation:
         self.stats = DraftStats()
         self._requests.clear()
 
-    def propose(self, running: list[Req], room: int, cache: DraftCache | None) -> list[list[int]] | None:
+    def propose(self, running: list[Req], room: int, cache: DraftCache | None) -> list[DraftTree] | None:
         """Each running request's draft (empty where it does not speculate), using at most ``room`` slots beyond
         one a request; None when no request has one (a plain decode step)."""
         if not self.on or (self.gate is not None and not self.gate.allows(len(running))):
@@ -238,15 +238,15 @@ class Speculation:
                 return None
             cost, most = 0.0, 1  # ... but on a recheck step: one-token drafts, to measure the cost again
         view = cache if cache is not None else NoCache()
-        drafts: list[list[int]] = []
+        drafts: list[DraftTree] = []
         for req in running:
             want = min(most, req.max_new_tokens - len(req.output_ids) - 1, room)
-            draft = self._due(req, cost, want, view) if want > 0 and speculates(req, self.sampled) else []
+            draft = self._due(req, cost, want, view) if want > 0 and speculates(req, self.sampled) else DraftTree()
             room -= len(draft)
             drafts.append(draft)
         return drafts if any(drafts) else None
 
-    def _due(self, req: Req, cost: float, most: int, cache: DraftCache) -> list[int]:
+    def _due(self, req: Req, cost: float, most: int, cache: DraftCache) -> DraftTree:
         """``req``'s draft this step (at most ``most`` tokens): none while it backs off after rejected drafts;
         else as long as pays best at its acceptance and this batch's ``cost`` of a draft token. Where no length
         pays, the policy's draft is watched instead of verified (``Drafting.watch``): the request's acceptance
@@ -257,7 +257,7 @@ class Speculation:
         if r.skip > 0:
             r.skip -= 1
             self.stats.backed_off += 1
-            return []
+            return DraftTree()
         prior = self.stats.accepted / self.stats.drafted if self.stats.drafted else 1.0
         length = draft_length(r.acceptance(prior), cost, most) if self.gate is not None else most
         if length > 0:
@@ -266,28 +266,33 @@ class Speculation:
         self.stats.not_worth += 1
         if r.watch is None:
             r.watch, r.watch_at = self._draft(req, most, cache) or None, len(req.fill_key)
-        return []
+        return DraftTree()
 
-    def _draft(self, req: Req, want: int, cache: DraftCache) -> list[int]:
+    def _draft(self, req: Req, want: int, cache: DraftCache) -> DraftTree:
         try:
-            draft = list(self.policy.propose(req.rid, req.fill_key, want, cache))[:want]
+            got = self.policy.propose(req.rid, req.fill_key, want, cache)
+            draft = got[:want] if isinstance(got, DraftTree) else DraftTree(list(got)[:want])
         except Exception:  # a plugin's bug costs its speed, never the request
             log.exception("draft policy %r failed; request %s decodes without a draft", self.policy.name, req.rid)
-            return []
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in draft):
+            return DraftTree()
+        problem = draft.problem() or next((f"token {t!r} is outside the vocabulary" for t in draft
+                                           if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if problem is not None:
             self._bad_drafts += 1
             if self._bad_drafts == 1:
-                log.error("draft policy %r proposed tokens outside the vocabulary (%s...); such drafts are dropped",
-                          self.policy.name, draft[:4])
-            return []
+                log.error("draft policy %r proposed a draft that is not one (%s); such drafts are dropped",
+                          self.policy.name, problem)
+            return DraftTree()
         return draft
 
-    def accept(self, rid: str, draft: list[int], drafted: list[int], last: int) -> list[int]:
-        """The tokens a verified step keeps: the draft's accepted prefix and the model's token after it."""
+    def accept(self, rid: str, draft: DraftTree, drafted: list[int], last: int) -> tuple[list[int], list[int]]:
+        """What a verified step keeps: (the tokens: the draft's path the model's tokens walk and the model's token
+        after it; that path, as the draft's token indices)."""
         model = [*drafted, last]
-        n = accepted_prefix(draft, model)
+        path = draft.walk(model)
+        n = len(path)
         r = self._requests.setdefault(rid, Drafting())
-        r.drafted(n, len(draft))
+        r.count(n, draft.goes_on(model[:n]))
         if n:
             r.misses = 0
         else:
@@ -296,7 +301,7 @@ class Speculation:
         self.stats.drafts += 1
         self.stats.drafted += len(draft)
         self.stats.accepted += n
-        return model[: n + 1]
+        return model[: n + 1], path
 
     def release(self, req: Req) -> None:
         self._requests.pop(req.rid, None)
