@@ -203,7 +203,8 @@ class Speculation:
     def info(self) -> dict[str, object]:
         """GET /cache/stats' "speculative": the draft policy, the most tokens a draft has, the totals, and the cost
         model's figures per batch size."""
-        return {"draft_policy": self.policy.name, "draft_tokens": self.tokens, **self.stats.as_dict(),
+        return {"draft_policy": self.policy.name, "draft_tokens": self.tokens,
+                "draft_width": self.options.width if self.options is not None else 1, **self.stats.as_dict(),
                 "cost": self.gate.info() if self.gate is not None else {}}
 
     def timed(self, mode: str, drafts: object, batch: int, seconds: float) -> None:
