@@ -21,8 +21,10 @@ FLOORS_SMOKE := tests/test_messages.py tests/test_cache_tree.py tests/test_sched
 # CPU has it), and the deterministic suite with its kernels built for AVX2 and torch limited to AVX2, then with no
 # C++ at all (the row-by-row torch kernels).
 KERNEL_SMOKE := tests/test_server_openai.py tests/test_engine_api.py::test_single_and_batch_shapes \
-	"tests/test_speculative.py::test_partly_wrong_drafts_keep_exactly_the_plain_tokens[default]"
-DETERMINISTIC := tests/test_deterministic.py -m "not slow"
+	"tests/test_speculative.py::test_partly_wrong_drafts_keep_exactly_the_plain_tokens[default]" \
+	"tests/test_draft_trees.py::test_draft_trees_keep_exactly_the_plain_tokens[default]"
+DETERMINISTIC := tests/test_deterministic.py \
+	"tests/test_draft_trees.py::test_draft_trees_keep_exactly_the_plain_tokens[deterministic]" -m "not slow"
 
 .PHONY: install browser cross redis serve test test-floors test-matrix bench clean
 

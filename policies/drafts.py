@@ -13,12 +13,14 @@ A policy class may take one argument, ``options`` (``DraftOptions``: a draft mod
 
 ``propose(rid, tokens, k, cache)``: ``tokens`` is the request's prompt and output so far (it only grows between
 calls for one ``rid``), ``k`` the most tokens wanted, ``cache`` the radix tree's read-only view (``DraftCache``).
-Returns up to ``k`` token ids (fewer, or none, when it has no good guess). ``release(rid, tokens)``: the request
+Returns up to ``k`` token ids (fewer, or none, when it has no good guess), or a ``DraftTree`` of up to ``k``
+tokens: several guesses sharing their beginnings, checked together. ``release(rid, tokens)``: the request
 ended with these tokens; per-request state goes, and what the policy learns across requests may keep them.
 
 Built in: ``ngram`` (prompt lookup: the continuation of the last earlier occurrence of the request's last tokens,
-as llama.cpp's and vLLM's n-gram drafting), ``suffix`` (SuffixDecoding's idea: the most frequent continuation of the
-longest matching suffix, in this request's own tokens and in a trie over earlier requests' answers, bounded), ``radix``
+as llama.cpp's and vLLM's n-gram drafting), ``suffix`` (SuffixDecoding's idea: the most frequent continuations of the
+longest matching suffix, in this request's own tokens and in a trie over earlier requests' answers, bounded; a tree
+of up to ``DraftOptions.width`` children a token), ``radix``
 (the continuation of the request's whole sequence in the radix tree: a cached path it is walking again), and
 ``draft-model`` (model/draft_model.py: a second, smaller model's greedy tokens; SGLang's STANDALONE).
 """
@@ -343,9 +345,10 @@ class OwnText:
 class Suffix:
     """SuffixDecoding's drafting: the longest suffix of the request's tokens found in its own tokens (its prompt
     and output so far, ``OwnText``) or in a trie of earlier requests' answers (each with the end of its prompt
-    before it), then the most frequent continuation, longer the longer the match, while at least ``MIN_PROB`` of
-    the match's occurrences went on so (SuffixDecoding's minimum token probability). Of the two drafts, the one with
-    more tokens expected to be kept: each source's drafts for this request are judged by the tokens that followed
+    before it), then the most frequent continuations, deeper the longer the match, while at least ``MIN_PROB`` of
+    the match's occurrences went on so (SuffixDecoding's minimum token probability): a tree of the likeliest paths
+    with up to ``width`` children a token (``grow_tree``; 1: the most frequent path alone). Of the two drafts, the
+    one with more tokens expected to be kept on its longest path: each source's drafts for this request are judged by the tokens that followed
     them (``_Trust``), so a request that answers with its own prompt's text (a quoted document, an edited file, an
     earlier answer repeated) stops taking the drafts of earlier requests that once went on alike. Bounded: past
     ``MAX_NODES`` the shared trie is rebuilt from the latest finished requests, newest first, up to half that.

@@ -6,8 +6,11 @@ a greedy request that is the argmax: the draft's tokens up to the first one the 
 model's own, and so is the token it computed after them, so a step keeps ``accepted + 1`` tokens, exactly what as
 many plain greedy steps would have produced. A sampled request's check keeps each draft token with the model's
 probability of it and draws the first refused one's replacement from the rest (speculative sampling,
-``sampler.verify_draft``): each kept token has exactly the distribution a plain step samples from. The slots of
-the rejected part go back (``CacheManager.truncate``), so only committed tokens reach the tree.
+``sampler.verify_draft``): each kept token has exactly the distribution a plain step samples from. A draft tree
+(``DraftTree``: ``suffix`` with ``--speculative-draft-width`` above 1) is checked the same way along the path the
+model's tokens walk (``sampler.verify_tree``), every branch in the same forward under a tree mask; the kept path's
+slots move up behind the request's last token (``CacheManager.keep``). The slots of the rejected part go back
+(``CacheManager.truncate``), so only committed tokens reach the tree.
 
 Only requests whose next token depends on the model's logits and their sampling parameters alone speculate: no
 grammar, penalty, logit processor, logprobs or seed (a seeded request's tokens are a function of its seed, which
