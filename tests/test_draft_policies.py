@@ -175,7 +175,7 @@ def test_drafts_never_change_the_output(prompt, output, name, k):
     import radixserve.compare.sim_drafts as sim
 
     real = sim.load_draft_policy
-    sim.load_draft_policy = lambda n: Spy()
+    sim.load_draft_policy = lambda n, options=None: Spy()
     try:
         stats = simulate_drafts(name, [(prompt, output), (prompt, output)], k)
     finally:

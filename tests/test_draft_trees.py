@@ -228,3 +228,32 @@ def test_a_sampled_tree_check_keeps_the_models_distribution():
         total = sum(counts.values())
         chi2 = sum((counts[t] - total * float(p[t])) ** 2 / (total * float(p[t])) for t in range(vocab))
         assert chi2 < 20.5, (row, chi2, counts, p)  # chi-square, 5 degrees of freedom: p = 0.001
+
+
+def test_the_simulator_keeps_the_branch_the_recorded_output_takes():
+    """The simulator (`radixserve compare --draft-policies`, the shadows) walks a draft tree with the recorded
+    output: a tree whose second branch is right keeps a token each step, its first branch alone (a chain) none."""
+    from radixserve.compare.sim_drafts import DraftSim
+
+    prompt, output = [1, 2, 3], [40, 41, 42, 43, 44, 45]
+
+    class Forked:
+        name = "forked"
+
+        def __init__(self, width):
+            self.width = width
+
+        def propose(self, rid, tokens, k, cache):
+            right = output[len(tokens) - len(prompt)]
+            return DraftTree([7, right][: self.width], parents=[-1, -1][: self.width])
+
+        def release(self, rid, tokens):
+            pass
+
+    kept = {}
+    for width in (1, 2):
+        sim = DraftSim("ngram", 8)
+        sim.policy = Forked(width)
+        sim.add(prompt, output)
+        kept[width] = (sim.stats.accepted, sim.stats.steps)
+    assert kept == {1: (0, 5), 2: (3, 3)}, kept  # 5 tokens after the first: 2 + 2 + 1 (the last one drafted)

@@ -73,6 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "requests that carry an output, in trace order, and the table says how many tokens a greedy "
                    "verifier would have accepted (a built-in workload's outputs are random tokens)")
     d.add_argument("--draft-tokens", type=int, default=8, help="tokens a draft may have (k)")
+    d.add_argument("--draft-width", type=int, default=3, help="children a draft token may have, for a policy that "
+                   "drafts trees (suffix), as the server's --speculative-draft-width; 1: chains")
     live = p.add_argument_group("live")
     live.add_argument("--live", metavar="URL", help="replay against a running server, once per policy pair")
     live.add_argument("--time-scale", type=float, default=1.0, help="stretch (>1) or squeeze arrival times")
@@ -198,18 +200,19 @@ def run_drafts(args: argparse.Namespace, requests, spec: dict) -> int:
     names = [n for n in args.draft_policies.split(",") if n]
     for name in names:  # fail fast on a typo
         load_draft_policy(name)
-    if args.draft_tokens < 1:
-        raise SystemExit("--draft-tokens must be >= 1")
+    if args.draft_tokens < 1 or args.draft_width < 1:
+        raise SystemExit("--draft-tokens and --draft-width must be >= 1")
     traces = [(r.prompt, r.output) for r in requests if r.output]
     if not traces:
         raise SystemExit("no request in this workload carries an output: drafts are measured against recorded "
                          "outputs (a trace's \"output\" field)")
-    stats = [sim_drafts.simulate_drafts(name, tqdm(traces, desc=name, unit="req", leave=False), args.draft_tokens)
-             for name in names]
+    stats = [sim_drafts.simulate_drafts(name, tqdm(traces, desc=name, unit="req", leave=False), args.draft_tokens,
+                                        args.draft_width) for name in names]
     print(sim_drafts.table(stats, args.draft_tokens))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(out / "compare.json", {"workload": spec, "draft_tokens": args.draft_tokens,
+                                             "draft_width": args.draft_width,
                                              "drafts": [s.as_dict() for s in stats]})
     sim_drafts.plot(stats, out / "drafts.png", f"{spec.get('kind', 'trace')}: draft policies, k = {args.draft_tokens}")
     print(f"\nwrote {out / 'compare.json'}, {out / 'drafts.png'}", file=sys.stderr)

@@ -250,7 +250,8 @@ class ShadowLab:
         self.timings: deque[tuple[str, int, int, float]] = deque(maxlen=1024)
         self.first_fed: float | None = None
         self.broken: dict[Pair, str] = {}  # pairs whose policies failed to load, and why
-        self.drafts = draft_sims(self.config.draft_tokens)  # with --speculative-algorithm: every draft policy
+        # with --speculative-algorithm: every draft policy, drafting as the server's does
+        self.drafts = draft_sims(self.config.draft_tokens, self.config.draft_options.width)
         self.gaps = 0  # times the scheduler dropped trace the shadow could not take
 
     # -- the trace in -----------------------------------------------------------------------------------
@@ -426,14 +427,15 @@ class ShadowLab:
 SHADOWLESS_DRAFTS = ("none", "draft-model")  # nothing to measure; a second model to run for every request
 
 
-def draft_sims(k: int) -> dict[str, DraftSim]:
-    """A simulator for each installed draft policy that can shadow (``k`` tokens a draft; none when 0)."""
+def draft_sims(k: int, width: int = 1) -> dict[str, DraftSim]:
+    """A simulator for each installed draft policy that can shadow (``k`` tokens a draft, trees up to ``width``
+    children a token; none when ``k`` is 0)."""
     sims = {}
     for name in available("draft") if k else []:
         if name in SHADOWLESS_DRAFTS:
             continue
         try:
-            sims[name] = DraftSim(name, k)
+            sims[name] = DraftSim(name, k, width)
         except ValueError:
             log.exception("draft policy %r cannot shadow", name)
     return sims

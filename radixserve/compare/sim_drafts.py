@@ -17,7 +17,7 @@ import numpy as np
 
 from radixserve.cache.radix_tree import RadixTree
 from radixserve.policies import load_draft_policy, load_eviction_policy
-from radixserve.policies.drafts import accepted_prefix
+from radixserve.policies.drafts import DraftOptions, accepted_prefix
 
 
 @dataclass
@@ -49,12 +49,13 @@ class DraftStats:
 
 
 class DraftSim:
-    """One draft policy, ``k`` tokens a draft, fed recorded requests one at a time (``add``): the simulator's and
-    the shadows' (a server with --speculative-algorithm and --shadow-policies measures every other draft policy on
-    its live greedy requests)."""
+    """One draft policy, ``k`` tokens a draft (a tree's: up to ``width`` children a token), fed recorded requests
+    one at a time (``add``): the simulator's and the shadows' (a server with --speculative-algorithm and
+    --shadow-policies measures every other draft policy on its live greedy requests). A draft tree keeps the path
+    the recorded output walks."""
 
-    def __init__(self, policy_name: str, k: int) -> None:
-        self.policy, self.k = load_draft_policy(policy_name), k
+    def __init__(self, policy_name: str, k: int, width: int = 1) -> None:
+        self.policy, self.k = load_draft_policy(policy_name, DraftOptions(width=width)), k
         self.tree = RadixTree(load_eviction_policy("lru"), lambda slots: None)
         self.stats = DraftStats(policy_name)
 
@@ -77,17 +78,19 @@ class DraftSim:
         self.tree.insert(tokens, np.arange(len(tokens), dtype=np.int32))
 
 
-def simulate_drafts(policy_name: str, traces: Iterable[tuple[Sequence[int], Sequence[int]]], k: int) -> DraftStats:
-    """Run ``traces`` (prompt ids, greedy output ids) through the draft policy ``policy_name``, ``k`` tokens a draft."""
-    sim = DraftSim(policy_name, k)
+def simulate_drafts(policy_name: str, traces: Iterable[tuple[Sequence[int], Sequence[int]]], k: int,
+                    width: int = 1) -> DraftStats:
+    """Run ``traces`` (prompt ids, greedy output ids) through the draft policy ``policy_name``, ``k`` tokens a draft
+    (up to ``width`` children a token, for a policy that drafts trees)."""
+    sim = DraftSim(policy_name, k, width)
     for prompt, output in traces:
         sim.add(prompt, output)
     return sim.stats
 
 
 def compare_drafts(names: Sequence[str], traces: Sequence[tuple[Sequence[int], Sequence[int]]],
-                   k: int) -> list[DraftStats]:
-    return [simulate_drafts(name, traces, k) for name in names]
+                   k: int, width: int = 1) -> list[DraftStats]:
+    return [simulate_drafts(name, traces, k, width) for name in names]
 
 
 def table(stats: Sequence[DraftStats], k: int) -> str:
