@@ -124,12 +124,12 @@ def spec_stats(url: str) -> dict:
         return json.loads(resp.read()).get("speculative", {})
 
 
-def measure(quick: bool = False, rounds: int = 5) -> dict:
+def measure(quick: bool = False, rounds: int = 5, llama_cpp: bool = True) -> dict:
     systems = {f"radixserve, {a}": (lambda a=a: ServerProcess(
         "--num-threads", "2", "--served-model-name", "m", "--max-total-tokens", "16384",
         *([] if a == "none" else ["--speculative-algorithm", a, "--speculative-num-draft-tokens",
                                   str(DRAFT_TOKENS)]))) for a in OURS}
-    gguf, why_not = llama_gguf()
+    gguf, why_not = llama_gguf() if llama_cpp else (None, "left out (--no-llama-cpp)")
     if gguf is not None:  # 8 slots, for the 8 requests at once; one stream uses one of them
         systems["llama.cpp, none"] = lambda: LlamaCpp(gguf, 16384, None, 8)
         for t in LLAMA_TYPES:
@@ -284,9 +284,12 @@ def section(res: dict, targets: list[str], check) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5, help="one-stream rounds")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="radixserve's systems only (e.g. to measure an AVX2 "
+                    "build on an AVX-512 machine: RADIXSERVE_MARCH=x86-64-v3, with --out elsewhere)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    res = measure(args.quick)
+    res = measure(args.quick, args.rounds, not args.no_llama_cpp)
     save(res, Path(args.out))
     print(table(res))
     if any(res["batch8_tok_s"].values()):

@@ -11,13 +11,14 @@ from pathlib import Path
 
 
 def machine() -> dict:
-    """What a result was measured on: the CPU, the CPUs this process may use, the commit, the load at the start."""
+    """What a result was measured on: the CPU, the CPUs this process may use, the commit, the load at the start, and
+    what radixserve's C++ kernels are built for ($RADIXSERVE_MARCH: x86-64-v3 builds AVX2 ones on an AVX-512 CPU)."""
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                   if ln.startswith("model name")), platform.processor())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     return {"cpu": model, "cpus_in_mask": len(os.sched_getaffinity(0)), "commit": commit,
-            "load_average_at_start": os.getloadavg()[0]}
+            "load_average_at_start": os.getloadavg()[0], "radixserve_march": os.environ.get("RADIXSERVE_MARCH", "native")}
 
 
 def load_stage(results_dir: Path, stage: str) -> dict | None:
