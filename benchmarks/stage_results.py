@@ -18,7 +18,8 @@ def machine() -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     return {"cpu": model, "cpus_in_mask": len(os.sched_getaffinity(0)), "commit": commit,
-            "load_average_at_start": os.getloadavg()[0], "radixserve_march": os.environ.get("RADIXSERVE_MARCH", "native")}
+            "load_average_at_start": os.getloadavg()[0],
+            "radixserve_march": os.environ.get("RADIXSERVE_MARCH", "native")}
 
 
 def load_stage(results_dir: Path, stage: str) -> dict | None:

@@ -26,6 +26,7 @@ import numpy as np
 from radixserve.cache.allocator import SLOT_DTYPE
 from radixserve.cache.evictable import EvictionQueue
 from radixserve.cache.invariants import require
+from radixserve.policies.drafts import DraftTree, grow_tree
 
 if TYPE_CHECKING:
     from radixserve.policies.base import EvictionPolicy
@@ -67,6 +68,17 @@ class TreeNode:
     @property
     def is_evictable_leaf(self) -> bool:
         return self.parent is not None and self.lock_ref == 0 and not self.children
+
+
+def _next_tokens(at: tuple[TreeNode, int]) -> list[tuple[int, float, tuple[TreeNode, int]]]:
+    """What follows ``at`` (a node and how many of its tokens are behind): its next token, or at its end each
+    child's first token with its share of the children's hits (most, then the most recent, first)."""
+    node, used = at
+    if used < node.num_tokens and node.parent is not None:
+        return [(int(np.frombuffer(node.key, dtype=np.int32, count=1, offset=used * TOKEN)[0]), 1.0, (node, used + 1))]
+    kids = sorted(node.children.values(), key=lambda c: (c.hit_count, c.last_access), reverse=True)
+    total = sum(c.hit_count + 1 for c in kids)
+    return [(int(np.frombuffer(c.key, dtype=np.int32, count=1)[0]), (c.hit_count + 1) / total, (c, 1)) for c in kids]
 
 
 def _common_len(key: bytes, data: bytes, start: int, end: int) -> int:
@@ -132,20 +144,16 @@ class RadixTree:
         """Read-only: ids of the nodes the cached prefix of ``tokens`` runs through (a partial last node too)."""
         return [id(node) for node, _ in self._path(pack(tokens))]
 
-    def continuation(self, tokens: Tokens, k: int) -> list[int]:
+    def continuation(self, tokens: Tokens, k: int, width: int = 1) -> DraftTree:
         """Read-only: up to ``k`` cached tokens after ``tokens`` when all of them are cached (a draft for
         speculative decoding, policies/drafts.py); at a branch, the child more requests matched through (the more
-        recent on a tie). Empty otherwise."""
+        recent on a tie), and with ``width`` above 1 a tree: up to ``width`` children at a branch, each with its
+        share of the hits, the likeliest paths first (``grow_tree``). Empty otherwise."""
         path = self._path(pack(tokens))
         if k <= 0 or sum(n for _, n in path) != len(tokens):
-            return []
+            return DraftTree()
         node, used = path[-1] if path else (self.root, 0)
-        out = list(np.frombuffer(node.key, dtype=np.int32, count=min(k, node.num_tokens - used),
-                                 offset=used * TOKEN).tolist()) if node is not self.root else []
-        while len(out) < k and node.children:
-            node = max(node.children.values(), key=lambda c: (c.hit_count, c.last_access))
-            out += np.frombuffer(node.key, dtype=np.int32, count=min(k - len(out), node.num_tokens)).tolist()
-        return out
+        return grow_tree((node, used), _next_tokens, k, k, 0.0, width)
 
     def match_prefix(self, tokens: Tokens, hit: bool = True, priority: int = 0,
                      touch: bool = True) -> tuple[np.ndarray, TreeNode]:

@@ -16,7 +16,8 @@ from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.invariant import InvariantOps
 
 
-Contexts = dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # window (None: all) -> (slots, each row's first, length)
+# window (None: all) -> (slots, each row's first key in them, its number of keys)
+Contexts = dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class BatchInvariantAttention:

@@ -165,9 +165,10 @@ class DraftOptions:
 class DraftCache(Protocol):
     """What a draft policy may read of the radix cache."""
 
-    def continuation(self, tokens: Sequence[int], k: int) -> list[int]:
+    def continuation(self, tokens: Sequence[int], k: int, width: int = 1) -> list[int]:
         """Up to ``k`` cached tokens that follow ``tokens`` (all of them cached): at a branch, the child that more
-        requests went through. Empty when ``tokens`` is not all cached or nothing follows. Changes nothing."""
+        requests went through -- or, with ``width`` above 1, a ``DraftTree`` with up to ``width`` children at a
+        branch. Empty when ``tokens`` is not all cached or nothing follows. Changes nothing."""
         ...
 
 
@@ -184,7 +185,7 @@ class DraftPolicy(Protocol):
 class NoCache:
     """A DraftCache with nothing in it (a policy used away from a scheduler: the simulator, tests)."""
 
-    def continuation(self, tokens: Sequence[int], k: int) -> list[int]:
+    def continuation(self, tokens: Sequence[int], k: int, width: int = 1) -> list[int]:
         return []
 
 
@@ -348,9 +349,10 @@ class Suffix:
     before it), then the most frequent continuations, deeper the longer the match, while at least ``MIN_PROB`` of
     the match's occurrences went on so (SuffixDecoding's minimum token probability): a tree of the likeliest paths
     with up to ``width`` children a token (``grow_tree``; 1: the most frequent path alone). Of the two drafts, the
-    one with more tokens expected to be kept on its longest path: each source's drafts for this request are judged by the tokens that followed
-    them (``_Trust``), so a request that answers with its own prompt's text (a quoted document, an edited file, an
-    earlier answer repeated) stops taking the drafts of earlier requests that once went on alike. Bounded: past
+    one with more tokens expected to be kept on its longest path: each source's drafts for this request are judged
+    by the tokens that followed them (``_Trust``), so a request that answers with its own prompt's text (a quoted
+    document, an edited file, an earlier answer repeated) stops taking the drafts of earlier requests that once went
+    on alike. Bounded: past
     ``MAX_NODES`` the shared trie is rebuilt from the latest finished requests, newest first, up to half that.
     A request's prompt goes into no trie: a trie costs ``DEPTH`` steps a token, which a long prompt would cost
     every stream at once; a request the policy never drafted for adds nothing (where its answer starts is not
@@ -438,12 +440,16 @@ class _Trust:
 class Radix:
     """The radix tree's continuation of the request's whole sequence: when a request walks a path the cache
     holds (the same prompt and, so far, the same output as an earlier request: a retry, a replayed agent step,
-    n > 1 greedy), the cached tokens after it are the draft."""
+    n > 1 greedy), the cached tokens after it are the draft; where earlier requests went on differently, a tree of
+    up to ``width`` of their continuations a token, the ones more requests took first."""
 
     name = "radix"
 
+    def __init__(self, options: DraftOptions | None = None) -> None:
+        self.width = options.width if options is not None else 1
+
     def propose(self, rid: str, tokens: Sequence[int], k: int, cache: DraftCache) -> list[int]:
-        return cache.continuation(tokens, k)
+        return cache.continuation(tokens, k, self.width)
 
     def release(self, rid: str, tokens: Sequence[int]) -> None:
         pass

@@ -64,9 +64,9 @@ HELP = {
                              "model, --speculative-draft-model-path), or a plugin's (entry points "
                              "radixserve.draft_policies) (default: none: off)",
     "speculative_num_draft_tokens": "the most tokens a draft may have (a draft tree's: all its branches')",
-    "speculative_draft_width": "the most children a draft token may have: above 1, SUFFIX drafts a tree (its "
-                               "likeliest continuations where earlier text went on in more than one way), verified "
-                               "in the same one forward under a tree mask; 1: chains (default: 3)",
+    "speculative_draft_width": "the most children a draft token may have: above 1, SUFFIX and RADIX draft trees "
+                               "(their likeliest continuations where earlier text went on in more than one way), "
+                               "verified in the same one forward under a tree mask; 1: chains (default: 3)",
     "speculative_draft_model_path": "STANDALONE's draft model: a Hugging Face checkpoint folder of a smaller model "
                                     "with the served model's tokenizer (run by transformers in the scheduler's "
                                     "process, one thread) (default: none)",

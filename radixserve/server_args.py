@@ -65,7 +65,7 @@ class ServerArgs:
     # speculative decoding (actors/scheduler/speculate.py): drafts from a draft policy, verified in one forward
     speculative_algorithm: str | None = None  # NGRAM, SUFFIX, RADIX (any case), or a draft policy's entry point
     speculative_num_draft_tokens: int = 8  # the most tokens a draft may have
-    speculative_draft_width: int = 3  # the most children a draft token may have (SUFFIX's trees; 1: chains)
+    speculative_draft_width: int = 3  # the most children a draft token may have (SUFFIX's and RADIX's trees; 1: chains)
     speculative_draft_model_path: str | None = None  # STANDALONE's draft model: a HF checkpoint folder
     # SGLang's priority scheduling (actors/scheduler/priority.py): priorities order the queue, preempt, drop
     enable_priority_scheduling: bool = False

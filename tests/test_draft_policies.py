@@ -129,6 +129,9 @@ def test_radix_continuation_follows_the_cached_path():
     assert tree.continuation([1, 2, 9], 3) == []  # not all of it cached
     assert tree.continuation([], 2) == [1, 2]
     assert tree.continuation([1, 2], 0) == []
+    # with width 2, the branch fewer requests took too, after the likelier path's tokens
+    both = tree.continuation([1, 2], 5, width=2)
+    assert both == [3, 7, 8, 4, 5] and both.parents == [-1, 0, 1, 0, 3], both.parents
     tree.check()  # raises if the tree broke
     assert tree.version == version
     assert Radix().propose("r", [1, 2, 3, 4], 1, tree) == [5]
