@@ -396,7 +396,7 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     released: list[str] = []  # requests that ended: the runner drops their grammars, penalty counts, processors
     tiers: TierOps | None = None  # --enable-hierarchical-cache: pages written below and loaded back
     # speculative decoding (an extend plan that verifies drafts): [B] the last drafts[i] input tokens of request i
-    # are a draft; the runner also returns the model's token after each position before its last (``drafted``)
+    # are a draft; the runner also returns the draft's tokens its check kept (``drafted``)
     drafts: np.ndarray | None = None
     # ... a draft tree's: each draft token's parent (an index into its request's draft, -1: its last token), all
     # drafts back to back; None when every draft is a chain (parents -1, 0, 1, ...)
@@ -419,9 +419,8 @@ class ForwardResult(msgspec.Struct, tag="result", frozen=True):
     grammar_done: list[int] = []  # sampling rows whose grammar is complete with this token: the request ends
     errors: dict[int, str] = {}
     error: str | None = None
-    drafted: dict[int, list[int]] = {}  # batch index -> the model's token after each of its draft's positions but
-    # the last (plan.drafts[i] of them, or up to the first a sampled check refused; the one after the last is its
-    # next_ids row). A draft tree's: the model's tokens along the path they walk, the one after it in next_ids
+    drafted: dict[int, list[int]] = {}  # batch index -> the tokens of its draft's path the check kept (the model's
+    # own choices); the token after them is its next_ids row
 
 
 class Prefetched(msgspec.Struct, tag="prefetched", frozen=True):

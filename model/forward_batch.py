@@ -10,6 +10,7 @@ import torch
 from radixserve.actors.messages import ForwardPlan
 from radixserve.kernels.base import AttentionBackend, AttentionBatch
 from radixserve.model.slot_table import SlotTable
+from radixserve.policies.drafts import is_chain, tree_depths
 
 
 class KVPool:
@@ -48,14 +49,6 @@ class RopeTable:
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
-def depths(parents: np.ndarray) -> np.ndarray:
-    """Each token's depth in a tree of parent indices (-1: a root, depth 1)."""
-    out = np.empty(len(parents), dtype=np.int64)
-    for a, p in enumerate(parents.tolist()):
-        out[a] = 1 if p < 0 else out[p] + 1
-    return out
-
-
 def draft_tree(draft_parents: np.ndarray, drafts: np.ndarray, extend: np.ndarray) -> list[np.ndarray | None]:
     """Per request, each new token's parent among its new tokens (AttentionBatch.tree), None for one that drafts
     a chain or nothing: its tokens before the draft are a chain, and the draft's roots hang off the last of them."""
@@ -64,7 +57,7 @@ def draft_tree(draft_parents: np.ndarray, drafts: np.ndarray, extend: np.ndarray
     for e, d in zip(extend.tolist(), drafts.tolist()):
         mine = draft_parents[at : at + d]
         at += d
-        if d == 0 or (mine == np.arange(-1, d - 1)).all():
+        if d == 0 or is_chain(mine.tolist()):
             out.append(None)
             continue
         parents = np.arange(-1, e - 1)
@@ -117,7 +110,7 @@ class ForwardBatch:
             for i, parents in enumerate(tree):
                 if parents is not None:
                     at = int(ext_ends[i] - extend[i])
-                    positions[at : at + extend[i]] = prefix[i] - 1 + depths(parents)
+                    positions[at : at + extend[i]] = prefix[i] - 1 + np.asarray(tree_depths(parents.tolist()))
         positions_t = torch.from_numpy(positions).to(device)
         attn = AttentionBatch(
             mode=plan.mode,

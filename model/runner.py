@@ -29,7 +29,7 @@ from radixserve.model.causal_lm import CausalLM
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.loader import cache_root
 from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
-from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_draft, verify_tree
+from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_tree
 from radixserve.model.slot_table import SlotTable
 
 log = logging.getLogger(__name__)
@@ -90,33 +90,25 @@ def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.
 
 def verify_drafts(logits: torch.Tensor, plan: ForwardPlan,
                   sampling: SamplingInputs) -> tuple[dict[int, list[int]], dict[int, int]]:
-    """Speculative decoding: per drafted request, the model's token after each draft position but the last (the
-    rows after the sampling and prompt rows: ForwardBatch.logit_rows); the one after the last is its sampling
-    row's. Drafts go only with requests that nothing adjusts (no grammar, penalty or processor), so a greedy
-    request's check is the very argmax its sampling row takes; a sampled one's keeps each draft token with the
-    model's probability of it and replaces the first one refused (sampler.verify_draft). A draft tree's check
-    walks it (sampler.verify_tree): its path's tokens, and the token after them, which replaces what its
-    sampling row drew (the second dict: sampling row -> token)."""
+    """Speculative decoding: each drafted request's check (sampler.verify_tree) over the model's distributions
+    after its last token and after each draft token (the draft rows after the sampling and prompt rows,
+    ForwardBatch.logit_rows, then the sampling row, which follows the draft's last token). Drafts go only with
+    requests that nothing adjusts (no grammar, penalty or processor), so the check chooses each token as a plain
+    step would. Returns (batch index -> the tokens of the draft's path the check walked, sampling row -> the token
+    after it, which replaces what that row drew)."""
     first = len(plan.sampling.temperature) + sum(len(w.targets) for w in plan.prompt_logprobs.values())
-    drafts = plan.drafts.tolist()
     parents = plan.draft_parents.tolist() if plan.draft_parents is not None else None
-    ids = logits[first:].argmax(dim=-1).tolist()
     row = np.cumsum(plan.sample) - 1  # batch index -> its sampling row
     ends = np.cumsum(plan.extend_lens)  # a request's draft is the end of its input tokens
     out, finals, at = {}, {}, 0
-    for i, d in enumerate(drafts):
+    for i, d in enumerate(plan.drafts.tolist()):
         if not d:
             continue
         j = int(row[i])
         draft = plan.input_ids[ends[i] - d : ends[i]].tolist()
-        mine = parents[at : at + d] if parents is not None else None
-        if mine is not None and mine != list(range(-1, d - 1)):
-            rows = torch.cat([logits[first + at : first + at + d], logits[j : j + 1]])  # after the root, each token
-            *out[i], finals[j] = verify_tree(rows, draft, mine, sampling, j)
-        elif sampling.temperature[j] == 0 or sampling.top_k[j] == 1:
-            out[i] = ids[at : at + d]
-        else:
-            out[i] = verify_draft(logits[first + at : first + at + d], draft, sampling, j)
+        mine = parents[at : at + d] if parents is not None else list(range(-1, d - 1))  # None: chains
+        rows = torch.cat([logits[first + at : first + at + d], logits[j : j + 1]])
+        *out[i], finals[j] = verify_tree(rows, draft, mine, sampling, j)
         at += d
     return out, finals
 

@@ -7,8 +7,8 @@ request's row never mixes with another's), which is what makes the sampler batch
 
 The sampler takes ``SamplingInputs``, decoded once from the plan's ``SamplingBatch`` (it never reads wire bytes).
 A row that fails (a bug around one request's values) fails alone: ``sample_rows`` retries the batch row by row.
-``verify_draft`` is speculative decoding's sampled check: it keeps a draft's tokens with the model's own odds;
-``verify_tree`` checks a draft tree, greedy or sampled.
+``verify_tree`` is speculative decoding's check of a draft (a chain or a tree), greedy or sampled: it keeps draft
+tokens with the model's own odds.
 """
 from __future__ import annotations
 
@@ -93,35 +93,16 @@ def sample(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     return out
 
 
-def verify_draft(logits: torch.Tensor, draft: list[int], s: SamplingInputs, row: int) -> list[int]:
-    """Speculative sampling of one request (sampling row ``row`` of ``s``, not greedy, not seeded) against a
-    draft that proposes each token for certain: ``logits[j]`` is the model's distribution for ``draft[j]``'s
-    place. Draft token j is kept with probability p_j(draft[j]); the first one refused is replaced by a draw from
-    p_j without it, and nothing after it counts. Each kept token is thereby distributed exactly as p_j (the
-    speculative sampling rule min(1, p/q) with q a point mass at the draft's token). Returns the draft's kept
-    tokens and, after a refusal, the replacement: the caller compares it with the draft as the greedy check's."""
-    rows = torch.full((len(draft),), row, dtype=torch.long, device=logits.device)
-    probs = filtered_probs(logits.float(), s, rows)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    at = torch.as_tensor(draft, device=logits.device)
-    keep = torch.rand(len(draft), device=logits.device) < probs.gather(1, at[:, None])[:, 0]
-    for j in (~keep).nonzero().flatten().tolist():
-        rest = probs[j].clone()
-        rest[draft[j]] = 0.0
-        if float(rest.sum()) > 0:  # (else p_j(draft[j]) is 1 but for rounding: the token stays)
-            return [*draft[:j], int(torch.multinomial(rest, 1))]
-    return list(draft)
-
-
 def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], s: SamplingInputs,
                 row: int) -> list[int]:
-    """A draft tree's check (policies/drafts.py's DraftTree): ``logits[0]`` is the model's distribution after the
-    request's last token, ``logits[a + 1]`` after draft token a. From the root, the next token is chosen as a
+    """A draft's check (policies/drafts.py's DraftTree; a chain's parents are -1, 0, 1, ...): ``logits[0]`` is the
+    model's distribution after the request's last token, ``logits[a + 1]`` after draft token a. From the root, the next token is chosen as a
     plain step would choose it, and the walk goes on while that token is one of the draft's children. Greedy: the
     argmax. Sampled (not seeded): each child in turn is taken with its probability in what is left of p, else
     ruled out (p without it, renormalized), and where none is taken the token is drawn from the rest -- drawing
-    from p by elimination, so every token has exactly the distribution a plain step samples from. Returns the
-    tokens of the path walked and the token after it."""
+    from p by elimination, so every token has exactly the distribution a plain step samples from (for a chain,
+    the speculative sampling rule min(1, p/q) with q a point mass at the draft's token). Returns the tokens of the
+    path walked and the token after it."""
     kids: dict[int, list[int]] = {}
     for a, p in enumerate(parents):
         kids.setdefault(p, []).append(a)

@@ -34,6 +34,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+def is_chain(parents: Sequence[int]) -> bool:
+    """Are these a chain's parents (-1, 0, 1, ...)?"""
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each token's depth in a tree of parent indices (parents first): 1 for a root's child (-1)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
 class DraftTree(list):
     """A draft that branches: its tokens (a list, as a chain's are) and each one's ``parents`` entry, the index of
     an earlier token of the draft or -1 (the request's last token). Siblings have different tokens, so the tokens
@@ -57,14 +70,10 @@ class DraftTree(list):
 
     @property
     def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return is_chain(self.parents)
 
     def depths(self) -> list[int]:
-        """Each token's depth: 1 for a child of the request's last token."""
-        out: list[int] = []
-        for p in self.parents:
-            out.append(1 if p < 0 else out[p] + 1)
-        return out
+        return tree_depths(self.parents)
 
     def walk(self, tokens: Sequence[int]) -> list[int]:
         """The draft tokens (indices) that ``tokens`` follow from the root: what a verifier that saw ``tokens``
@@ -79,9 +88,8 @@ class DraftTree(list):
             at = nxt
         return path
 
-    def goes_on(self, tokens: Sequence[int]) -> bool:
-        """Does the draft go on where ``tokens`` leave its root's path (a token after them is still checked)?"""
-        path = self.walk(tokens)
+    def goes_on(self, path: Sequence[int]) -> bool:
+        """Does the draft go on after ``path`` (what ``walk`` returned): is a token after it still checked?"""
         return bool(self.children().get(path[-1] if path else -1))
 
     def children(self) -> dict[int, dict[int, int]]:
@@ -106,22 +114,15 @@ def accepted_prefix(draft: Sequence[int], model: Sequence[int]) -> int:
     """How many draft tokens the model's own greedy choices keep (``model[i]``: its token after the i-th kept
     one, i.e. in place of the next): what a greedy verifier keeps, in the engine and the simulator. A
     ``DraftTree`` keeps the path ``model`` walks."""
-    if isinstance(draft, DraftTree):
-        return len(draft.walk(model))
-    n = 0
-    for d, m in zip(draft, model):
-        if d != m:
-            break
-        n += 1
-    return n
+    return len((draft if isinstance(draft, DraftTree) else DraftTree(draft)).walk(model))
 
 
 def judged(draft: Sequence[int], came: Sequence[int]) -> tuple[int, bool]:
     """A draft against the tokens that came after it (as many as are known): (its tokens kept, whether one was
     refused: the kept path stopped where the draft went on and a token came that it did not have)."""
     tree = draft if isinstance(draft, DraftTree) else DraftTree(draft)
-    kept = len(tree.walk(came))
-    return kept, len(came) > kept and tree.goes_on(came)
+    path = tree.walk(came)
+    return len(path), len(came) > len(path) and tree.goes_on(path)
 
 
 def grow_tree(root: object, children, k: int, max_depth: int, min_prob: float, width: int) -> DraftTree:

@@ -1,6 +1,7 @@
-"""Speculative sampling (model/sampler.py verify_draft): a sampled request's verified draft keeps each token with
-exactly the distribution a plain step samples it from. Checked with chi-square tests, on the rule alone (a fixed
-small distribution) and end to end (an Engine on a tiny model against the model's exact probabilities)."""
+"""Speculative sampling (model/sampler.py verify_tree, a chain's check): a sampled request's verified draft keeps
+each token with exactly the distribution a plain step samples it from. Checked with chi-square tests, on the rule
+alone (a fixed small distribution) and end to end (an Engine on a tiny model against the model's exact
+probabilities)."""
 from __future__ import annotations
 
 import pytest
@@ -39,12 +40,13 @@ def plain_probs(logits: torch.Tensor, s) -> dict[int, float]:
 
 @pytest.mark.parametrize("case", ["likely draft", "unlikely draft", "filtered-out draft"])
 def test_the_rule_keeps_the_plain_distribution(case):
-    """Logits over 8 tokens for two draft places; the kept first token follows p_0, and the second, given the
-    first was the draft's, follows p_1. A draft token that top-k filters out is always refused."""
-    from radixserve.model.sampler import verify_draft
+    """Logits over 8 tokens for two draft places (and a third row, after the draft); the kept first token follows
+    p_0, and the second, given the first was the draft's, follows p_1. A draft token that top-k filters out is
+    always refused."""
+    from radixserve.model.sampler import verify_tree
 
     torch.manual_seed(0)
-    logits = torch.randn(2, 8) * 1.5
+    logits = torch.randn(3, 8) * 1.5
     s = inputs()
     p0, p1 = plain_probs(logits[0], s), plain_probs(logits[1], s)
     order0 = sorted(p0, key=p0.get, reverse=True)
@@ -52,10 +54,10 @@ def test_the_rule_keeps_the_plain_distribution(case):
              "filtered-out draft": [order0[-1], order0[0]]}[case]
     firsts, seconds, n = {}, {}, 15_000
     for _ in range(n):
-        out = verify_draft(logits, draft, s, 0)
-        assert 1 <= len(out) <= 2 and out[: len(out) - 1] == draft[: len(out) - 1]
+        out = verify_tree(logits, draft, [-1, 0], s, 0)  # the kept path, then the token after it
+        assert 1 <= len(out) <= 3 and out[: len(out) - 1] == draft[: len(out) - 1]
         firsts[out[0]] = firsts.get(out[0], 0) + 1
-        if out[0] == draft[0] and len(out) == 2:
+        if out[0] == draft[0]:
             seconds[out[1]] = seconds.get(out[1], 0) + 1
     stat, df = chi_square(firsts, p0)
     assert stat < CHI2_999[df], (stat, df, firsts, p0)
@@ -69,12 +71,12 @@ def test_the_rule_keeps_the_plain_distribution(case):
 
 def test_a_certain_token_is_always_kept():
     """top_p so small that one token is left: a draft of it is always kept, one of anything else never."""
-    from radixserve.model.sampler import verify_draft
+    from radixserve.model.sampler import verify_tree
 
-    logits = torch.tensor([[3.0, 1.0, 0.5, 0.0]])
+    logits = torch.tensor([[3.0, 1.0, 0.5, 0.0]] * 2)
     s = inputs(top_p=0.01)
-    assert all(verify_draft(logits, [0], s, 0) == [0] for _ in range(200))
-    assert all(verify_draft(logits, [2], s, 0) == [0] for _ in range(200))
+    assert all(verify_tree(logits, [0], [-1], s, 0) == [0, 0] for _ in range(200))  # kept, then the certain one
+    assert all(verify_tree(logits, [2], [-1], s, 0) == [0] for _ in range(200))  # refused, replaced
 
 
 class Table:

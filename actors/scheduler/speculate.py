@@ -1,16 +1,16 @@
 """Speculative decoding, the scheduler's half: drafts for the decoding requests, and what a verified step keeps.
 
 A decode step with drafts is an extend step: each request computes its last token and its draft, and the runner
-returns the model's token after every one of those positions (``ForwardResult.drafted`` and the sampling row). For
-a greedy request that is the argmax: the draft's tokens up to the first one the model disagrees with are the
-model's own, and so is the token it computed after them, so a step keeps ``accepted + 1`` tokens, exactly what as
-many plain greedy steps would have produced. A sampled request's check keeps each draft token with the model's
-probability of it and draws the first refused one's replacement from the rest (speculative sampling,
-``sampler.verify_draft``): each kept token has exactly the distribution a plain step samples from. A draft tree
-(``DraftTree``: ``suffix`` with ``--speculative-draft-width`` above 1) is checked the same way along the path the
-model's tokens walk (``sampler.verify_tree``), every branch in the same forward under a tree mask; the kept path's
-slots move up behind the request's last token (``CacheManager.keep``). The slots of the rejected part go back
-(``CacheManager.truncate``), so only committed tokens reach the tree.
+checks the draft (``sampler.verify_tree``) and returns the draft tokens kept and the token after them
+(``ForwardResult.drafted`` and the sampling row). For a greedy request the check follows the argmax: the draft's
+tokens up to the first one the model disagrees with are the model's own, and so is the token it computed after
+them, so a step keeps ``accepted + 1`` tokens, exactly what as many plain greedy steps would have produced. A
+sampled request's check keeps each draft token with the model's probability of it and draws the first refused
+one's replacement from the rest (speculative sampling): each kept token has exactly the distribution a plain step
+samples from. A draft tree (``DraftTree``: ``suffix`` and ``radix`` with ``--speculative-draft-width`` above 1) is
+checked the same way along the path the model's tokens walk, every branch in the same forward under a tree mask;
+the kept path's slots move up behind the request's last token (``CacheManager.keep``). The slots of the rejected
+part go back (``CacheManager.truncate``), so only committed tokens reach the tree.
 
 Only requests whose next token depends on the model's logits and their sampling parameters alone speculate: no
 grammar, penalty, logit processor, logprobs or seed (a seeded request's tokens are a function of its seed, which
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from radixserve.actors.scheduler.req import Req
 from radixserve.policies import load_draft_policy
-from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, DraftTree, NoCache, NoDrafts, judged
+from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, DraftTree, NoCache, NoDrafts
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,10 @@ class Drafting:
         if self.watch is None:
             return False
         new = tokens[self.watch_at : self.watch_at + len(self.watch)]
-        kept, refused = judged(self.watch, new)
-        if not refused and self.watch.goes_on(new):
+        path = self.watch.walk(new)
+        if self.watch.goes_on(path) and len(new) == len(path):
             return False  # right so far: wait for more tokens
-        self.count(kept, refused)
+        self.count(len(path), len(new) > len(path) and self.watch.goes_on(path))
         self.watch = None
         return True
 
@@ -296,7 +296,7 @@ class Speculation:
         path = draft.walk(model)
         n = len(path)
         r = self._requests.setdefault(rid, Drafting())
-        r.count(n, draft.goes_on(model[:n]))
+        r.count(n, draft.goes_on(path))
         if n:
             r.misses = 0
         else:
