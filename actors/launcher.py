@@ -20,13 +20,13 @@ from pathlib import Path
 
 import zmq
 
-from radixserve.actors.messages import Failed, LauncherInbox, Ready
-from radixserve.actors.wire import decoder as inbox_decoder
 from radixserve.actors.node_auth import node_keys
 from radixserve.actors.nodes import NodeLink
 from radixserve.actors.runner_actor import rank_name
 from radixserve.actors.transport import ActorSpec, Endpoints, replica_name
 from radixserve.prepare import Prepared
+from radixserve.wire.codec import decoder as inbox_decoder
+from radixserve.wire.messages import Failed, LauncherInbox, Ready
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ ACTOR_MODULES = {
     "tokenizer": "radixserve.actors.tokenizer_actor",
     "scheduler": "radixserve.actors.scheduler.actor",
     "runner": "radixserve.actors.runner_actor",
-    "shadow": "radixserve.actors.shadow_actor",
+    "shadow": "radixserve.lab.shadow_actor",
 }
 OPTIONAL_ACTORS = {"shadow"}  # actors the server can serve without (their death is logged, not fatal)
 READY_TIMEOUT_S = 600.0
@@ -53,7 +53,7 @@ def _child(kind: str, spec: ActorSpec, rank: int | None) -> None:
 
 def dist_key_path(args) -> Path:
     """Where the nodes' shared key is (--dist-auth-key-file, else in radixserve's cache folder)."""
-    from radixserve.model.loader import cache_root
+    from radixserve.trusted_cache import cache_root
 
     return Path(args.dist_auth_key_file) if args.dist_auth_key_file else cache_root() / "dist-auth.key"
 

@@ -17,9 +17,9 @@ import time
 import msgspec
 import zmq
 
-from radixserve.actors.messages import Heartbeat, NodeDown, NodeInbox, NodeReady
 from radixserve.actors.node_auth import NodeKeys, PeerGuard
-from radixserve.actors.wire import decoder, encoder
+from radixserve.wire.codec import decoder, encoder
+from radixserve.wire.messages import Heartbeat, NodeDown, NodeInbox, NodeReady
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import zmq
 
 from radixserve.actors.launcher import Launcher
-from radixserve.actors.messages import ForwardPlan, ForwardResult
-from radixserve.actors.wire import decoder
 from radixserve.actors.transport import Publisher
 from radixserve.prepare import Prepared
+from radixserve.wire.codec import decoder
+from radixserve.wire.plans import ForwardPlan, ForwardResult
 
 POLL_MS = 250
 

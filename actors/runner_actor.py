@@ -15,10 +15,10 @@ from typing import Any
 
 import zmq
 
-from radixserve.actors.messages import Prefetched, RunnerInbox
 from radixserve.actors.transport import ActorSpec, Channel, run_actor
-from radixserve.actors.wire import encoder
 from radixserve.cpu_budget import read_budget, wait_policy
+from radixserve.wire.codec import encoder
+from radixserve.wire.plans import Prefetched, RunnerInbox
 
 
 def rank_name(rank: int) -> str:

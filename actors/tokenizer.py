@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radixserve.actors.messages import (
-    ControlReply, Delta, FinishReason, FinishReq, Finished, Logprob, RequestError, ScoredPrompt, TextReq, TokenBatch,
-    TokenLogprob,
-)
 from radixserve.errors import InvalidRequest
 from radixserve.sampling_params import SamplingParams
 from radixserve.stop_regex import CPU_BUDGET_S, StopRegexes
+from radixserve.wire.messages import (
+    ControlReply, Delta, Finished, FinishReason, FinishReq, RequestError, ScoredPrompt, TextReq, TokenBatch,
+    TokenLogprob,
+)
+from radixserve.wire.plans import Logprob
 
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class TokenizerCore:
         ``stop_regex_budget_s``: the CPU seconds one request's stop_regex matching may take."""
         from transformers import AutoTokenizer
 
-        from radixserve.actors.chat_templates import load_chat_template
+        from radixserve.actors.jinja_templates import load_chat_template
 
         self.stop_regex_budget_s = stop_regex_budget_s
 
@@ -53,7 +54,7 @@ class TokenizerCore:
     def chat_template(self) -> dict[str, Any] | None:
         """The role markers of the model's own chat template (None without one), as radixserve.lang uses them.
         A convenience for clients: a template that defeats the derivation is logged, never a reason not to serve."""
-        from radixserve.lang.chat_template import ChatTemplate
+        from radixserve.role_markers import ChatTemplate
 
         try:
             template = ChatTemplate.from_tokenizer(self.tokenizer)

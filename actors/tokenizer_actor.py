@@ -12,15 +12,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from radixserve.actors.messages import (
-    AbortReq, AddReq, Delta, FinishReason, FinishReq, GenerateReq, RequestError, TextBatch, TextReq, TokenBatch,
-    TokenizerInbox
-)
-from radixserve.actors.wire import array
 from radixserve.actors.router.policies import Worker, load_routing_policy
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.actors.transport import ActorSpec, Channel, replica_name, run_actor
 from radixserve.tool_parsers import resolve_tool_parser
+from radixserve.wire.codec import array
+from radixserve.wire.messages import (
+    AbortReq, AddReq, Delta, FinishReason, FinishReq, GenerateReq, RequestError, TextBatch, TextReq, TokenBatch,
+    TokenizerInbox,
+)
 
 log = logging.getLogger(__name__)
 

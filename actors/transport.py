@@ -28,9 +28,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.actors.messages import Failed, Ready
 from radixserve.actors.node_auth import NodeKeys, PeerGuard
-from radixserve.actors.wire import decoder, encoder
+from radixserve.wire.codec import decoder, encoder
+from radixserve.wire.messages import Failed, Ready
 
 log = logging.getLogger(__name__)
 

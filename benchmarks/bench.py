@@ -1,18 +1,18 @@
 """``make bench``: every scenario against radixserve (radix cache on and off) and HF transformers on the same
-model, dtype and prompts, measured side by side in one run; writes benchmarks/results/REPORT.md, PNG plots and
-results.json. See benchmarks/README.md.
+model, dtype and prompts; writes each stage's committed results file, then benchmarks/results/REPORT.md and PNG
+plots from those files. See benchmarks/README.md.
 
     python benchmarks/bench.py [--quick] [--out benchmarks/results] [--tp N]
                                [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant,
                                        compile,peer,radix,tp,dp,shadow,sharedcpu,tiers,speculative]
 
-``--only`` reruns some stages and keeps the other stages' results from the last run's results.json (the report
-lists when each stage was measured).
+Each stage's results go to a committed file, benchmarks/results/<stage>/results.json, naming the machine and commit
+it ran on; the report is generated from those files, so ``--only`` reruns some stages and the report shows the
+others' last committed runs (each section says when, where and at which commit it was measured).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,8 +38,9 @@ import radix_speed  # noqa: E402
 import report  # noqa: E402
 import tp_cost  # noqa: E402
 from forward_speed import HF, Ours  # noqa: E402
-from harness import best_hf, load_hf  # noqa: E402
+from harness import load_hf  # noqa: E402
 from scenarios import MultiTurn, SeedSmallCase, SharedPrefix, Unique  # noqa: E402
+from stage_results import load_stage, machine as machine_info, save_stage  # noqa: E402
 
 from radixserve.actors.tokenizer import TokenizerCore  # noqa: E402
 from radixserve.model.config import ModelConfig  # noqa: E402
@@ -49,12 +50,12 @@ from radixserve.server_process import ServerProcess  # noqa: E402
 STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant", "compile",
           "peer", "radix", "tp", "dp", "shadow", "sharedcpu", "tiers", "speculative")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
-              "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine"), "overhead": ("overhead",),
+              "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine_limits"), "overhead": ("overhead",),
               "deterministic": (), "grammar": ("grammar",), "quant": ("quant",),
               "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",), "dp": ("dp",),
-              "shadow": ("shadow",), "sharedcpu": (), "tiers": (), "speculative": ()}  # deterministic, sharedcpu,
-# tiers, speculative: committed
-# files (stage_results.py)
+              "shadow": ("shadow",), "sharedcpu": (), "tiers": (), "speculative": ()}  # (): the stage writes its own
+# results file (deterministic, sharedcpu, tiers, speculative); the others' keys go to results/<stage>/results.json
+SERVE_ROUNDS = 3  # shared-prefix runs of each system, taking turns (a new system prompt each round)
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
 
 
@@ -62,12 +63,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--only", default=",".join(STAGES))
+    ap.add_argument("--only", default=",".join(STAGES),
+                    help="the stages to run, comma-separated; `report`: none, only REPORT.md from the committed files")
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--tp", type=int, default=None,
                     help="ranks of the tensor-parallelism stage (default: the smallest tp > 1 the model splits)")
     args = ap.parse_args()
-    only = set(args.only.split(","))
+    only = set(args.only.split(",")) - {"report"}
+    if only - set(STAGES):
+        ap.error(f"--only: no stage {', '.join(sorted(only - set(STAGES)))}; the stages are {', '.join(STAGES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     q = args.quick
@@ -75,12 +79,15 @@ def main() -> None:
     tok = TokenizerCore(files.path)
     cfg = ModelConfig.from_hf(*load_configs(files.path))
     model_name = "SmolLM2-135M-Instruct" if args.model_path is None else Path(args.model_path).stem
-    shared = SharedPrefix(tok, n=16 if q else 32, max_new=16 if q else 32)
+    shared_rounds = [SharedPrefix(tok, n=16 if q else 32, max_new=16 if q else 32, seed=i)
+                     for i in range(1 if q else SERVE_ROUNDS)]
+    shared = shared_rounds[0]
     small = SeedSmallCase(tok)
     unique = Unique(tok, n=16 if q else 32, words=100 if q else 200, max_new=32 if q else 64)
     multi = MultiTurn(conversations=4 if q else 8, rounds=5, max_new=40)
     res: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": q, "threads": torch.get_num_threads(),
-                 "model": model_name, "dtype": "bfloat16", "system_prompt_tokens": shared.system_tokens}
+                 "model": model_name, "dtype": "bfloat16", "system_prompt_tokens": shared.system_tokens,
+                 "machine": machine_info()}
     # Both servers stay up and take turns (an idle server costs no CPU), so drifting machine load hits both alike.
     # LPM: the cache-aware policy that also computes a prefix shared within one step only once.
     serve_args = ["--max-total-tokens", "40000", "--max-running-requests", "64", "--schedule-policy", "lpm"]
@@ -88,6 +95,8 @@ def main() -> None:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
     bar = tqdm(total=15, desc="bench", unit="stage")  # one update per stage (sharedcpu and tiers share one)
+    hf = load_hf(files.path, torch.bfloat16) if only & {"shared", "unique", "forward"} else None
+    pad = cfg.hf_config.pad_token_id or 0
     if only & {"shared", "multiturn", "unique"}:
         servers = {label: ServerProcess(*serve_args, *extra) for label, extra in systems.items()}
         llama = start_llama_cpp(files.path) if only & {"shared", "multiturn"} else None
@@ -98,37 +107,52 @@ def main() -> None:
             for server in servers.values():
                 warm.radix(server.url, "warm-up")
             if "unique" in only:  # first, while both servers have the same history: the cache must cost nothing,
-                # a claim that needs low noise. Five runs each, in the order on, off, off, on, on, off, ...
+                # a claim that needs low noise. Five runs each, in the order on, off, off, on, on, off, ...; HF's
+                # two baselines (slow: sequential generation) take a turn every other round
                 runs = {label: [] for label in servers}
                 for i in tqdm(range(UNIQUE_RUNS), desc="unique on/off", leave=False):
                     for label, server in (servers.items() if i % 2 == 0 else reversed(servers.items())):
                         runs[label].append(unique.radix(server.url, label))
+                    for r in unique.hf(hf, pad) if i % 2 == 0 else ():
+                        runs.setdefault(r.system, []).append(r)
                 res["unique"] = [median_run(r) for r in runs.values()]
-            for label, server in servers.items():
-                if "shared" in only:
-                    res.setdefault("shared", []).append(shared.radix(server.url, label).summary())
-                    res.setdefault("seed_small", []).append(small.radix(server.url, label))
-                if "multiturn" in only:
-                    res.setdefault("multiturn", []).append(multi.radix(server.url, label, model_name))
+                res["unique_best_hf"] = best_system([u for u in res["unique"] if u["system"] not in servers])
+            # The serving scenarios with every system taking turns: each shared-prefix round a new system prompt
+            # (no system has it cached from a round before: first passes all), each multi-turn round every
+            # system's next round, the order rotated round by round; a system's median shared-prefix run counts.
+            urls = {label: server.url for label, server in servers.items()}
             if not isinstance(llama, (str, type(None))):  # the CPU peer at the same precision, same prompts
                 warm.llama(llama.url, "warm-up")
-                if "shared" in only:
-                    res["shared"].append(shared.llama(llama.url, res["llama_cpp"]).summary())
-                if "multiturn" in only:
-                    res["multiturn"].append(multi.radix(llama.url, res["llama_cpp"], model_name, keep_alive=False))
+                urls[res["llama_cpp"]] = llama.url
+            names = list(urls)
+            shared_runs: dict[str, list] = {name: [] for name in names}
+            chats = {name: multi.start() for name in names}
+            turns = names + ["HF"]  # HF: its two baselines, one after the other
+            for i in tqdm(range(len(shared_rounds) if "shared" in only else 0), desc="shared prefix", leave=False):
+                scenario = shared_rounds[i]
+                for name in turns[i % len(turns):] + turns[: i % len(turns)]:
+                    if name == "HF":
+                        for r in scenario.hf(hf, pad):
+                            shared_runs.setdefault(r.system, []).append(r)
+                    else:
+                        run = scenario.radix if name in servers else scenario.llama
+                        shared_runs[name].append(run(urls[name], name))
+            # after the shared prefix (whose runs flush the radix servers' caches), never between its rounds
+            for i in tqdm(range(multi.rounds if "multiturn" in only else 0), desc="multi-turn", leave=False):
+                for name in names[i % len(names):] + names[: i % len(names)]:
+                    multi.round(urls[name], chats[name], i, model_name, keep_alive=name in servers)
+            if "shared" in only:
+                res["shared"] = [median_run(runs) for runs in shared_runs.values()]
+                res["shared_best_hf"] = best_system([r for r in res["shared"] if r["system"] not in urls])
+                res["seed_small"] = [small.radix(url, label) for label, url in urls.items() if label in servers]
+            if "multiturn" in only:
+                res["multiturn"] = [multi.result(name, chats[name]) for name in names]
         finally:
             for server in servers.values():
                 server.stop()
             if not isinstance(llama, (str, type(None))):
                 llama.stop()
     bar.update()
-    hf = load_hf(files.path, torch.bfloat16) if only & {"shared", "unique", "forward"} else None
-    pad = cfg.hf_config.pad_token_id or 0
-    for key, scenario in (("shared", shared), ("unique", unique)):
-        if key in only:
-            runs = scenario.hf(hf, pad)
-            res[key] += [r.summary() for r in runs]
-            res[f"{key}_best_hf"] = best_hf(*runs).system
     bar.update()
     limits = []  # the machine's limits, measured before and after the forward speed: the higher of the two counts
     if "overhead" in only or "forward" in only:
@@ -143,7 +167,7 @@ def main() -> None:
         limits.append(machine_limits())
     bar.update()
     if limits:
-        res["machine"] = {**{k: max(m[k] for m in limits) for k in limits[0]}, "measured": limits,
+        res["machine_limits"] = {**{k: max(m[k] for m in limits) for k in limits[0]}, "measured": limits,
                           **machine.model_costs(cfg)}
     if "overhead" in only:
         res["overhead"] = [machine.scheduler_overhead(b) for b in (1, 8, 32, 64)]
@@ -185,9 +209,8 @@ def main() -> None:
         speculative.save(speculative.measure(q), out)
     bar.update()
     bar.close()
-    res = keep_other_stages(res, only, out / "results.json")
-    (out / "results.json").write_text(json.dumps(res, indent=2))
-    report.write(res, out)
+    save_stages(res, only, out)
+    report.write(with_other_stages(res, only, out), out)
     print(f"wrote {out / 'REPORT.md'}")
 
 
@@ -199,23 +222,31 @@ def start_llama_cpp(hf_folder: Path):
         return f"llama.cpp is not in this run: {exc}"
 
 
-def keep_other_stages(res: dict, only: set[str], path: Path) -> dict:
-    """With ``--only``, the stages not rerun keep their results from the last run (same model and sizes only);
-    ``stage_started`` says when each stage was measured."""
-    started = {stage: res["started"] for stage in only}
-    if only >= set(STAGES) or not path.exists():
-        return {**res, "stage_started": started}
-    old = json.loads(path.read_text())
-    if (old.get("model"), old.get("quick")) != (res["model"], res["quick"]):
-        return {**res, "stage_started": started}
-    merged = dict(res)
-    for stage in set(STAGES) - only:
-        for key in STAGE_KEYS[stage]:
-            if key in old and key not in merged:
-                merged[key] = old[key]
-        if any(key in old for key in STAGE_KEYS[stage]):
-            started[stage] = old.get("stage_started", {}).get(stage, old["started"])
-    return {**merged, "stage_started": started}
+HEADER = ("started", "machine", "quick", "threads", "model", "dtype", "system_prompt_tokens")  # every stage file has these
+
+
+def save_stages(res: dict, only: set[str], out: Path) -> None:
+    """Each stage measured now into its committed file, benchmarks/results/<stage>/results.json, with the machine
+    and commit it ran on (the stages with their own files saved themselves)."""
+    for stage in only & set(STAGES):
+        keys = [k for k in STAGE_KEYS[stage] if k in res]
+        if keys:
+            save_stage({**{k: res[k] for k in HEADER}, **{k: res[k] for k in keys}}, out, stage)
+
+
+def with_other_stages(res: dict, only: set[str], out: Path) -> dict:
+    """The report's input: this run's stages and, for the stages not rerun (``--only``), their committed files
+    (same model and sizes only); ``stage_runs`` says when, where and at which commit each stage was measured."""
+    merged, runs = dict(res), {}
+    for stage in STAGES:
+        keys = STAGE_KEYS[stage]
+        old = None if stage in only or not keys else load_stage(out, stage)
+        if stage in only and any(k in res for k in keys):
+            runs[stage] = {"started": res["started"], "machine": res["machine"]}
+        elif old is not None and (old.get("model"), old.get("quick")) == (res["model"], res["quick"]):
+            merged.update({k: old[k] for k in keys if k in old})
+            runs[stage] = {"started": old["started"], "machine": old.get("machine", {})}
+    return {**merged, "stage_runs": runs}
 
 
 def machine_limits() -> dict:
@@ -223,6 +254,11 @@ def machine_limits() -> dict:
     return {"bf16_matmul_flops": machine.matmul_peak(torch.bfloat16),
             "fp32_matmul_flops": machine.matmul_peak(torch.float32),
             "copy_bandwidth_bytes": machine.copy_bandwidth()}
+
+
+def best_system(rows: list[dict]) -> str:
+    """The name of the fastest of ``rows`` (median runs' summaries) by throughput."""
+    return max(rows, key=lambda r: r["throughput_tok_s"])["system"]
 
 
 def median_run(runs) -> dict:

@@ -24,7 +24,7 @@ from harness import stage_cli, write_json
 
 from radixserve import Engine
 from radixserve.model.compiled import CompiledDecode
-from radixserve.model.loader import cache_root
+from radixserve.trusted_cache import cache_root
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "def fibonacci(n):", "The three laws of thermodynamics are", "My favourite recipe for pancakes:",

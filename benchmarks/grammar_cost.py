@@ -20,7 +20,7 @@ from forward_speed import prompt_ids
 from harness import stage_cli, write_json
 
 from radixserve import Engine, SamplingParams
-from radixserve.actors.messages import GrammarSpec
+from radixserve.wire.plans import GrammarSpec
 
 GRAMMARS = {
     "json schema": {"json_schema": json.dumps({"type": "object", "properties": {"values": {

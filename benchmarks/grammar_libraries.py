@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The comparison behind radixserve's choice of grammar library (README, "Structured output"): llguidance vs
+"""The comparison behind radixserve's choice of grammar library (docs/structured-output.md): llguidance vs
 xgrammar on the CPU, with SmolLM2's tokenizer: import, tokenizer set-up, compile time of a few regexes and JSON
 schemas, and the per-step cost of filling, applying and advancing a mask at batch 1 and 8.
 

@@ -16,8 +16,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from radixserve.actors.messages import AbortReq, Delta, ForwardPlan, ForwardResult, SamplingBatch, TextBatch, TokenBatch
-from radixserve.actors.wire import array, decoder, encoder
+from radixserve.wire.codec import array, decoder, encoder
+from radixserve.wire.messages import AbortReq, Delta, TextBatch, TokenBatch
+from radixserve.wire.plans import ForwardPlan, ForwardResult, SamplingBatch
 
 Any = ForwardPlan | ForwardResult | TokenBatch | TextBatch | AbortReq
 

@@ -10,13 +10,14 @@ import numpy as np
 import torch
 
 from ipc_cost import Echo
-from radixserve.actors.messages import Delta, ForwardPlan, ForwardResult, TextBatch
 from radixserve.actors.scheduler import Scheduler, SchedulerConfig
 from radixserve.actors.scheduler.actor import token_batch
 from radixserve.cache import CacheManager
 from radixserve.policies.eviction import LRU
 from radixserve.policies.schedule import FCFS
 from radixserve.sampling_params import SamplingParams
+from radixserve.wire.messages import Delta, TextBatch
+from radixserve.wire.plans import ForwardPlan, ForwardResult
 
 
 def timed(fn, repeats: int = 5) -> float:

@@ -17,8 +17,8 @@ from tqdm import tqdm
 from harness import stage_cli, write_json
 
 from radixserve import Engine, SamplingParams
-from radixserve.actors.messages import PenaltySpec
 from radixserve.model.penalties import Penalties
+from radixserve.wire.plans import PenaltySpec
 
 matplotlib.use("Agg")
 BATCHES = (1, 8, 32)

@@ -1,11 +1,13 @@
-"""REPORT.md and the PNG plots of ``make bench``, from results.json."""
+"""REPORT.md and the PNG plots of ``make bench``, from the committed results files (bench.py merges them)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib
 
 import kv_tiers
+import provenance
 import shared_cpu
 import speculative
 from stage_results import load_stage
@@ -41,15 +43,14 @@ def check(name: str, value: float, ok: bool, target: str) -> str:
 
 
 def write(res: dict, out: Path) -> None:
-    runs = sorted(set(res.get("stage_started", {}).values()) or {res["started"]})
-    where = ("one run of `make bench` (`python benchmarks/bench.py`)" if len(runs) == 1 else
-             f"{len(runs)} runs of `python benchmarks/bench.py` (the stages rerun with `--only` are listed at the end; "
-             "within a stage everything comes from one run)")
     L = [f"# radixserve benchmark report", "",
-         f"{res['model']}, {res['dtype']}, {res['threads']} torch threads, started {res['started']}"
-         f"{' (--quick sizes)' if res['quick'] else ''}. Every number in this file comes from {where}: all "
-         f"systems side by side, same prompts (token ids), greedy, each request generating exactly its "
-         f"max_new_tokens.", ""]
+         f"{res['model']}, {res['dtype']}, {res['threads']} torch threads{' (--quick sizes)' if res['quick'] else ''}. "
+         "Every number in this file is read from the committed results files (`benchmarks/results/<stage>/"
+         "results.json`), each naming when, where and at which commit its stage ran; the table at the end lists "
+         "them and marks a stage stale where a later commit changed the code it measures. Within a stage the "
+         "systems run on the same prompts (token ids), greedy, each request generating exactly its max_new_tokens; "
+         "each section says how its systems took turns. llama.cpp is built from source on the machine that "
+         "measures, for its instruction sets except AMX (`benchmarks/llama_cpp.py`).", ""]
     targets = ["| target | measured | wanted | |", "|---|---|---|---|"]
     if "shared" in res:
         rows, best = res["shared"], res["shared_best_hf"]
@@ -57,7 +58,9 @@ def write(res: dict, out: Path) -> None:
         bh = by_system(rows, best)
         L += [f"## Shared prefix", "",
               f"One {res['system_prompt_tokens']}-token system prompt, {on['requests']} different questions, all sent "
-              f"at once. Best HF baseline: {best}.", "", *serving_table(rows, best), ""]
+              f"at once (a first pass: the radix servers' caches are flushed, and every round brings a new system "
+              f"prompt). The systems take turns, the order rotated each round; each row is a system's median run "
+              f"of {on.get('runs', 1)}. Best HF baseline: {best}.", "", *serving_table(rows, best), ""]
         ratio = on["throughput_tok_s"] / bh["throughput_tok_s"]
         targets.append(check("shared prefix: throughput / best HF", ratio, ratio >= 8, ">= 8"))
         targets.append(check("shared prefix: TTFT p50 / best HF's", on["ttft_p50_s"] / bh["ttft_p50_s"],
@@ -82,7 +85,8 @@ def write(res: dict, out: Path) -> None:
         L.append("")
     if "multiturn" in res:
         L += ["## Multi-turn chat", "", "Each round, every conversation sends its whole history plus a new question, "
-              "all at once; the server's answers join the history.", "",
+              "all at once; the server's answers join the history. The systems take turns round by round (each "
+              "with its own conversations), the order rotated each round.", "",
               "| round | " + " | ".join(f"TTFT ({r['system']})" for r in res["multiturn"]) + " | " +
               " | ".join(f"hit rate ({r['system']})" for r in res["multiturn"]) + " |",
               "|---" * (1 + 2 * len(res["multiturn"])) + "|"]
@@ -105,7 +109,8 @@ def write(res: dict, out: Path) -> None:
         on, off = by_system(rows, "radixserve, radix cache on"), by_system(rows, "radixserve, radix cache off")
         L += ["## Unique prompts", "", f"{on['requests']} prompts sharing nothing, all at once: what the cache costs "
               f"when it cannot help. radixserve ran {on['runs']} times with the cache on and off, in turns "
-              "(on, off, off, on, ...) and before the other scenarios; the table shows each one's median run.", "",
+              "(on, off, off, on, ...) and before the other scenarios, HF's baselines after them each round; the "
+              "table shows each system's median run.", "",
               *serving_table(rows, best), "",
               *(f"- {r['system']}, every run (tok/s): " + ", ".join(f"{t:.1f}" for t in r["throughput_all_runs"])
                 for r in (on, off)), ""]
@@ -114,7 +119,7 @@ def write(res: dict, out: Path) -> None:
         targets.append(check("unique: throughput / best HF", ratio, ratio >= 1.5, ">= 1.5"))
         targets.append(check("unique: radix on vs off throughput", diff, abs(diff) <= 0.03, "within ±3%"))
     if "forward" in res:
-        m = res["machine"]
+        m = res["machine_limits"]
         fp32 = m.get("fp32_matmul_flops", 0.0)
         peak = max(m["bf16_matmul_flops"], fp32)  # the runner multiplies large batches in float32 where that is faster
         L += ["## Forward speed", "", "The model runner vs HF's forward on the same weights. Machine, same run (the "
@@ -244,9 +249,7 @@ def write(res: dict, out: Path) -> None:
     spec = speculative.load(out)  # the same
     if spec is not None:
         L += speculative.section(spec, targets, check)
-    if "stage_started" in res and len(set(res["stage_started"].values())) > 1:
-        L += ["## When each stage was measured", "", "| stage | run started |", "|---|---|",
-              *[f"| {k} | {v} |" for k, v in sorted(res["stage_started"].items())], ""]
+    L += provenance_section(out)
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
 
@@ -429,6 +432,25 @@ def radix_section(r: dict, targets: list[str]) -> list[str]:
                  f"{row['speedup']:.2f}x | {pct(row['radixserve_hit_rate'])} / {pct(row['sglang_hit_rate'])} |")
         targets.append(check(f"radix tree / SGLang RadixCache at {row['capacity']} tokens", row["speedup"],
                              row["speedup"] >= 3, ">= 3"))
+    return L + [""]
+
+
+def provenance_section(out: Path) -> list[str]:
+    """Every committed results file: when, where (CPU, instruction sets, CPUs, kernels' build) and at which commit
+    its stage ran, and whether a later commit changed what it measures (benchmarks/provenance.py)."""
+    root = Path(__file__).resolve().parents[1]
+    L = ["## Where each figure comes from", "", "| stage | file | started | commit | machine | status |",
+         "|---|---|---|---|---|---|"]
+    for stage, path in provenance.results_files(out):
+        d = json.loads(path.read_text())
+        m = d.get("machine") or {}
+        later = provenance.freshness(root, stage, m)
+        status = "unknown commit" if later is None else f"stale ({len(later)} later commits)" if later else "current"
+        status += ", uncommitted changes" if m.get("uncommitted_changes") else ""
+        where = (f"{m.get('cpu', '?')}, {m.get('cpus_in_mask', '?')} CPUs, "
+                 f"{'/'.join(m.get('isa', [])[-3:]) or 'ISA not recorded'}, kernels {m.get('radixserve_march', '?')}")
+        L.append(f"| {stage} | `{path.relative_to(out)}` | {d.get('started', '?')} | {m.get('commit', '?')} | "
+                 f"{where} | {status} |")
     return L + [""]
 
 

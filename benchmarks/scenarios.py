@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
@@ -112,6 +113,14 @@ class Unique:
         return [hf_sequential(model, self.prompts, self.max_new), hf_batched(model, self.prompts, self.max_new, pad_id)]
 
 
+@dataclass
+class Chats:
+    """One system's side of a multi-turn run: its conversations so far and each round's figures."""
+
+    histories: list[list[dict]]
+    rounds: list[dict] = field(default_factory=list)
+
+
 class MultiTurn:
     """C conversations x R rounds (the seed's §1.2 shape): each round, every conversation sends its whole history
     plus a new question, all at once; the answers come from the server and join the history."""
@@ -126,28 +135,40 @@ class MultiTurn:
         self.rounds, self.max_new = rounds, max_new
 
     def radix(self, url: str, label: str, model: str, keep_alive: bool = True) -> dict:
-        """``keep_alive=False`` for llama-server, which closes a kept-alive connection after a few requests."""
-        return asyncio.run(self._run(url, label, model, keep_alive))
+        """One system's whole run. ``keep_alive=False`` for llama-server, which closes a kept-alive connection
+        after a few requests."""
+        chats = self.start()
+        for r in range(self.rounds):
+            self.round(url, chats, r, model, keep_alive)
+        return self.result(label, chats)
 
-    async def _run(self, url: str, label: str, model: str, keep_alive: bool) -> dict:
-        histories = [[{"role": "system", "content": self.system}] for _ in self.openers]
-        per_round = []
+    def start(self) -> Chats:
+        """One system's conversations before their first round (the system prompt each)."""
+        return Chats([[{"role": "system", "content": self.system}] for _ in self.openers])
+
+    def round(self, url: str, chats: Chats, r: int, model: str, keep_alive: bool = True) -> None:
+        """Round ``r`` on one system: every conversation's next question at once, the answers joining ``chats``
+        (so systems can take turns round by round, each with its own chats)."""
+        asyncio.run(self._round(url, chats, r, model, keep_alive))
+
+    @staticmethod
+    def result(label: str, chats: Chats) -> dict:
+        return {"system": label, "rounds": chats.rounds,
+                "ttft_ratio_last_first": chats.rounds[-1]["ttft_mean_s"] / chats.rounds[0]["ttft_mean_s"]}
+
+    async def _round(self, url: str, chats: Chats, r: int, model: str, keep_alive: bool) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                          connector=aiohttp.TCPConnector(force_close=not keep_alive)) as session:
-            for r in range(self.rounds):
-                for c, h in enumerate(histories):
-                    h.append({"role": "user", "content": self.openers[c] if r == 0 else self.followups[c][r]})
-                outs = await asyncio.gather(*(self._turn(session, url, model, h) for h in histories))
-                for h, (_, answer, _) in zip(histories, outs):
-                    h.append({"role": "assistant", "content": answer})
-                prompt = sum(u["prompt_tokens"] for _, _, u in outs)
-                # llama-server's usage has no cached_tokens: its hit rate is not known
-                cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for _, _, u in outs]
-                per_round.append({"round": r + 1, "ttft_mean_s": mean([t for t, _, _ in outs]),
-                                  "prompt_tokens": prompt,
-                                  "hit_rate": None if None in cached else sum(cached) / prompt})
-        return {"system": label, "rounds": per_round,
-                "ttft_ratio_last_first": per_round[-1]["ttft_mean_s"] / per_round[0]["ttft_mean_s"]}
+            for c, h in enumerate(chats.histories):
+                h.append({"role": "user", "content": self.openers[c] if r == 0 else self.followups[c][r]})
+            outs = await asyncio.gather(*(self._turn(session, url, model, h) for h in chats.histories))
+        for h, (_, answer, _) in zip(chats.histories, outs):
+            h.append({"role": "assistant", "content": answer})
+        prompt = sum(u["prompt_tokens"] for _, _, u in outs)
+        # llama-server's usage has no cached_tokens: its hit rate is not known
+        cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for _, _, u in outs]
+        chats.rounds.append({"round": r + 1, "ttft_mean_s": mean([t for t, _, _ in outs]), "prompt_tokens": prompt,
+                             "hit_rate": None if None in cached else sum(cached) / prompt})
 
     async def _turn(self, session, url, model, messages) -> tuple[float, str, dict]:
         return await stream_chat(session, url, {"model": model, "messages": messages, "max_tokens": self.max_new,

@@ -22,11 +22,11 @@ from tqdm import tqdm
 
 from harness import radix_run, stage_cli, write_json
 
-from radixserve.compare.auto_policy import AutoPolicy
-from radixserve.compare.auto_sim import simulate_auto
-from radixserve.compare.live import live
-from radixserve.compare.simulate import CostModel, simulate
-from radixserve.compare.workloads import WorkloadSpec, build
+from radixserve.lab.auto_policy import AutoPolicy
+from radixserve.lab.auto_sim import simulate_auto
+from radixserve.lab.live import live
+from radixserve.lab.simulate import CostModel, simulate
+from radixserve.lab.workloads import WorkloadSpec, build
 from radixserve.server_process import ServerProcess
 
 PAIRS = [("lru", "fcfs"), ("mru", "fcfs"), ("filo", "fcfs"), ("lfu", "fcfs")]

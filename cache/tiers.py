@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.actors.messages import PageLoad, Prefetch, Prefetched, TierOps
 from radixserve.cache.allocator import SLOT_DTYPE
 from radixserve.cache.pages import page_keys, pages_within
 from radixserve.cache.radix_tree import TreeNode, pack
 from radixserve.policies.tiers import PrefetchPolicy, WritePolicy
+from radixserve.wire.plans import PageLoad, Prefetch, Prefetched, TierOps
 
 RECENT_WRITES = 1 << 16  # keys written lately: a page every request shares (a system prompt) is sent once
 

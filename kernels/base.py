@@ -1,4 +1,4 @@
-"""The attention interface every backend implements (torch on CPU now; Triton on CUDA later).
+"""The attention interface every backend implements (torch and the C++ kernels on CPU, Triton on GPUs).
 
 Layout: the pool holds K and V per layer as ``[num_slots, kv_heads, head_dim]``; a request's row of slot
 indices (``slots``, concatenated over the batch) lists where each of its tokens lives. Queries are ragged and

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from radixserve.trusted_cache import UntrustedCache, private_dir, record, verify
+from radixserve.trusted_cache import UntrustedCache, cache_root, private_dir, record, verify
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,6 @@ class NativeUnavailable(RuntimeError):
 
 
 def default_cache_dir() -> Path:
-    from radixserve.model.loader import cache_root  # lazily: kernels/ sits below model/
-
     return cache_root() / "kernels"
 
 

@@ -1,12 +1,11 @@
 """Linear layers for CPU inference in bf16/fp16, as fast as this machine allows.
 
-Measured here (2 cores, avx512_bf16 without AMX, torch 2.13):
 - decoding streams every weight once per step, so small batches are bandwidth-bound: a weight reordered once into
-  oneDNN's blocked layout streams at ~14 GB/s vs ~10 GB/s through F.linear, bitwise the same result;
-- large batches (prefill, M >= 64 rows) are compute-bound, and this CPU's bf16 GEMM (~150 GFLOP/s) is slower than
-  its float32 GEMM (~300 GFLOP/s): there a float32 copy of the weight is 1.3-1.4x faster end to end, and more
-  exact. Whether that holds is measured when the model is packed (machines with AMX are the other way round), so
-  the float32 copy exists only where it pays.
+  oneDNN's blocked layout streams faster than through F.linear, bitwise the same result;
+- large batches (prefill, M >= 64 rows) are compute-bound, and on CPUs without AMX (avx512_bf16 ones included)
+  the bf16 GEMM can be slower than the float32 one, where a float32 copy of the weight is faster end to end and
+  more exact. Which is faster is measured on this machine when the model is packed (with AMX it is the other way
+  round), so the float32 copy exists only where it pays.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ many distinct slots as slots, each distinct K/V row is gathered once and every q
 a mask keeping each query to its own row -- softmax does not care about the order of keys. Gathering is what
 long-row decode pays for on a CPU; 32 requests sharing a 1k-token prompt gather it once, not 32 times.
 
-Measured on CPU (torch 2.13): ``index_select`` gathers rows ~6x faster than ``pool[index]``;
-``enable_gqa=True`` and 3-D inputs both send SDPA to its slow "math" fallback (4-5x slower), so inputs are
+On CPU (torch 2.13) ``index_select`` gathers rows several times faster than ``pool[index]``, and
+``enable_gqa=True`` and 3-D inputs both send SDPA to its slow "math" fallback, so inputs are
 4-D and grouped-query heads are handled by hand: extend repeats K/V heads; decode folds each group's query
 heads into the query-length axis (one query token, so no causal order).
 

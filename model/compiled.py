@@ -6,8 +6,8 @@ is fused into a few C++ loops, the KV store and attention run inside the graph, 
 library calls (oneDNN's packed products; opaque to the compiler as ``radixserve::packed_linear``).
 
 Why one layer and not the whole step: every layer has the same code, so one graph serves all of them (its weights
-and KV pool are inputs); compiling takes seconds instead of the ~100 s the 30-layer graph took here, and a call per
-layer costs ~0.1 ms. The embedding and the output projection stay eager (one op each).
+and KV pool are inputs); compiling takes seconds instead of minutes for the 30-layer graph, and a call per layer
+costs little beside the layer's work (benchmarks/compile_cost.py measures the start-up). The embedding and the output projection stay eager (one op each).
 
 Shapes: the context length is dynamic (one graph for every length). The batch size is specialised for 1, then
 dynamic; products of 64 rows and more may switch kernels (``cpu_linear.F32_MIN_ROWS``), which is a third graph. All

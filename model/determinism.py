@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from radixserve.actors.messages import ForwardPlan, SamplingBatch
 from radixserve.kernels.invariant import ACTIVATIONS, InvariantLinear, InvariantOps
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.layers import MLP, RMSNorm
+from radixserve.wire.plans import ForwardPlan, SamplingBatch
 
 LENGTHS = (70, 3, 131, 9)  # prompts that cross chunk boundaries, and one shorter than any chunk
 

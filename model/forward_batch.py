@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.actors.messages import ForwardPlan
 from radixserve.kernels.base import AttentionBackend, AttentionBatch
 from radixserve.model.slot_table import SlotTable
 from radixserve.policies.drafts import is_chain, tree_depths
+from radixserve.wire.plans import ForwardPlan
 
 
 class KVPool:

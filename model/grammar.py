@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.actors.messages import GrammarSpec
 from radixserve.structured import grammar, limits
+from radixserve.wire.plans import GrammarSpec
 
 log = logging.getLogger(__name__)
 

@@ -91,7 +91,7 @@ class FileStore:
     restart through the files' modification times (touched on every hit)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        from radixserve.model.loader import cache_root
+        from radixserve.trusted_cache import cache_root
 
         self.root = Path(config.get("path") or cache_root() / "kv-pages")
         self.root.mkdir(parents=True, exist_ok=True)

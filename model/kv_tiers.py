@@ -25,10 +25,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from radixserve.actors.messages import Prefetch, Prefetched, TierOps
 from radixserve.model.forward_batch import KVPool
 from radixserve.model.kv_pages import HostTier, PageCodec
 from radixserve.model.kv_storage import DamagedPage, StorageBackend, seal, unseal
+from radixserve.wire.plans import Prefetch, Prefetched, TierOps
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class KVTiers:
         never wait for the step the runner is in."""
         import zmq
 
-        from radixserve.actors.wire import decoder
+        from radixserve.wire.codec import decoder
 
         sock = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
@@ -150,8 +150,8 @@ class KVTiers:
     # -- the background thread ---------------------------------------------------------------------------
     def _work(self, jobs: queue.SimpleQueue, idle: bool) -> None:
         """A background thread's loop. ``idle``: the storage writer, scheduled only on a CPU nothing else wants
-        (SCHED_IDLE): measured beside the model's OpenMP threads, writes at normal priority cost the server 12% of
-        its throughput on a workload with no reuse, far more than their own CPU time."""
+        (SCHED_IDLE): beside the model's OpenMP threads, writes at normal priority cost the server far more of its
+        throughput than their own CPU time on a workload with no reuse (benchmarks/kv_tiers.py, no_reuse)."""
         if idle and hasattr(os, "sched_setscheduler"):
             try:
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)

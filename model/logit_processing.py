@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import torch
 
-from radixserve.actors.messages import ProcessorSpec
 from radixserve.logit_processors import LogitProcessor, load
+from radixserve.wire.plans import ProcessorSpec
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds (kMaxGroup, kMaxHeadDim)
 # A prefill step runs here too while its tokens' contexts add up to at most this many keys: the kernel's attention
 # visits every (token, key) pair, which beats torch's per-request SDPA plus its small ops for short prompts and
-# short continuations of cached ones, and loses for long prompts. Measured (SmolLM2, bf16, 2 cores): 128 new tokens
-# 34 vs 56 ms, 30 after 1500 cached 50 vs 55 ms (45k keys), a fresh 384-token prompt 122 vs 114 ms (74k keys).
+# short continuations of cached ones, and loses for long prompts; the bound sits below the crossover timed on
+# SmolLM2 (bf16, 2 cores) when it was set.
 EXTEND_KEYS = 40_000
 SHARED_MIN = 128  # shared context slots from which a decode batch scores them once for all rows (kSharedMin)
 BLOCK = 32  # weights per quantization block (kBlock)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.actors.messages import PenaltySpec
+from radixserve.wire.plans import PenaltySpec
 
 
 @dataclass

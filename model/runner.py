@@ -14,23 +14,23 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from radixserve.actors.messages import ForwardPlan, ForwardResult
 from radixserve.cpu_load import AdaptiveThreads, ProcessTree, ProcStat
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.kernels.cpu_native import NativeUnavailable, default_cache_dir
+from radixserve.model.causal_lm import CausalLM
 from radixserve.model.compiled import CompiledDecode
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.grammar import Constraints, Masks
 from radixserve.model.logit_processing import LogitProcessing
-from radixserve.model.penalties import Penalties
-from radixserve.model.causal_lm import CausalLM
 from radixserve.model.native_decode import NativeDecode
-from radixserve.model.loader import cache_root
 from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
+from radixserve.model.penalties import Penalties
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_tree
 from radixserve.model.slot_table import SlotTable
+from radixserve.trusted_cache import cache_root
+from radixserve.wire.plans import ForwardPlan, ForwardResult
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.actors.messages import Logprob, PromptLogprobs, SamplingBatch
+from radixserve.wire.plans import Logprob, PromptLogprobs, SamplingBatch
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan
+from radixserve.wire.plans import ForwardPlan
 
 
 class SlotTable:

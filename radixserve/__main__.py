@@ -44,14 +44,15 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgParser:
+    """The command line: serve, compare, router, demo (docs/hooks.py writes the flag reference from it)."""
     parser = ArgParser(prog="radixserve", description="A readable LLM serving engine (RadixAttention)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", **SERVE)
     add_cli_args(p_serve)
     p_compare = sub.add_parser("compare", help="compare eviction/schedule policies (simulated and/or live)",
-                               description="Compare policy pairs on one workload; see radixserve.compare.cli")
-    from radixserve.compare.cli import add_args as add_compare_args
+                               description="Compare policy pairs on one workload; see radixserve.lab.cli")
+    from radixserve.lab.cli import add_args as add_compare_args
 
     add_compare_args(p_compare)
     p_router = sub.add_parser("router", help="route requests over several servers (cache-aware by default)",
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     p_demo = sub.add_parser("demo", help="chat with the offline Engine in the terminal")
     p_demo.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: 128)")
     add_cli_args(p_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         from radixserve.launch_server import run_cli
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_router(args)
     if args.command == "compare":
-        from radixserve.compare.cli import run
+        from radixserve.lab.cli import run
 
         try:
             return run(args)

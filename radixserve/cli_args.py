@@ -200,8 +200,8 @@ HELP = {
     "random_seed": "seeds the sampling noise of requests without a seed of their own, once at start: two servers "
                    "started with the same seed answer the same sequence of requests with the same tokens "
                    "(default: a fresh seed each start)",
-    "deterministic": "batch-invariant inference: greedy and seeded tokens never depend on the batch (CPU; see the "
-                     "README for the cost)",
+    "deterministic": "batch-invariant inference: greedy and seeded tokens never depend on the batch (CPU; the docs' "
+                     "performance page has its cost)",
     "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
                     "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
     "decode_kernel": "how CPU decode steps (and short prefills) run: native (the whole step in one C++ call, built "
@@ -217,7 +217,7 @@ HELP = {
     "check_invariants": "check KV pool accounting after every step (slow; for debugging)",
 }
 SERVE = {"usage": "%(prog)s [--model-path PATH_OR_HUB_ID] [--host HOST] [--port PORT] [--tp N] [options]",
-         "description": "Start the OpenAI-compatible (and SGLang-native) HTTP server",
+         "description": "Start the OpenAI-compatible (and SGLang-compatible) HTTP server",
          "allow_abbrev": True}  # its parser's wording; a flag's unique prefix is the flag, as SGLang's launcher takes
 
 
@@ -291,7 +291,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             if name in ("dtype", "kv_cache_dtype"):
                 choices = (*choices, *DTYPE_ALIASES)
             elif name == "auto_policy_metric":
-                from radixserve.compare.auto_policy import METRICS
+                from radixserve.lab.auto_policy import METRICS
 
                 choices = tuple(METRICS)
             group.add_argument(*flags, dest=name, type=kind, default=default, choices=choices,

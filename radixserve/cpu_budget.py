@@ -11,9 +11,9 @@ Two rules keep decode from collapsing when the CPU is shared (with radixserve's 
   partner it waits for was preempted, burning the core that partner needs; the runner avoids it by running fewer
   threads while other processes keep CPUs busy (radixserve/cpu_load.py), one thread having no partner to wait for.
   The wait policy itself is left as libgomp's default or the user's ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``:
-  measured side by side (benchmarks/shared_cpu.py, 2-core AMD EPYC), a shorter spin (``GOMP_SPINCOUNT=30000``)
-  cost the server ~8% of idle decode and gained nothing beside a neighbour, and sleeping at once
-  (``OMP_WAIT_POLICY=PASSIVE``) cost ~35% idle. With a fixed thread count (``--num-threads``, ``--deterministic``,
+  measured side by side (benchmarks/shared_cpu.py), a shorter spin (``GOMP_SPINCOUNT=30000``) cost the server
+  idle decode speed and gained nothing beside a neighbour, and sleeping at once (``OMP_WAIT_POLICY=PASSIVE``)
+  cost far more idle. With a fixed thread count (``--num-threads``, ``--deterministic``,
   the compiled kernel) on a CPU others use, ``OMP_WAIT_POLICY=PASSIVE`` is the user's lever.
 
     budget = read_budget()

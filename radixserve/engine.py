@@ -13,19 +13,19 @@ from typing import Any
 
 import msgspec
 
-from radixserve.actors.api.native_output import (
-    LogprobOptions, NativeBatch, NativeOutput, native_batch, sequences, with_processors
+from radixserve.actors.api.protocol import GenerateBody
+from radixserve.actors.api.sglang_generate import (
+    LogprobOptions, GenerateBatch, GenerateOutput, generate_batch, sequences, with_processors
 )
-from radixserve.actors.api.protocol import NativeGenerateRequest
-from radixserve.actors.messages import Delta, FinishReason, GenerateReq
-from radixserve.actors.scheduler.actor import token_batches
 from radixserve.actors.scheduler import build_scheduler
+from radixserve.actors.scheduler.actor import token_batches
 from radixserve.actors.tokenizer import OutputText, TokenizerCore
 from radixserve.errors import InvalidRequest
 from radixserve.prepare import prepare
 from radixserve.prompts import text_or_ids
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+from radixserve.wire.messages import Delta, FinishReason, GenerateReq
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ class Engine:
     disable_radix_cache, ...). Without a model path: the bundled SmolLM2-135M-Instruct."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
-        from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
         from radixserve.actors.runner_actor import seed_sampling
+        from radixserve.model.runner import ModelRunner  # torch is paid for here, not at import
 
         args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         if args.dp > 1:
@@ -103,15 +103,15 @@ class Engine:
         _, gens, single = sequences(prompts, params, f"engine-{next(self._ids)}", logprobs, priority)
         return self._answer(gens, logprobs, single, stream)
 
-    def native_generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    def sglang_generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang's ``POST /generate`` body in, its response out (``stream`` in the payload is ignored)."""
-        batch = self._native(payload)
+        batch = self._sglang_batch(payload)
         return self._answer(batch.gens, batch.logprobs, batch.single, stream=False)
 
-    def native_generate_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def sglang_generate_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """SGLang's streaming ``/generate``: results so far (cumulative text) with ``index``, as the server's
         events."""
-        batch = self._native(payload)
+        batch = self._sglang_batch(payload)
         return self._answer(batch.gens, batch.logprobs, batch.single, stream=True)
 
     def model_info(self) -> dict[str, Any]:
@@ -134,18 +134,18 @@ class Engine:
         draft policies by name (built-in or plugin); returns ``policies()``."""
         self._require_open()
         with self._lock:
-            self.scheduler.lab.switch(eviction, schedule, write=write, prefetch=prefetch, draft=draft)
+            self.scheduler.policies.switch(eviction, schedule, write=write, prefetch=prefetch, draft=draft)
         return self.policies()
 
     def policies(self) -> dict[str, Any]:
         """``{"eviction": {"current", "available"}, "schedule": {...}, "errors": [...]}``"""
         self._require_open()
-        return self.scheduler.lab.info()
+        return self.scheduler.policies.info()
 
     def cache_stats(self) -> dict[str, Any]:
         """Pool state, totals and one record per policy epoch (as GET /cache/stats)."""
         self._require_open()
-        return self.scheduler.lab.cache_stats()
+        return self.scheduler.policies.cache_stats()
 
     def flush_cache(self, keep_storage: bool = False) -> int:
         """Drop every cached prefix that no running request holds, from the pool and the lower KV tiers (storage
@@ -190,17 +190,17 @@ class Engine:
         one = SamplingParams.coerce(params)
         return [one] * n
 
-    def _native(self, payload: dict[str, Any]) -> NativeBatch:
+    def _sglang_batch(self, payload: dict[str, Any]) -> GenerateBatch:
         self._require_open()
         if not isinstance(payload, dict):
             raise InvalidRequest("the payload must be a dict: SGLang's /generate body", param="payload")
         try:
-            body = msgspec.convert(payload, NativeGenerateRequest)
+            body = msgspec.convert(payload, GenerateBody)
         except msgspec.ValidationError as exc:
             if isinstance(exc.__cause__, InvalidRequest):
                 raise exc.__cause__ from None
             raise InvalidRequest(f"invalid /generate payload: {exc}", param="payload") from None
-        return native_batch(body, self.model_config.vocab_size)
+        return generate_batch(body, self.model_config.vocab_size)
 
     def _answer(self, gens: list[GenerateReq], logprobs: LogprobOptions | None, single: bool, stream: bool):
         outputs = self._submit(gens, logprobs)
@@ -225,7 +225,7 @@ class Engine:
             sinks = []
             for p, g in zip(ids, gens):
                 sched.add_request(g.rid, p, g.params, g.top_logprobs, g.priority, g.logprob_start)
-                sink = _Sink(NativeOutput(g.rid, logprobs))
+                sink = _Sink(GenerateOutput(g.rid, logprobs))
                 self._live[g.rid] = self.tokenizer.output(g.params)
                 self._sinks[g.rid] = sink
                 sinks.append(sink)
@@ -325,7 +325,7 @@ class Engine:
 class _Sink:
     """One request's results as they arrive, for the thread that asked."""
 
-    def __init__(self, output: NativeOutput) -> None:
+    def __init__(self, output: GenerateOutput) -> None:
         self.output = output
         self.error: dict[str, Any] | None = None
         self.news = False

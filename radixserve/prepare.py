@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.actors.chat_templates import load_chat_template
+from radixserve.actors.jinja_templates import load_chat_template
 from radixserve.actors.scheduler.priority import PriorityConfig
 from radixserve.actors.scheduler.scheduler import SchedulerConfig
-from radixserve.policies.drafts import DraftOptions
 from radixserve.cache.pages import model_fingerprint, namespace
 from radixserve.cache.tiers import TierConfig
 from radixserve.logit_processors import ProcessorCatalog
@@ -18,6 +17,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.loader import ModelFiles, load_configs, resolve_model, resolve_tokenizer
 from radixserve.model.parallel import check_divisible, kv_heads_per_rank
 from radixserve.policies import available, load_draft_policy, load_eviction_policy, load_schedule_policy
+from radixserve.policies.drafts import DraftOptions
 from radixserve.server_args import ServerArgs
 
 
@@ -103,7 +103,7 @@ def prepare(args: ServerArgs) -> Prepared:
 
         load_routing_policy(args.routing_policy)
     if args.shadow_policies:
-        from radixserve.compare.shadow import resolve_pairs
+        from radixserve.lab.shadow import resolve_pairs
 
         resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))
     cfg = SchedulerConfig(

@@ -37,7 +37,7 @@ class ServerArgs:
     model_path: str | None = None  # a folder, a .gguf file or a hub id (local HF cache); None: the bundled SmolLM2
     revision: str | None = None  # of a hub id: a branch, tag or commit (None: main, or the id's @revision)
     tokenizer_path: str | None = None  # None: the model's own
-    chat_template: str | None = None  # a Jinja file or a built-in name (actors/chat_templates.py); None: the model's
+    chat_template: str | None = None  # a Jinja file or a built-in name (actors/jinja_templates.py); None: the model's
     # auto: the format the chat template shows tools in (the tokenizer actor resolves it), none, or a parser's name
     tool_call_parser: str = "auto"
     trust_remote_code: bool = False  # accepted for SGLang's muscle memory, refused when set: no remote code runs
@@ -286,7 +286,7 @@ class ServerArgs:
                              "with --logit-processors NAME... (built in: allow-tokens, ban-tokens)")
 
     def _check_shadow(self) -> None:
-        from radixserve.compare.auto_policy import METRICS
+        from radixserve.lab.auto_policy import METRICS
 
         if self.auto_policy and not self.shadow_policies:
             raise ValueError("--auto-policy switches to the best shadow pair: give --shadow-policies all (or the "

@@ -2,9 +2,9 @@
 the request arrives (no tokenizer needed, so the HTTP process answers a bad one with a 400 naming it) and compiled
 against the tokenizer in the runner (``radixserve.model.grammar``).
 
-Why llguidance (measured here, SmolLM2's 49k vocabulary, 2 cores; see README): a 7.7 MB wheel with no Python
-dependencies that imports in 41 ms without torch; it validates a grammar without a tokenizer and says what is
-wrong in a readable line; compiles in about 1 ms; fill + apply + advance about 160 us per constrained row.
+Why llguidance (benchmarks/grammar_libraries.py compares it with the alternatives): a small wheel with no Python
+dependencies that imports quickly without torch; it validates a grammar without a tokenizer and says what is
+wrong in a readable line; it compiles a grammar and masks a constrained row in a small part of a decode step.
 
 JSON is compact by default (no free whitespace between tokens): a small model given free whitespace can spend
 its whole budget on spaces. A schema may allow it with ``"x-guidance": {"whitespace_flexible": true}``.
@@ -27,8 +27,8 @@ from typing import Literal
 from radixserve.errors import InvalidRequest
 
 Kind = Literal["regex", "json_schema", "ebnf"]
-# llguidance's default is 1,000,000. At 100,000 a nested counted repetition fails in about 50 ms instead of 1-2 s,
-# and a 56 KB schema with 200 patterns, formats and enums still runs (measured on this machine's 2 cores).
+# llguidance's default is 1,000,000. At 100,000 a nested counted repetition fails far sooner, and a large schema
+# (200 patterns, formats and enums) still runs.
 INITIAL_LEXER_FUEL = 100_000
 PROBE_BYTES = 4  # bytes a pattern is run at validation: the blow-ups seen happen on the first one or two
 
@@ -106,7 +106,7 @@ def _schema_patterns(schema: object) -> list[str]:
 
 def _probe(compiled: str) -> str | None:
     """llguidance's lexer error if a grammar's automaton outgrows ``limits`` on its first bytes (taking the first
-    byte allowed each time, on a vocabulary of single bytes), else None. About 1 ms for an ordinary pattern."""
+    byte allowed each time, on a vocabulary of single bytes), else None."""
     from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
     matcher = LLMatcher(LLTokenizer(TokenizerWrapper(_Bytes()), slices=[]), compiled, log_level=0, limits=limits())

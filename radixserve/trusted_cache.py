@@ -26,6 +26,11 @@ import os
 import stat
 from pathlib import Path
 
+def cache_root() -> Path:
+    """radixserve's cache folder: $RADIXSERVE_CACHE, default ~/.cache/radixserve."""
+    return Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))
+
+
 FOLDER_MANIFEST = ".radixserve-manifest.json"  # inside a built folder (a converted checkpoint), listing its files
 
 

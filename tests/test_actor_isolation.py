@@ -7,11 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from radixserve.actors.messages import (
-    AddReq, FinishReq, ForwardResult, GenerateReq, RequestError, TextBatch, TokenBatch
-)
-from radixserve.actors.wire import array
 from radixserve.sampling_params import SamplingParams
+from radixserve.wire.codec import array
+from radixserve.wire.messages import AddReq, FinishReq, GenerateReq, RequestError, TextBatch, TokenBatch
+from radixserve.wire.plans import ForwardResult
 
 
 class Recorder:

@@ -37,7 +37,7 @@ def test_actor_death_answers_waiting_requests_503_and_health_503():
 
 def test_openai_finish_reasons_are_openais_own():
     from radixserve.actors.api.openai import finish_reason
-    from radixserve.actors.messages import FinishReason
+    from radixserve.wire.messages import FinishReason
 
     assert finish_reason(None) is None
     assert finish_reason(FinishReason("length")) == "length"

@@ -36,7 +36,7 @@ def results() -> dict:
         "forward": [{"kind": "prefill", "size": 128, "ours_tok_s": 700.0, "hf_tok_s": 500.0},
                     {"kind": "decode", "size": 1, "ours_tok_s": 30.0, "hf_tok_s": 25.0},  # 1.2x: below 1.5
                     {"kind": "decode", "size": 32, "ours_tok_s": 300.0, "hf_tok_s": 200.0}],
-        "machine": {"bf16_matmul_flops": 150e9, "fp32_matmul_flops": 300e9, "copy_bandwidth_bytes": 20e9,
+        "machine_limits": {"bf16_matmul_flops": 150e9, "fp32_matmul_flops": 300e9, "copy_bandwidth_bytes": 20e9,
                     "flops_per_token": 269e6, "attention_flops_per_token_per_position": 69120,
                     "decode_weight_bytes": 269e6},
         "overhead": [{"batch": 32, "scheduler_s": 1e-4, "total_s": 5e-4}],

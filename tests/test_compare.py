@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from radixserve.compare import trace as trace_io
-from radixserve.compare.simulate import CostModel, simulate
-from radixserve.compare.workloads import KINDS, WorkloadSpec, build
+from radixserve.lab import trace as trace_io
+from radixserve.lab.simulate import CostModel, simulate
+from radixserve.lab.workloads import KINDS, WorkloadSpec, build
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -16,16 +16,17 @@ import numpy as np
 import pytest
 
 from conftest import get_body, post_json
-from radixserve.actors.messages import ControlReq, ForwardResult
+from radixserve.actors.api.server import added_up
 from radixserve.actors.scheduler import Scheduler, SchedulerConfig
 from radixserve.actors.scheduler.actor import control
-from radixserve.actors.scheduler.inspect import MAX_LISTED, PREVIEW, dashboard_view, tree_view
-from radixserve.actors.api.server import added_up
+from radixserve.actors.scheduler.dashboard_view import MAX_LISTED, PREVIEW, dashboard_view, tree_view
 from radixserve.cache.manager import CacheManager
 from radixserve.policies.eviction import LRU
 from radixserve.policies.schedule import FCFS
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_process import ServerProcess
+from radixserve.wire.messages import ControlReq
+from radixserve.wire.plans import ForwardResult
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SHADOW_OFF = "shadow policies off (start with --shadow-policies)"

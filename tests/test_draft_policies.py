@@ -1,5 +1,5 @@
 """Draft policies for speculative decoding (policies/drafts.py), the radix tree's continuation they read, and the
-acceptance simulator (radixserve/compare/sim_drafts.py)."""
+acceptance simulator (radixserve/lab/sim_drafts.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from radixserve.cache.radix_tree import RadixTree
-from radixserve.compare.sim_drafts import compare_drafts, simulate_drafts
+from radixserve.lab.sim_drafts import compare_drafts, simulate_drafts
 from radixserve.policies import available, load_draft_policy, load_eviction_policy
 from radixserve.policies.drafts import NGram, NoCache, Radix, Suffix, SuffixTrie, accepted_prefix
 
@@ -175,7 +175,7 @@ def test_drafts_never_change_the_output(prompt, output, name, k):
             assert list(tokens) == prompt + output
             policy.release(rid, tokens)
 
-    import radixserve.compare.sim_drafts as sim
+    import radixserve.lab.sim_drafts as sim
 
     real = sim.load_draft_policy
     sim.load_draft_policy = lambda n, options=None: Spy()
@@ -201,8 +201,8 @@ def test_the_compare_cli_measures_draft_policies_on_a_trace(tmp_path):
     import subprocess
     import sys
 
-    from radixserve.compare import trace as trace_io
-    from radixserve.compare.trace import TraceRequest
+    from radixserve.lab import trace as trace_io
+    from radixserve.lab.trace import TraceRequest
 
     rng = np.random.default_rng(1)
     reqs = []

@@ -233,7 +233,7 @@ def test_a_sampled_tree_check_keeps_the_models_distribution():
 def test_the_simulator_keeps_the_branch_the_recorded_output_takes():
     """The simulator (`radixserve compare --draft-policies`, the shadows) walks a draft tree with the recorded
     output: a tree whose second branch is right keeps a token each step, its first branch alone (a chain) none."""
-    from radixserve.compare.sim_drafts import DraftSim
+    from radixserve.lab.sim_drafts import DraftSim
 
     prompt, output = [1, 2, 3], [40, 41, 42, 43, 44, 45]
 

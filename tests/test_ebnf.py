@@ -19,7 +19,7 @@ EMAIL_RE = r"[a-z]{2,6}@[a-z][a-z0-9]{1,5}\.com"
 LIST = 'root ::= "[" item ("," item){0,3} "]"\nitem ::= [1-9] digit?\ndigit ::= [0-9]\n'
 LIST_RE = r"\[[1-9][0-9]?(,[1-9][0-9]?){0,3}\]"
 LARK = 'start: "id-" DIGITS\nDIGITS: /[0-9]{3}/\n'
-# a terminal whose automaton outgrows the lexer's fuel (the nested counted repetition of README's limits)
+# a terminal whose automaton outgrows the lexer's fuel (the nested counted repetition of radixserve/structured.py's lexer-fuel note)
 TOO_COMPLEX = 'root ::= "id: " x\nx ::= ( "a" [a]{499} ){500}\n'
 
 

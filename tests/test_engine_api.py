@@ -151,13 +151,13 @@ def test_native_payloads_and_streams(engine):
     """The SGLang /generate body through the Engine: the same shapes as the server's."""
     body = {"text": ["one two", "three"], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop": [],
                                                               "stop_regex": [], "n": 1, "min_new_tokens": 0}}
-    outs = engine.native_generate(body)
+    outs = engine.sglang_generate(body)
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 3]
-    events = list(engine.native_generate_stream({**body, "text": "one two"}))
+    events = list(engine.sglang_generate_stream({**body, "text": "one two"}))
     assert events[-1]["text"] == outs[0]["text"] and all(e["index"] == 0 for e in events)
     assert [len(e["output_ids"]) for e in events] == [1, 2, 3], "one event per token, cumulative"
     with pytest.raises(ValueError, match="min_new_tokens"):
-        engine.native_generate({"text": "x", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}})
+        engine.sglang_generate({"text": "x", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}})
     info = engine.model_info()
     assert info["is_generation"] and info["model_path"].endswith("llama")
 

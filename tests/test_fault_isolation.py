@@ -14,13 +14,13 @@ import weakref
 import numpy as np
 import pytest
 
-from radixserve.actors.messages import ForwardResult
 from radixserve.actors.scheduler import Scheduler, SchedulerConfig
 from radixserve.cache import CacheManager
 from radixserve.cache.radix_tree import RadixTree
 from radixserve.policies.eviction import LFU, LRU
 from radixserve.policies.schedule import FCFS
 from radixserve.sampling_params import SamplingParams
+from radixserve.wire.plans import ForwardResult
 from test_scheduler import VOCAB, TokenPoolRunner, reference, run_all
 
 GREEDY = {"temperature": 0.0}
@@ -117,7 +117,7 @@ def test_an_abort_while_the_step_runs_never_caches_what_the_step_wrote():
     victim = add(sched, "victim", prompt(1, 30), 10)
     other = add(sched, "other", prompt(2, 30), 10)
     plan = sched.schedule()
-    sched.finish("victim", victim.finish_reason or __import__("radixserve").actors.messages.FinishReason("abort"))
+    sched.finish("victim", victim.finish_reason or __import__("radixserve.wire.messages").wire.messages.FinishReason("abort"))
     sched.check()  # its slots of this step went back at once
     sched.process(runner.forward(plan))
     run_all(sched, runner)

@@ -15,8 +15,8 @@ import torch
 from radixserve.cache.pages import namespace, page_keys, pages_within
 from radixserve.cache.radix_tree import pack
 from radixserve.model.forward_batch import KVPool
-from radixserve.model.kv_storage import DamagedPage, FileStore, seal, unseal
 from radixserve.model.kv_pages import HostTier, PageCodec
+from radixserve.model.kv_storage import DamagedPage, FileStore, seal, unseal
 
 NS = namespace(b"model", "float32", 4, "auto")
 
@@ -214,9 +214,9 @@ def test_compressed_pages_keep_the_models_next_token_on_smollm2(fmt):
 def test_the_simulator_compares_write_policies_with_the_real_scheduler():
     """`radixserve compare --write-policies`: the real LowerTiers and policies on a simulated clock, invariants
     checked every step: tiers below a small pool turn misses into hits; selective writes fewer pages."""
-    from radixserve.compare.sim_tiers import TierSpec
-    from radixserve.compare.simulate import CostModel, simulate
-    from radixserve.compare.workloads import WorkloadSpec, build
+    from radixserve.lab.sim_tiers import TierSpec
+    from radixserve.lab.simulate import CostModel, simulate
+    from radixserve.lab.workloads import WorkloadSpec, build
 
     trace = build(WorkloadSpec(kind="multi-turn", requests=60))
     runs = {w: simulate(trace, "lru", "fcfs", 1024, CostModel(), check_invariants=True,

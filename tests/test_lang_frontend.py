@@ -373,12 +373,12 @@ def test_engine_backend_wraps_engine_methods_and_errors():
         def model_info(self):
             return {"model_path": "e", "is_generation": True, "chat_template": None}
 
-        def native_generate(self, payload):
+        def sglang_generate(self, payload):
             if payload["sampling_params"]["temperature"] == 0.5:
                 raise ValueError("temperature 0.5 is refused")
             return {"text": "ok", "output_ids": [], "meta_info": {}}
 
-        def native_generate_stream(self, payload):
+        def sglang_generate_stream(self, payload):
             yield {"text": "o", "meta_info": {}}
             yield {"text": "ok", "meta_info": {}}
 

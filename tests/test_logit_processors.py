@@ -11,13 +11,13 @@ import httpx
 import pytest
 import torch
 
-from radixserve.actors.messages import ProcessorSpec
 from radixserve.cli_args import from_cli, server_parser
 from radixserve.errors import InvalidRequest
 from radixserve.logit_processors import ProcessorCatalog
 from radixserve.model.logit_processing import LogitProcessing
 from radixserve.model.token_processors import AllowTokens, BanTokens
 from radixserve.sampling_params import SamplingParams
+from radixserve.wire.plans import ProcessorSpec
 
 from conftest import ServerProcess
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radixserve.actors.messages import ForwardPlan, RunnerInbox, SamplingBatch
-from radixserve.actors.wire import array, decoder, encoder
+from radixserve.wire.codec import array, decoder, encoder
+from radixserve.wire.plans import ForwardPlan, RunnerInbox, SamplingBatch
 
 
 def plan() -> ForwardPlan:

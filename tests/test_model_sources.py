@@ -137,7 +137,7 @@ def llama(tiny_models) -> str:
 
 
 def test_builtin_chat_templates_override_the_tokenizers(llama):
-    from radixserve.actors.chat_templates import BUILTIN_TEMPLATES
+    from radixserve.actors.jinja_templates import BUILTIN_TEMPLATES
 
     with Engine(llama, dtype="float32", max_total_tokens=300, chat_template="llama-3") as engine:
         tok = engine.tokenizer

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from radixserve.cache import RadixTree, SlotAllocator
-from radixserve.compare.simulate import CostModel, SimClock, simulate
-from radixserve.compare.workloads import WorkloadSpec, build
+from radixserve.lab.simulate import CostModel, SimClock, simulate
+from radixserve.lab.workloads import WorkloadSpec, build
 from radixserve.policies import available, load_eviction_policy, load_schedule_policy
 from radixserve.policies.schedule import MAX_MATCHED
 from radixserve.sampling_params import SamplingParams
@@ -208,7 +208,7 @@ def test_a_high_priority_arrival_retracts_a_low_priority_running_request_and_out
             assert sched.stats.preemptions == 1 and lo1 in sched.waiting and lo2 in sched.running
             assert (lo1.preemptions, lo2.preemptions) == (1, 0)
             assert lo1.kv is None and sched.cache.match_len(lo1.fill_key) >= 40, "its KV went to the tree"
-            assert sched.lab.cache_stats()["totals"]["preemptions"] == 1
+            assert sched.policies.cache_stats()["totals"]["preemptions"] == 1
             assert sched.stats.retractions == 0, "a preemption is not an out-of-room retraction"
         run_all(sched, runner)
         outputs[name] = {r.rid: r.output_ids for r in (lo1, lo2, hi)}
@@ -284,7 +284,7 @@ def test_priority_preempt_retracts_nobody_when_even_all_victims_would_not_make_r
     left, so L keeps running."""
     from radixserve.actors.scheduler import Scheduler, SchedulerConfig
     from radixserve.cache import CacheManager
-    from radixserve.compare.simulate import CostModel, CostModelRunner, SimClock
+    from radixserve.lab.simulate import CostModel, CostModelRunner, SimClock
     from radixserve.policies import load_eviction_policy, load_schedule_policy
     from radixserve.sampling_params import SamplingParams
 

@@ -12,11 +12,11 @@ import msgspec
 import pytest
 import zmq
 
-from radixserve.actors.messages import Heartbeat, NodeDown
 from radixserve.actors.node_auth import NodeKeys, node_keys
 from radixserve.actors.nodes import NodeLink
 from radixserve.actors.transport import Endpoints, PlanLost, PlanSequence, Publisher
-from radixserve.actors.wire import encoder
+from radixserve.wire.codec import encoder
+from radixserve.wire.messages import Heartbeat, NodeDown
 
 
 def free_port() -> int:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from radixserve.actors.messages import PenaltySpec
 from radixserve.errors import InvalidRequest
 from radixserve.model.penalties import Penalties
+from radixserve.wire.plans import PenaltySpec
 
 PROMPTS = ["The quick brown fox", "Once upon a time there", "1 2 3 4 5 6", "hello hello hello"]
 
@@ -146,7 +146,7 @@ def test_n_choices_on_generate(engine):
     assert len({tuple(r["output_ids"]) for r in one}) > 1
     two = engine.generate(["a", "b"], [{"max_new_tokens": 2, "n": 2}, {"max_new_tokens": 2, "n": 1}])
     assert len(two) == 3  # prompt-major: a, a, b
-    native = engine.native_generate({"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 2}})
+    native = engine.sglang_generate({"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 2}})
     assert isinstance(native, list) and len(native) == 2
 
 

@@ -33,16 +33,16 @@ def test_switching_every_few_steps_keeps_outputs_and_accounting_exact():
     while sched.has_work:
         if step % 3 == 0:
             ev, sc = combos[(step // 3) % len(combos)]
-            sched.lab.set(load_eviction_policy(ev), load_schedule_policy(sc))
+            sched.policies.set(load_eviction_policy(ev), load_schedule_policy(sc))
         sched.process(runner.forward(sched.schedule()))  # check_invariants: accounting after every step
         step += 1
     for req in reqs:
         assert req.output_ids == reference(req.prompt_ids, req.max_new_tokens)
-    assert len(sched.lab.epochs) > 20 and sched.stats.retractions + sched.cache.evicted_tokens > 0
-    assert sum(e.requests for e in sched.lab.epochs) == 30
-    stats = sched.lab.cache_stats()
-    assert stats["pool"]["capacity"] == 160 and len(stats["epochs"]) == len(sched.lab.epochs)
-    assert list(sched.lab.errors) == []
+    assert len(sched.policies.epochs) > 20 and sched.stats.retractions + sched.cache.evicted_tokens > 0
+    assert sum(e.requests for e in sched.policies.epochs) == 30
+    stats = sched.policies.cache_stats()
+    assert stats["pool"]["capacity"] == 160 and len(stats["epochs"]) == len(sched.policies.epochs)
+    assert list(sched.policies.errors) == []
 
 
 def starved_wait(schedule: str) -> float:
@@ -132,10 +132,10 @@ def test_broken_policies_fall_back_and_lose_nothing():
         reqs = [sched.add_request(rid, p, SamplingParams(max_new_tokens=m, **GREEDY)) for rid, p, m in
                 workload(rng, 20, shared=30)]
         sched.process(runner.forward(sched.schedule()))
-        sched.lab.set(bad_eviction, bad_schedule)
+        sched.policies.set(bad_eviction, bad_schedule)
         run_all(sched, runner)
         assert all(r.output_ids == reference(r.prompt_ids, r.max_new_tokens) for r in reqs)
         assert sched.policy.name == "lpm", "back on the policy it replaced"
         assert sched.cache.eviction_policy.name in ("gdsf", "lru")
-        errors = list(sched.lab.errors) + sched.cache.tree.policy_errors
+        errors = list(sched.policies.errors) + sched.cache.tree.policy_errors
         assert any(bad_schedule.name in e for e in errors) and any(bad_eviction.name in e for e in errors)

@@ -118,7 +118,7 @@ def test_priority_orders_first_and_the_schedule_policy_orders_within_a_priority(
         sched.add_request("warm", shared, greedy(1))
         drain(sched, runner, done)
         if switch:
-            sched.lab.switch(schedule=switch)
+            sched.policies.switch(schedule=switch)
         blocker = sched.add_request("blocker", prompt(10, 3), greedy(30), priority=9)
         step(sched, runner, done)
         sched.add_request("cold-low", prompt(30, 5), greedy(2), priority=0)

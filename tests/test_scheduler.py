@@ -8,12 +8,12 @@ import random
 
 import numpy as np
 import pytest
-from radixserve.actors.messages import ForwardPlan, ForwardResult
 from radixserve.actors.scheduler import FinishReason, Scheduler, SchedulerConfig
 from radixserve.cache import CacheManager
 from radixserve.model.slot_table import SlotTable
 from radixserve.policies.eviction import LRU
 from radixserve.policies.schedule import FCFS, LongestPrefixMatch
+from radixserve.wire.plans import ForwardPlan, ForwardResult
 
 from radixserve.sampling_params import SamplingParams
 

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from radixserve.actors.messages import ShadowArrival, ShadowEnd, ShadowFeed, StepTiming
 from radixserve.actors.scheduler import SchedulerConfig
-from radixserve.compare.auto_policy import AutoPolicy
-from radixserve.compare.auto_sim import simulate_auto
-from radixserve.compare.shadow import MAX_LAG_S, ShadowLab, fit_cost, resolve_pairs
-from radixserve.compare.simulate import CostModel, simulate
-from radixserve.compare.workloads import WorkloadSpec, build
+from radixserve.lab.auto_policy import AutoPolicy
+from radixserve.lab.auto_sim import simulate_auto
+from radixserve.lab.shadow import MAX_LAG_S, ShadowLab, fit_cost, resolve_pairs
+from radixserve.lab.simulate import CostModel, simulate
+from radixserve.lab.workloads import WorkloadSpec, build
 from radixserve.policies import available
+from radixserve.wire.messages import ShadowArrival, ShadowEnd, ShadowFeed, StepTiming
 
 COST = CostModel(prefill_per_token=0.001, decode_per_step=0.012, decode_per_seq=0.001, step_overhead=0.001)
 CONFIG = SchedulerConfig(context_length=4096, vocab_size=50000, eos_ids=frozenset(), chunked_prefill_size=512)
@@ -118,7 +118,7 @@ def test_a_pair_switched_to_by_hand_is_shadowed_from_then_on():
 
 
 def test_a_policy_that_cannot_load_or_raises_stops_its_pair_only(monkeypatch):
-    import radixserve.compare.shadow as shadow
+    import radixserve.lab.shadow as shadow
 
     class Boom:
         name = "boom"
@@ -193,11 +193,11 @@ def test_adopting_the_running_pair_changes_nothing():
 
     sched = Scheduler(CONFIG, CacheManager(100, load_eviction_policy("gdsf")), load_schedule_policy("fcfs"))
     policy = sched.cache.eviction_policy
-    sched.lab.adopt("gdsf", "fcfs", reason="auto-policy: test")
-    assert len(sched.lab.epochs) == 1
-    sched.lab.adopt("gdsf", "lpm", reason="auto-policy: test")
-    assert sched.cache.eviction_policy is policy and sched.lab.policy.name == "lpm", "gdsf keeps its clock"
-    assert sched.lab.epochs[-1].reason == "auto-policy: test"
+    sched.policies.adopt("gdsf", "fcfs", reason="auto-policy: test")
+    assert len(sched.policies.epochs) == 1
+    sched.policies.adopt("gdsf", "lpm", reason="auto-policy: test")
+    assert sched.cache.eviction_policy is policy and sched.policies.policy.name == "lpm", "gdsf keeps its clock"
+    assert sched.policies.epochs[-1].reason == "auto-policy: test"
 
 
 def test_auto_policy_respects_a_hand_switch_for_a_cooldown():
@@ -273,7 +273,7 @@ def test_auto_policy_beats_every_fixed_policy_when_the_best_one_changes():
         assert result.hit_rate > r.hit_rate, ev
     assert switches[0].old == ("lru", "fcfs") and switches[0].new[0] in ("mru", "filo"), "the scan: away from lru"
     assert switches[-1].new == ("lru", "fcfs"), "the drifting hot prefix: back to recency"
-    epochs = obs.live.lab.epochs
+    epochs = obs.live.policies.epochs
     assert len(epochs) == len(switches) + 1 and all(e.reason.startswith("auto-policy: ") for e in epochs[1:])
 
 
@@ -304,7 +304,7 @@ def test_lpm_concentrates_ttft_on_few_requests():
 def test_epochs_record_cold_requests_and_queue_waits():
     from radixserve.actors.scheduler import Scheduler
     from radixserve.cache import CacheManager
-    from radixserve.compare.simulate import CostModelRunner, SimClock
+    from radixserve.lab.simulate import CostModelRunner, SimClock
     from radixserve.policies import load_eviction_policy, load_schedule_policy
     from radixserve.sampling_params import SamplingParams
 
@@ -318,7 +318,7 @@ def test_epochs_record_cold_requests_and_queue_waits():
         sched.add_request(f"r{i}", system + [i], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
     while sched.has_work:
         sched.process(runner.forward(sched.schedule(), sched.inflight))
-    epoch = sched.lab.cache_stats()["epochs"][-1]
+    epoch = sched.policies.cache_stats()["epochs"][-1]
     assert epoch["requests"] == 3 and epoch["cold_requests"] == 1, "the first computes the system prompt ..."
     first_step = COST.step_overhead + COST.prefill_per_token * 301
     assert epoch["max_queue_wait_s"] == pytest.approx(first_step), "... the others wait one step and reuse it"
@@ -347,7 +347,7 @@ def test_compare_cli_simulates_auto_policy(tmp_path):
 def test_with_kv_tiers_every_pair_is_shadowed_with_them_and_each_write_policy_is_compared():
     """A server with --enable-hierarchical-cache: its pairs are simulated with its tiers below their pools, and
     the live pair once more under every other write policy (report()["writes"])."""
-    from radixserve.compare.sim_tiers import TierSpec
+    from radixserve.lab.sim_tiers import TierSpec
 
     lab = ShadowLab([("lru", "fcfs")], CONFIG, window_s=1e9, cost=COST, calibrated=True,
                     tiers=TierSpec("write_back", page_size=16, host_pages=64))
@@ -372,7 +372,7 @@ def test_with_speculation_every_draft_policy_is_measured_on_the_live_greedy_requ
     output is not the argmax); each policy's figures equal the simulator's on the same requests."""
     import dataclasses
 
-    from radixserve.compare.sim_drafts import simulate_drafts
+    from radixserve.lab.sim_drafts import simulate_drafts
 
     lab = ShadowLab([("lru", "fcfs")], dataclasses.replace(CONFIG, draft_policy="suffix", draft_tokens=4),
                     cost=COST, calibrated=True)

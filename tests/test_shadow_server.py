@@ -92,6 +92,6 @@ def test_bad_shadow_flags_are_refused(flags, message):
         kw[name] = True if name in ("auto_policy", "disable_radix_cache") else next(it)
     with pytest.raises(ValueError, match=message):
         args = ServerArgs(**kw)
-        from radixserve.compare.shadow import resolve_pairs
+        from radixserve.lab.shadow import resolve_pairs
 
         resolve_pairs(args.shadow_policies, (args.eviction_policy, args.schedule_policy))

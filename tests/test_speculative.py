@@ -191,7 +191,7 @@ def test_a_draft_never_passes_max_new_tokens_or_a_stop_token(tiny_models, refere
 
 def test_openai_usage_says_how_many_predicted_tokens_were_kept():
     from radixserve.actors.api.openai import Choice, usage
-    from radixserve.actors.messages import Delta
+    from radixserve.wire.messages import Delta
 
     a, b, c = Choice(0), Choice(1), Choice(2)
     a.add(Delta("a", "x", [1], 5, 10, 0, drafts=[12, 9]))
@@ -312,6 +312,8 @@ def test_a_draft_is_as_long_as_pays_at_its_acceptance():
     # a = 0.9, a draft token 0.3 plain tokens: k = 5 gives (1 + .9 + .81 + .729 + .656 + .59) / 2.5 = 1.87 a step
     assert draft_length(0.9, 0.3, 8) == 5 and draft_length(0.6, 0.3, 8) == 1
     assert draft_length(0.9, 0.0, 8) == 8, "free verification: as long as the policy offers"
+    # k = 1 would make (1 + .33) / 1.3 = 1.023 tokens a plain step's time: within the estimates' error, so no draft
+    assert draft_length(0.33, 0.3, 8) == 0 and draft_length(0.4, 0.3, 8) == 1
     r = Drafting()
     assert r.acceptance(0.5) == 0.5, "before its first draft: the policy's acceptance"
     r.count(3, True)  # 3 kept, then one refused; one draft's worth of the prior mixed in

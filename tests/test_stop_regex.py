@@ -147,8 +147,8 @@ def test_the_tokenizer_actor_fails_only_the_request_over_budget(core):
     scheduler is told to free it; the request beside it gets its text and goes on."""
     import asyncio
 
-    from radixserve.actors.messages import FinishReq, GenerateReq, RequestError, TextBatch, TokenBatch
     from radixserve.actors.tokenizer_actor import TokenizerActor
+    from radixserve.wire.messages import FinishReq, GenerateReq, RequestError, TextBatch, TokenBatch
 
     class Recorder:
         def __init__(self) -> None:
@@ -181,15 +181,15 @@ def test_a_match_that_began_in_text_already_handed_out_is_cut_from_the_whole_res
     """", a" is handed out a token at a time; then "ab" completes a match of (a+)+b that began at the first "a". The
     last delta says how much of what was handed out the final text drops, and the whole results (SGLang's and
     OpenAI's) are cut before the match, as re.search says -- not just before the last token."""
-    from radixserve.actors.api.native_output import NativeOutput
     from radixserve.actors.api.openai import Choice
-    from radixserve.actors.messages import FinishReason, TokenBatch
+    from radixserve.actors.api.sglang_generate import GenerateOutput
     from radixserve.actors.tokenizer import OutputText
+    from radixserve.wire.messages import FinishReason, TokenBatch
 
     pieces = [", a", "ab"]
     ids = [core.encode(p) for p in pieces]
     live = {"r": OutputText(core.detokenizer(SamplingParams(stop_regex=r"(a+)+b")))}
-    native, choice, deltas = NativeOutput("r", None), Choice(0), []
+    native, choice, deltas = GenerateOutput("r", None), Choice(0), []
     for token in [t for piece in ids for t in piece]:
         batch = TokenBatch(["r"], np.array([token]), np.array([1]), np.array([0]), {})
         for d in core.detokenize(batch, live).deltas:

@@ -152,8 +152,8 @@ def _rogues_on(port: int) -> None:
     forged NodeDown; garbage to torch's store (PORT); a second or so for their handshakes to fail."""
     import zmq
 
-    from radixserve.actors.messages import NodeDown
-    from radixserve.actors.wire import encoder
+    from radixserve.wire.codec import encoder
+    from radixserve.wire.messages import NodeDown
 
     ctx = zmq.Context()
     socks = []

@@ -76,7 +76,7 @@ def test_min_new_tokens_holds_back_stop_strings_and_regexes(core):
 
 
 def test_text_replies_for_tokenize_and_detokenize(core):
-    from radixserve.actors.messages import TextReq
+    from radixserve.wire.messages import TextReq
 
     ids = core.text_reply(TextReq(1, "tokenize", texts=["Hello", "a b"])).body["tokens"]
     assert ids == [core.encode("Hello"), core.encode("a b")]

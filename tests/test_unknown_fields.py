@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.protocol import NativeGenerateRequest
+from radixserve.actors.api.protocol import GenerateBody
 from radixserve.actors.api.unknown_fields import MAX_LISTED, IgnoredLog, empty, header_value, undeclared
 
 
@@ -25,14 +25,14 @@ def test_other_values_ask_for_something(value):
 def test_undeclared_fields_in_the_bodys_order_and_a_refusal_naming_the_field():
     raw = msgspec.json.encode({"text": "a", "stream_options": {"include_usage": True}, "lora_path": "",
                                "rid": "r", "foo": [1, {"x": None}]})
-    assert undeclared(raw, NativeGenerateRequest) == ["stream_options", "lora_path", "foo"]
+    assert undeclared(raw, GenerateBody) == ["stream_options", "lora_path", "foo"]
     with pytest.raises(APIError) as exc:
-        undeclared(msgspec.json.encode({"text": "a", "lora_path": "adapter-7"}), NativeGenerateRequest)
+        undeclared(msgspec.json.encode({"text": "a", "lora_path": "adapter-7"}), GenerateBody)
     assert (exc.value.status, exc.value.param, exc.value.code) == (400, "lora_path", "unsupported_field")
     assert "LoRA adapters" in exc.value.message and "'adapter-7'" in exc.value.message
     deep = b'{"text": "a", "image_data": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     with pytest.raises(APIError):  # too deep to read: not empty
-        undeclared(deep, NativeGenerateRequest)
+        undeclared(deep, GenerateBody)
 
 
 def test_the_header_is_ascii_tokens_and_bounded():
@@ -58,7 +58,7 @@ def test_a_field_name_that_is_not_utf8_is_a_400_not_a_500():
     """The struct skips an unknown key without reading it; the list of undeclared names must read it (the fuzzer
     sent ``"a\\xed\\xbf\\xbfb"``, a surrogate in UTF-8's form, which is not UTF-8)."""
     raw = b'{"text": "hi", "a\xed\xbf\xbfb": 1}'
-    msgspec.json.decode(raw, type=NativeGenerateRequest)  # decodes: the key is skipped unread
+    msgspec.json.decode(raw, type=GenerateBody)  # decodes: the key is skipped unread
     with pytest.raises(APIError) as refused:
-        undeclared(raw, NativeGenerateRequest)
+        undeclared(raw, GenerateBody)
     assert refused.value.status == 400 and "not valid JSON" in refused.value.message

@@ -16,10 +16,10 @@ from aiohttp import web
 from radixserve.actors.api import dashboard, unknown_fields
 from radixserve.actors.api.boundary import Boundary
 from radixserve.actors.api.errors import APIError, error_middleware
-from radixserve.actors.api.native import NativeRoutes
 from radixserve.actors.api.openai import OpenAIRoutes
 from radixserve.actors.api.responses import ResponsesRoutes
 from radixserve.actors.api.server import SERVER, ApiServer
+from radixserve.actors.api.sglang_routes import SGLangRoutes
 
 OPEN_PATHS = {"/health", *dashboard.OPEN_PATHS}  # need no key: the dashboard's page and files hold no data
 
@@ -47,6 +47,6 @@ def make_app(server: ApiServer, boundary: Boundary | None = None) -> web.Applica
     openai = OpenAIRoutes(server)
     openai.add_to(app)
     ResponsesRoutes(server, openai).add_to(app)
-    NativeRoutes(server).add_to(app)
+    SGLangRoutes(server).add_to(app)
     dashboard.DashboardRoutes(server).add_to(app)
     return app

@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.io import json_response
+from radixserve.actors.api.http_io import json_response
 from radixserve.actors.api.server import ApiServer
 
 STATIC = Path(__file__).parent / "static"
@@ -37,15 +37,18 @@ class DashboardRoutes:
         r.add_get("/dashboard/{file}", self.asset)
 
     async def page(self, request: web.Request) -> web.Response:
+        """The dashboard: a page that polls /dashboard/state (the pool, the tree, the queues, the policies)."""
         return self._file("dashboard.html", "text/html")
 
     async def asset(self, request: web.Request) -> web.Response:
+        """One of the dashboard page's own files (a fixed list of names)."""
         name = request.match_info["file"]
         if name not in ASSETS:  # a fixed set of names: no path from the request ever reaches the file system
             raise APIError(404, f"no dashboard file {name!r}", code="not_found")
         return self._file(name, ASSETS[name])
 
     async def state(self, request: web.Request) -> web.Response:
+        """What the dashboard shows: the radix tree's largest and hottest subtrees, the queues, the pool."""
         body = (await self.server.control("dashboard")).body
         has_shadow = any(res.canonical == SHADOW_ROUTE for res in request.app.router.resources())
         return json_response({**body, "routes": {"shadow": has_shadow}})

@@ -14,17 +14,15 @@ import msgspec
 from aiohttp import web
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.io import decode_body, first_deltas, json_response, merged, stream_events
+from radixserve.actors.api.http_io import decode_body, first_deltas, json_response, merged, stream_events
 from radixserve.actors.api.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, template_messages,
 )
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.api.tool_calls import ToolUse
 from radixserve.actors.api.unknown_fields import note_ignored
-from radixserve.actors.messages import (
-    Delta, FinishReason, GenerateReq, TokenLogprob, prediction_details, tier_details
-)
 from radixserve.tool_parsers.reader import Reader
+from radixserve.wire.messages import Delta, FinishReason, GenerateReq, prediction_details, tier_details, TokenLogprob
 
 Kind = Literal["chat", "completion"]
 
@@ -80,7 +78,7 @@ class Choice:
 def finish_reason(f: FinishReason | None, tool_calls: bool = False) -> str | None:
     """OpenAI's value: ``stop``, ``length``, or ``tool_calls`` when the choice made calls and stopped (its clients
     know no other). A request aborted part-way (by /abort_request, or because its group failed) stopped early:
-    ``stop``; SGLang's native /generate keeps ``abort``, and ``matched_stop`` says what matched."""
+    ``stop``; SGLang's /generate keeps ``abort``, and ``matched_stop`` says what matched."""
     if f is None:
         return None
     return "length" if f.type == "length" else "tool_calls" if tool_calls and f.type == "stop" else "stop"
@@ -160,6 +158,7 @@ class OpenAIRoutes:
                 "root": self.model_name, "max_model_len": self.server.info["context_length"]}
 
     async def models(self, request: web.Request) -> web.Response:
+        """OpenAI's model list: one card per served name (--served-model-name), the first first."""
         return json_response({"object": "list", "data": [self.card(name) for name in self.model_names]})
 
     async def model(self, request: web.Request) -> web.Response:
@@ -197,6 +196,8 @@ class OpenAIRoutes:
         return json_response({"text": texts[0] if one else texts})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's chat completions: the model's chat template applied to ``messages``; streamed as server-sent
+        events with ``stream``."""
         body = await decode_body(request, ChatCompletionRequest)
         note_ignored(request, body.moot_fields())
         body.validate()
@@ -215,6 +216,8 @@ class OpenAIRoutes:
         return await self.respond(request, "chat", rid, body, gens, tools=tools)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's (legacy) completions: ``prompt`` as text, token ids or a list of either; streamed with
+        ``stream``; ``echo``, ``logprobs`` and ``n``."""
         body = await decode_body(request, CompletionRequest)
         note_ignored(request, body.moot_fields())
         vocab = self.server.limits.vocab_size

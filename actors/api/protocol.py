@@ -306,7 +306,7 @@ class CompletionRequest(_Common, kw_only=True):
         return self.logprobs
 
 
-class NativeGenerateRequest(msgspec.Struct, kw_only=True):
+class GenerateBody(msgspec.Struct, kw_only=True):
     """SGLang's /generate (what its frontend and ``Runtime.generate`` send; null means the default). Fields it
     does not declare are ignored, or refused where their value matters (unknown_fields.py), as SGLang's are."""
 

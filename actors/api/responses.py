@@ -27,13 +27,13 @@ import msgspec
 from aiohttp import web
 
 from radixserve.actors.api.errors import APIError
-from radixserve.actors.api.io import decode_body, first_deltas, json_response, open_sse
+from radixserve.actors.api.http_io import decode_body, first_deltas, json_response, open_sse
 from radixserve.actors.api.responses_request import ResponsesRequest, arguments
 from radixserve.actors.api.server import ApiServer
 from radixserve.actors.api.tool_calls import ToolUse
-from radixserve.actors.messages import Delta, GenerateReq
 from radixserve.sampling_params import SamplingParams
 from radixserve.tool_parsers import ToolCall
+from radixserve.wire.messages import Delta, GenerateReq
 
 STORED = 1024  # responses kept for previous_response_id and GET, the oldest forgotten first
 _encoder = msgspec.json.Encoder()
@@ -76,14 +76,18 @@ class ResponsesRoutes:
         app.router.add_delete("/v1/responses/{response_id}", self.delete)
 
     async def retrieve(self, request: web.Request) -> web.Response:
+        """A stored response (``store``: true), as it was answered; 404 for an id not stored."""
         return json_response(self.store.get(request.match_info["response_id"])[0])
 
     async def delete(self, request: web.Request) -> web.Response:
+        """Forget a stored response; 404 for an id not stored."""
         rid = request.match_info["response_id"]
         self.store.delete(rid)
         return json_response({"id": rid, "object": "response", "deleted": True})
 
     async def create(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API: ``input`` (text or items), ``instructions``, ``previous_response_id`` to go
+        on from a stored response, text formats (JSON schema), function tools; streamed as its typed events."""
         body = await decode_body(request, ResponsesRequest)
         body.refuse_unserved()
         self.openai.check_model(body.model)

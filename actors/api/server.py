@@ -1,6 +1,6 @@
 """The api actor's core: admission, one asyncio queue per generation, and the task that reads the api inbox.
 
-Handlers (openai.py, native.py) open one ``RequestGroup`` per HTTP request: its sequences (prompts x n) are
+Handlers (openai.py, responses.py, sglang_routes.py) open one ``RequestGroup`` per HTTP request: its sequences (prompts x n) are
 admitted or refused together, *before* anything is tokenized -- 503 while draining or past the cap on open streams,
 429 past the per-request cap or the in-flight cap, 400 for a request id already in use. Leaving the group before its
 sequences ended (the client went away: aiohttp cancels the handler, streaming or not) aborts them, which releases
@@ -21,11 +21,11 @@ from aiohttp import web
 
 from radixserve.actors.api.errors import APIError
 from radixserve.actors.api.metrics import Metrics
-from radixserve.actors.messages import (
-    AbortReq, ApiInbox, ControlReply, ControlReq, Delta, GenerateReq, RequestError, ShadowReport, Status,
-    TextBatch, TextReq,
-)
 from radixserve.actors.transport import Channel, Endpoints
+from radixserve.wire.messages import (
+    AbortReq, ApiInbox, ControlReply, ControlReq, Delta, GenerateReq, RequestError, ShadowReport, Status, TextBatch,
+    TextReq,
+)
 
 log = logging.getLogger(__name__)
 

@@ -287,8 +287,8 @@ class _Busy(Exception):
 def add_cli_args(parser) -> None:
     d = RoutingConfig()
     parser.add_argument("--worker-urls", nargs="+", required=True, help="the servers to route to")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=30000, help="port to listen on")
     parser.add_argument("--api-key-file", metavar="PATH",
                         help="clients must send `Authorization: Bearer <key>` with the key in this file (every "
                              "route but /health); or $RADIXSERVE_API_KEY, or --api-key KEY (visible in ps)")

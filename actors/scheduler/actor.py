@@ -10,19 +10,20 @@ import logging
 import time
 from typing import Any
 
-from radixserve.actors.messages import (
-    AddReq, ControlReply, ControlReq, Finished, FinishReq, ForwardPlan, ForwardResult, PolicySwitch, Prefetched,
-    RequestError, SchedulerInbox, Status, TokenBatch
-)
-from radixserve.actors.wire import array
-from radixserve.actors.scheduler.inspect import dashboard_view
-from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler import build_scheduler
 from radixserve.actors.scheduler.batch_log import BatchLog
+from radixserve.actors.scheduler.dashboard_view import dashboard_view
+from radixserve.actors.scheduler.req import Req
 from radixserve.actors.scheduler.scheduler import Scheduler
 from radixserve.actors.scheduler.shadow_tap import FEED_INTERVAL_S, ShadowTap
 from radixserve.actors.transport import ActorSpec, Channel, Publisher, run_actor
 from radixserve.errors import InvalidRequest
+from radixserve.wire.codec import array
+from radixserve.wire.messages import (
+    AddReq, ControlReply, ControlReq, Finished, FinishReq, PolicySwitch, RequestError, SchedulerInbox, Status,
+    TokenBatch,
+)
+from radixserve.wire.plans import ForwardPlan, ForwardResult, Prefetched
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class SchedulerActor:
             log.info("auto-policy: switching to eviction %s, schedule %s: %s", msg.eviction, msg.schedule,
                      msg.reason)
             try:
-                sched.lab.adopt(msg.eviction, msg.schedule, reason=f"auto-policy: {msg.reason}")
+                sched.policies.adopt(msg.eviction, msg.schedule, reason=f"auto-policy: {msg.reason}")
                 if sched.tap is not None:
                     sched.tap.force = True  # the shadow learns the live pair now, not with the next request
             except ValueError as exc:
@@ -171,14 +172,14 @@ def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
         if msg.op == "flush_cache":
             return ControlReply(msg.reply_id, sched.flush(msg.keep_storage))
         if msg.op == "cache_stats":
-            return ControlReply(msg.reply_id, sched.lab.cache_stats())
+            return ControlReply(msg.reply_id, sched.policies.cache_stats())
         if msg.op == "dashboard":
             return ControlReply(msg.reply_id, dashboard_view(sched))
         if msg.op == "set_policies":
-            sched.lab.switch(msg.eviction, msg.schedule, write=msg.write, prefetch=msg.prefetch, draft=msg.draft)
-        return ControlReply(msg.reply_id, sched.lab.info())
+            sched.policies.switch(msg.eviction, msg.schedule, write=msg.write, prefetch=msg.prefetch, draft=msg.draft)
+        return ControlReply(msg.reply_id, sched.policies.info())
     except ValueError as exc:
-        return ControlReply(msg.reply_id, sched.lab.info(), error=str(exc))
+        return ControlReply(msg.reply_id, sched.policies.info(), error=str(exc))
 
 
 def token_batch(reqs: list[Req], p: int = 0) -> TokenBatch:
@@ -216,7 +217,7 @@ def token_batches(reqs: list[Req]) -> list[TokenBatch]:
 
 
 def status_of(sched: Scheduler, replica: int = 0) -> Status:
-    cache, epoch = sched.cache, sched.lab.epochs[-1]
+    cache, epoch = sched.cache, sched.policies.epochs[-1]
     return Status(
         running=len(sched.running) + (sched.chunked is not None),
         waiting=len(sched.waiting),

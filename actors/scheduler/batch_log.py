@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixserve.actors.messages import ForwardPlan
     from radixserve.actors.scheduler.scheduler import Scheduler
+    from radixserve.wire.plans import ForwardPlan
 
 log = logging.getLogger("radixserve.scheduler")
 

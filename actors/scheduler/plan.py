@@ -6,11 +6,11 @@ from typing import Literal
 
 import numpy as np
 
-from radixserve.actors.messages import (
-    ForwardPlan, GrammarSpec, PenaltySpec, ProcessorSpec, PromptLogprobs, SamplingBatch, TierOps
-)
 from radixserve.actors.scheduler.req import Req
 from radixserve.policies.drafts import DraftTree
+from radixserve.wire.plans import (
+    ForwardPlan, GrammarSpec, PenaltySpec, ProcessorSpec, PromptLogprobs, SamplingBatch, TierOps,
+)
 
 
 @dataclass

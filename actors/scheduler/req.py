@@ -4,10 +4,11 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from radixserve.actors.messages import FinishReason, Logprob, ScoredPrompt
 from radixserve.cache.invariants import require
 from radixserve.cache.manager import KVHandle
 from radixserve.sampling_params import SamplingParams
+from radixserve.wire.messages import FinishReason, ScoredPrompt
+from radixserve.wire.plans import Logprob
 
 
 @dataclass(eq=False, slots=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from radixserve.actors.messages import ForwardPlan
 from radixserve.actors.scheduler.req import Req
 from radixserve.cache.invariants import require
+from radixserve.wire.plans import ForwardPlan
 
 
 class RunnerState:

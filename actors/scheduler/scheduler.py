@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.actors.messages import ForwardPlan, ForwardResult, Prefetched, RequestError
 from radixserve.actors.scheduler.plan import Step, build_plan, plannable
-from radixserve.actors.scheduler.policy_lab import PolicyLab
-from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
+from radixserve.actors.scheduler.policy_switch import Policies
 from radixserve.actors.scheduler.preempt import preempt_for, preempt_rule
+from radixserve.actors.scheduler.prefill import InBatchDedup, PrefillAdder, future_tokens
 from radixserve.actors.scheduler.priority import PriorityConfig
 from radixserve.actors.scheduler.req import FinishReason, Req
 from radixserve.actors.scheduler.runner_state import RunnerState
@@ -38,6 +37,8 @@ from radixserve.logit_processors import ProcessorCatalog
 from radixserve.policies.base import SchedulePolicy
 from radixserve.policies.drafts import DraftOptions
 from radixserve.sampling_params import SamplingParams
+from radixserve.wire.messages import RequestError
+from radixserve.wire.plans import ForwardPlan, ForwardResult, Prefetched
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Scheduler:
         self.chunked: Req | None = None  # mid-prefill: continues in the next prefill step
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
-        self.lab = PolicyLab(cache, policy, clock, self.stats)  # policies, switching, epochs, GET /cache/stats
+        self.policies = Policies(cache, policy, clock, self.stats)  # policies, switching, epochs, GET /cache/stats
         self.failures: list[RequestError] = []  # requests that failed since the caller last took them
         self._step = 0
         self._queue_version = 0  # bumped when requests join the queue (new or retracted)
@@ -94,11 +95,11 @@ class Scheduler:
         self.processors = ProcessorCatalog(config.logit_processors)  # checks requests' custom_logit_processor
         self.spec = Speculation(config.draft_policy, config.draft_tokens, config.vocab_size, config.draft_sampled,
                                 config.draft_options)
-        self.lab.speculation = self.spec
+        self.policies.speculation = self.spec
 
     @property
     def policy(self) -> SchedulePolicy:
-        return self.lab.policy
+        return self.policies.policy
 
     # -- requests in and out -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
@@ -308,7 +309,7 @@ class Scheduler:
                 if req.finished:
                     break
             self.stats.generated_tokens += req.fresh
-            self.lab.epochs[-1].generated_tokens += req.fresh
+            self.policies.epochs[-1].generated_tokens += req.fresh
             updated.append(req)
             if grammar_done and not req.finished:  # the grammar ended it
                 req.finish_reason = FinishReason("stop", matched=req.output_ids[-1])
@@ -385,7 +386,7 @@ class Scheduler:
         if self.waiting and (room > 0 or (rule is not None and rule.for_places)):
             dedup = InBatchDedup(self.cache) if getattr(self.policy, "cache_aware", False) and self.cache.tree else None
             tiers, now = self.cache.tiers, self.clock()
-            for req in cfg.priority.order(self.lab.order(self.waiting[:POLICY_WINDOW])):
+            for req in cfg.priority.order(self.policies.order(self.waiting[:POLICY_WINDOW])):
                 if tiers is not None and not tiers.ready(req.rid, now):
                     held = True
                     continue  # its pages are still being read back: the prefetch policy holds it
@@ -521,7 +522,7 @@ class Scheduler:
                 self.tap.ended(req)
             if req.cached_tokens is not None:  # it was admitted: it reused (or not) and computed
                 self.stats.cached_tokens += req.cached_tokens
-                self.lab.finished(req)
+                self.policies.finished(req)
 
     # -- invariants --------------------------------------------------------------------------------------
     def check(self) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixserve.actors.messages import ForwardPlan, ShadowArrival, ShadowEnd, ShadowFeed, StepTiming
-from radixserve.actors.wire import array
 from radixserve.actors.scheduler.req import Req
+from radixserve.wire.codec import array
+from radixserve.wire.messages import ShadowArrival, ShadowEnd, ShadowFeed, StepTiming
+from radixserve.wire.plans import ForwardPlan
 
 if TYPE_CHECKING:
     from radixserve.actors.scheduler.scheduler import Scheduler

@@ -105,8 +105,8 @@ def draft_length(acceptance: float, cost: float, most: int) -> int:
     """The draft length (0 .. ``most``) that makes the most tokens per second: with each draft token kept with
     probability ``acceptance`` when the ones before it were, a draft of k keeps a + a^2 + .. + a^k tokens on
     average beyond the one every step makes, and costs 1 + k ``cost`` plain steps (``cost``: a draft token's
-    time, in plain tokens). 0 where no length beats a plain step."""
-    best, best_rate, kept = 0, 1.0, 0.0
+    time, in plain tokens). 0 where no length beats a plain step by ``MARGIN``."""
+    best, best_rate, kept = 0, 1.0 + MARGIN, 0.0
     for k in range(1, most + 1):
         kept += acceptance ** k
         rate = (1 + kept) / (1 + k * cost)
@@ -115,6 +115,7 @@ def draft_length(acceptance: float, cost: float, most: int) -> int:
     return best
 
 
+MARGIN = 0.05  # a draft must promise this much more than a plain step: its cost and acceptance are estimates
 MAX_BACKOFF = 64  # plain steps at most between two drafts of a request whose drafts keep being rejected
 ALPHA = 0.3  # weight of the newest figure in the cost model's moving averages
 FADE = 0.7  # a request's drafting sums fade by this a draft

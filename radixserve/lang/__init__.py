@@ -26,12 +26,12 @@ from radixserve.lang.api import (
     user_end,
 )
 from radixserve.lang.backend import Backend, BackendError
-from radixserve.lang.chat_template import ChatTemplate
 from radixserve.lang.choices import greedy_token_selection, token_length_normalized
 from radixserve.lang.engine_backend import EngineBackend
 from radixserve.lang.function import Function
 from radixserve.lang.runtime_endpoint import RuntimeEndpoint
 from radixserve.lang.state import ProgramState, StateGroup
+from radixserve.role_markers import ChatTemplate
 
 __all__ = [
     "Backend", "BackendError", "ChatTemplate", "EngineBackend", "Function", "ProgramState", "RuntimeEndpoint",

@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 from radixserve.lang.backend import Backend
-from radixserve.lang.chat_template import ChatTemplate
+from radixserve.role_markers import ChatTemplate
 
 
 class _DefaultBackend:
@@ -27,7 +27,7 @@ DEFAULT = _DefaultBackend()
 
 def as_backend(obj: Any) -> Backend:
     """A Backend as is; an in-process ``radixserve.Engine`` wrapped in EngineBackend."""
-    if callable(getattr(obj, "native_generate", None)):
+    if callable(getattr(obj, "sglang_generate", None)):
         from radixserve.lang.engine_backend import EngineBackend
 
         return EngineBackend(obj)

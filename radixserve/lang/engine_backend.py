@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixserve.lang.backend import BackendError, raise_if_failed
-from radixserve.lang.chat_template import ChatTemplate
+from radixserve.role_markers import ChatTemplate
 
 
 class EngineBackend:
@@ -22,13 +22,13 @@ class EngineBackend:
         return dict(self._model_info)
 
     def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
-        out = self._call(self.engine.native_generate, {**payload, "stream": False})
+        out = self._call(self.engine.sglang_generate, {**payload, "stream": False})
         for result in out if isinstance(out, list) else [out]:
             raise_if_failed(result)
         return out
 
     def generate_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        events = self._call(self.engine.native_generate_stream, {**payload, "stream": True})
+        events = self._call(self.engine.sglang_generate_stream, {**payload, "stream": True})
         try:
             for event in events:
                 raise_if_failed(event)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.lang.backend import Backend
-from radixserve.lang.chat_template import ChatTemplate
 from radixserve.lang.choices import select_choice
 from radixserve.lang.ir import (
     Expr,
@@ -31,6 +30,7 @@ from radixserve.lang.ir import (
 )
 from radixserve.lang.sampling import SamplingDefaults, build_payload, prefill_payload
 from radixserve.lang.transcript import Transcript
+from radixserve.role_markers import ChatTemplate
 
 
 @dataclass(frozen=True, slots=True)

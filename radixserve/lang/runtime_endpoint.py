@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixserve.lang.backend import BackendError, raise_if_failed
-from radixserve.lang.chat_template import ChatTemplate
+from radixserve.role_markers import ChatTemplate
 
 
 class RuntimeEndpoint:

@@ -1,6 +1,6 @@
-"""Sampling parameters: the run-wide defaults, one gen's overrides, and the native /generate body they make.
+"""Sampling parameters: the run-wide defaults, one gen's overrides, and SGLang's /generate body they make.
 
-A gen's non-None values override the defaults given to ``run(...)``; the result becomes SGLang's native payload.
+A gen's non-None values override the defaults given to ``run(...)``; the result becomes SGLang's /generate payload.
 Optional features (penalties, regex, logprobs) are sent only when used, so a server that does not know one of
 them still serves every program that does not use it.
 """

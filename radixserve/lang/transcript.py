@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.lang.chat_template import ChatTemplate
+from radixserve.role_markers import ChatTemplate
 
 
 @dataclass(slots=True)
