@@ -152,6 +152,7 @@ def main() -> None:
                 server.stop()
             if not isinstance(llama, (str, type(None))):
                 llama.stop()
+    save_stages(res, only & {"shared", "multiturn", "unique"}, out)
     bar.update()
     bar.update()
     limits = []  # the machine's limits, measured before and after the forward speed: the higher of the two counts
@@ -171,6 +172,7 @@ def main() -> None:
                           **machine.model_costs(cfg)}
     if "overhead" in only:
         res["overhead"] = [machine.scheduler_overhead(b) for b in (1, 8, 32, 64)]
+    save_stages(res, only & {"forward", "overhead"}, out)
     bar.update()
     if "deterministic" in only:
         # its own committed file, as sharedcpu: the report reads it whatever else was rerun
@@ -178,27 +180,35 @@ def main() -> None:
     bar.update()
     if "grammar" in only:
         res["grammar"] = grammar_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)
+        save_stages(res, {"grammar"}, out)  # as each stage ends: a later stage that fails loses nothing
     bar.update()
     if "quant" in only:
         res["quant"] = quant_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)
+        save_stages(res, {"quant"}, out)
     bar.update()
     if "compile" in only:
         res["compile"] = compile_cost.measure("bfloat16", 2 if q else 3, q, args.model_path)
+        save_stages(res, {"compile"}, out)
     bar.update()
     if "peer" in only:
         res["peer"] = cpu_peer.measure(q, args.model_path)
+        save_stages(res, {"peer"}, out)
     bar.update()
     if "radix" in only:
         res["radix"] = radix_speed.measure(5000 if q else 20000, (200000, 50000), 2 if q else 3)
+        save_stages(res, {"radix"}, out)
     bar.update()
     if "tp" in only:
         res["tp"] = tp_cost.measure(args.tp or tp_cost.smallest_tp(cfg), 2 if q else 3, q, args.model_path)
+        save_stages(res, {"tp"}, out)
     bar.update()
     if "dp" in only:
         res["dp"] = dp_cost.measure(q, args.model_path)
+        save_stages(res, {"dp"}, out)
     bar.update()
     if "shadow" in only:
         res["shadow"] = shadow_cost.measure(q, args.model_path)
+        save_stages(res, {"shadow"}, out)
     bar.update()
     if "sharedcpu" in only:  # a run of its own, whatever the others' results: the report reads it from its file
         shared_cpu.save(shared_cpu.measure(q, args.model_path), out)
@@ -209,7 +219,6 @@ def main() -> None:
         speculative.save(speculative.measure(q), out)
     bar.update()
     bar.close()
-    save_stages(res, only, out)
     report.write(with_other_stages(res, only, out), out)
     print(f"wrote {out / 'REPORT.md'}")
 
