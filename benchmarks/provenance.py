@@ -1,9 +1,11 @@
 """Where every published figure comes from: the committed results files (benchmarks/results/**/results.json, each
 naming its machine, commit and start time), their headline figures, and whether they are stale -- measured at a
-commit older than the code they measure (a later commit changed one of the stage's paths). The docs' performance
+commit older than the code they measure (a later commit changed code, not only comments or docstrings, under one
+of the stage's paths). The docs' performance
 page (docs/hooks.py) is generated from here; nothing quotes a figure by hand. Torch-free."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 from collections.abc import Callable
@@ -15,9 +17,14 @@ MEASURES = {  # a stage's figures depend on these paths (besides its own bench s
     "deterministic": ["kernels", "model"],
     "kv_tiers": PRODUCT,
     "shared_cpu": ["kernels", "model", "radixserve/cpu_budget.py", "radixserve/cpu_load.py"],
+    "radix": ["cache", "policies"],
+    "overhead": ["actors", "radixserve/wire"],
 }
 SCRIPTS = {"speculative": ["speculative.py"], "deterministic": ["deterministic_cost.py"], "kv_tiers": ["kv_tiers.py"],
-           "shared_cpu": ["shared_cpu.py"]}  # a stage's own bench code; the others run in bench.py's scenarios
+           "shared_cpu": ["shared_cpu.py"], "grammar": ["grammar_cost.py"], "quant": ["quant_cost.py"],
+           "compile": ["compile_cost.py"], "peer": ["cpu_peer.py", "llama_cpp.py", "decode_score.py"],
+           "radix": ["radix_speed.py"], "tp": ["tp_cost.py"], "dp": ["dp_cost.py"], "shadow": ["shadow_cost.py"],
+           "overhead": ["machine.py"]}  # a stage's own bench code; the others run in bench.py's scenarios
 BENCH = ["bench.py", "scenarios.py", "harness.py"]
 
 
@@ -32,15 +39,47 @@ def results_files(base: Path) -> list[tuple[str, Path]]:
     return sorted((p.parent.name, p) for p in base.glob("**/results.json") if p.parent != base)
 
 
-def later_commits(root: Path, commit: str, paths: list[str]) -> list[str] | None:
-    """The commits after ``commit`` that changed ``paths`` (hash and date), or None where ``commit`` is not in this
-    history (a shallow clone, a rewritten branch)."""
-    known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True)
-    if known.returncode != 0:
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+
+def _code(source: str | None) -> str | None:
+    """A Python file's code without its comments and docstrings (None: no file, or not Python that parses)."""
+    try:
+        tree = ast.parse(source) if source is not None else None
+    except SyntaxError:
         return None
-    out = subprocess.run(["git", "log", "--format=%h %cs", f"{commit}..HEAD", "--", *paths], cwd=root,
-                         capture_output=True, text=True)
-    return out.stdout.splitlines()
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def changes_code(root: Path, commit: str, paths: list[str]) -> bool:
+    """Whether ``commit`` changed code under ``paths``: a commit that only rewrites Python comments and docstrings
+    (a stale sentence, a typo) measures the same thing; any other change (C++ included) counts."""
+    files = _git(root, "diff-tree", "--no-commit-id", "--name-only", "-r", commit, "--", *paths).stdout.split()
+    for name in files:
+        if not name.endswith(".py"):
+            return True
+        old, new = (_git(root, "show", f"{rev}:{name}") for rev in (f"{commit}^", commit))
+        before, after = (_code(r.stdout) if r.returncode == 0 else None for r in (old, new))
+        if before is None or after is None or before != after:
+            return True
+    return False
+
+
+def later_commits(root: Path, commit: str, paths: list[str]) -> list[str] | None:
+    """The commits after ``commit`` that changed the code under ``paths`` (hash and date), or None where ``commit``
+    is not in this history (a shallow clone, a rewritten branch)."""
+    if _git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        return None
+    log = _git(root, "log", "--format=%h %cs", f"{commit}..HEAD", "--", *paths).stdout.splitlines()
+    return [line for line in log if changes_code(root, line.split()[0], paths)]
 
 
 def freshness(root: Path, stage: str, machine: dict) -> list[str] | None:
@@ -123,9 +162,63 @@ def _forward(d: dict) -> list[tuple[str, str]]:
             for r in d.get("forward", [])]
 
 
+def _overhead(d: dict) -> list[tuple[str, str]]:
+    return [(f"scheduler + IPC per decode step, batch {r['batch']}", f"{r['total_s'] * 1e3:.2f} ms")
+            for r in d["overhead"]]
+
+
+def _grammar(d: dict) -> list[tuple[str, str]]:
+    return [(f"{r['grammar']}, batch {r['batch']}, {r['constrained_rows']} rows constrained: step / free step",
+             f"{r['slowdown']:.2f}x") for r in d["grammar"]["rows"]]
+
+
+def _quant(d: dict) -> list[tuple[str, str]]:
+    return [(f"{r['mode']} weights: decode tok/s at batch 1 and 8, perplexity",
+             f"{r['decode_1_tok_s']:.1f}, {r['decode_8_tok_s']:.1f}, {r['perplexity']:.3f}") for r in d["quant"]["rows"]]
+
+
+def _compile(d: dict) -> list[tuple[str, str]]:
+    return [(f"decode at batch {r['batch']}: native / eager, compiled / eager",
+             f"{r['native_vs_eager']:.2f}x, {r['compiled_vs_eager']:.2f}x") for r in d["compile"]["decode"]]
+
+
+def _peer(d: dict) -> list[tuple[str, str]]:
+    p = d["peer"]
+    if "skipped" in p:
+        return [("against llama.cpp", f"not measured: {p['skipped']}")]
+    return [(f"{r['system']} / llama.cpp ({r['precision']}): one stream, 8 streams",
+             f"{r['one_stream_vs_llama_cpp']:.2f}x, {r['eight_streams_vs_llama_cpp']:.2f}x")
+            for r in p["rows"] if r["system"].startswith("radixserve")]
+
+
+def _radix(d: dict) -> list[tuple[str, str]]:
+    return [(f"cache bookkeeping / SGLang's RadixCache, pool of {r['capacity']} tokens", f"{r['speedup']:.2f}x")
+            for r in d["radix"]["rows"]]
+
+
+def _tp(d: dict) -> list[tuple[str, str]]:
+    t = d["tp"]
+    a = t["agreement"]
+    return [(f"--tp {t['tp']} / one rank, {r['kind']} {r['size']}", f"{r['ratio']:.2f}x") for r in t["rows"]] + [
+        ("float32 prompts with exactly one rank's tokens", f"{a['identical_prompts']} of {a['prompts']}")]
+
+
+def _dp(d: dict) -> list[tuple[str, str]]:
+    return [(r["system"], f"{r['throughput_tok_s']:.1f} tok/s, hit rate {r['hit_rate']:.0%}") for r in d["dp"]["rows"]]
+
+
+def _shadow(d: dict) -> list[tuple[str, str]]:
+    o, a = d["shadow"]["overhead"], d["shadow"]["auto"]
+    return [("serving throughput with every shadow pair / without", f"{o['throughput_ratio']:.3f}x"),
+            (f"--auto-policy mean TTFT / the best fixed policy's ({a['best_fixed']})",
+             f"{a['auto_vs_best_fixed_ttft']:.2f}")]
+
+
 HEADLINES: dict[str, Callable[[dict], list[tuple[str, str]]]] = {
     "speculative": _speculative, "deterministic": _deterministic, "kv_tiers": _kv_tiers, "shared_cpu": _shared_cpu,
-    "shared": _shared, "unique": _unique, "multiturn": _multiturn, "forward": _forward}
+    "shared": _shared, "unique": _unique, "multiturn": _multiturn, "forward": _forward, "overhead": _overhead,
+    "grammar": _grammar, "quant": _quant, "compile": _compile, "peer": _peer, "radix": _radix, "tp": _tp,
+    "dp": _dp, "shadow": _shadow}
 
 
 def figures_markdown(root: Path) -> tuple[str, list[str]]:
@@ -157,8 +250,8 @@ def figures_markdown(root: Path) -> tuple[str, list[str]]:
                 f"{m.get('load_average_at_start', float('nan')):.1f} at the start",
                 f"- status: {status}", ""]
         headline = HEADLINES.get(stage)
-        if headline is None:  # a stage with no headline here yet: its section of the report has its figures
-            out += ["Its figures are in `benchmarks/results/REPORT.md`.", ""]
+        if headline is None:
+            problems.append(f"{rel}: benchmarks/provenance.py has no headline for stage {stage!r}")
             continue
         out += ["| figure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in headline(d)] + [""]
     if not files:

@@ -7,8 +7,8 @@ tensors: rows' cos/sin, new slots, each row's context, logit rows), and one call
 alive. A prefill step is the same call with a row per new token, whose context is its request's row up to itself.
 
 The linear layers' weights are packed once into the kernel's layout (``pack_dense``), from the plain weights, so
-the runner builds this before it swaps in oneDNN's packed linears (which longer prefills keep using). Measured
-against the eager step on SmolLM2-135M (bf16, 2 cores, AMX): decode 2.5x at batch 1, 2.2x at 8, 1.75x at 32.
+the runner builds this before it swaps in oneDNN's packed linears (which longer prefills keep using). Its speed
+against the eager and compiled steps: the ``compile`` stage of ``make bench`` (docs/performance.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Figures come from committed results files and say when they are stale (benchmarks/provenance.py): a figure
 measured at a commit older than a later change to the code it measures is marked stale; a change elsewhere
-leaves it current; a file that names no commit is reported."""
+(or one to comments and docstrings only) leaves it current; a file that names no commit is reported."""
 from __future__ import annotations
 
 import json
@@ -45,6 +45,9 @@ def test_a_figure_is_stale_once_the_code_it_measures_changes(tmp_path):
     (repo / "docs" / "page.md").write_text("words\n")
     commit_all(repo, "docs only")
     assert "status: current" in provenance.figures_markdown(repo)[0], "a change elsewhere keeps it current"
+    (repo / "policies" / "drafts.py").write_text('"""What drafts."""\nA = 1  # one\n')
+    commit_all(repo, "a docstring and a comment")
+    assert "status: current" in provenance.figures_markdown(repo)[0], "words alone measure the same code"
     (repo / "policies" / "drafts.py").write_text("A = 2\n")
     changed = commit_all(repo, "the draft policy changes")
     text = provenance.figures_markdown(repo)[0]
