@@ -27,8 +27,10 @@ def machine() -> dict:
     flags = set(info.get("flags", "").split())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=Path(__file__).parent).stdout.strip()
+    # the results files an earlier stage of the same run wrote are not changes to what is measured
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)benchmarks/results"], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     from llama_cpp import VERSION as LLAMA_CPP_VERSION, host_isa  # torch-free
 
     return {"cpu": info.get("model name", platform.processor()), "isa": [f for f in ISA_FLAGS if f in flags],
