@@ -43,13 +43,11 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
 
 
-def _code(source: str | None) -> str | None:
-    """A Python file's code without its comments and docstrings (None: no file, or not Python that parses)."""
+def _code(source: str) -> str | None:
+    """A Python file's code without its comments and docstrings (None: not Python that parses)."""
     try:
-        tree = ast.parse(source) if source is not None else None
+        tree = ast.parse(source)
     except SyntaxError:
-        return None
-    if tree is None:
         return None
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
