@@ -4,9 +4,25 @@ Heavy imports (torch, transformers) happen lazily, so ``import radixserve.cache`
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+
+def _leave_the_checkout_root_off_sys_path() -> None:
+    """A checkout keeps its packages at the top (kernels/, model/, cache/, ...), installed as radixserve.kernels and
+    so on. ``python -m radixserve`` or ``python -m pytest`` run there put the checkout on sys.path, where kernels/
+    would stand in for Hugging Face's ``kernels`` package, which transformers 5.25 and later imports. Nothing is
+    imported from the checkout's root by its bare name, so it leaves sys.path (a wheel's site-packages has no
+    pyproject.toml and stays)."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():
+        sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
+
+
+_leave_the_checkout_root_off_sys_path()
 
 if TYPE_CHECKING:
     from radixserve.engine import Engine

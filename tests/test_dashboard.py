@@ -248,8 +248,20 @@ def wait_for(driver, condition, what: str, timeout: float = 15):
                              f"log: {driver.get_log('browser')}") from exc
 
 
+def settled(read):
+    """What ``read`` reads off the page, read again where the page re-rendered under it (a stale element)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(50):
+        try:
+            return read()
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    return read()
+
+
 def text(driver, element_id: str) -> str:
-    return driver.find_element("id", element_id).text
+    return settled(lambda: driver.find_element("id", element_id).text)
 
 
 def cell(driver, table: str, col: str, row: int | str = 1):
@@ -461,16 +473,18 @@ def test_dashboard_shows_shadow_pairs(browser, stub):
     wait_for(browser, lambda: len(browser.find_elements("css selector", "#shadow-pairs tbody tr")) == 21, "the pairs")
     assert text(browser, "shadow-status").startswith("live lru / fcfs, leader lfu / lpm")
     assert text(browser, "shadow-shown").startswith("21 of 26 pairs shown")
-    rows = browser.find_elements("css selector", "#shadow-pairs tbody tr")
-    assert [r.get_attribute("class") for r in rows] == ["leader"] + [""] * 19 + ["current"]
-    assert [cell(browser, "shadow-pairs", "mark", i).text for i in (1, 2, 21)] == ["leader", "", "live"]
-    assert shown_percent(cell(browser, "shadow-pairs", "hit_rate", 1)) == 70.0
+    rows = settled(lambda: [r.get_attribute("class")
+                            for r in browser.find_elements("css selector", "#shadow-pairs tbody tr")])
+    assert rows == ["leader"] + [""] * 19 + ["current"]
+    marks = settled(lambda: [cell(browser, "shadow-pairs", "mark", i).text for i in (1, 2, 21)])
+    assert marks == ["leader", "", "live"]
+    assert settled(lambda: shown_percent(cell(browser, "shadow-pairs", "hit_rate", 1))) == 70.0
     assert "manual" in text(browser, "shadow-switches")
-    legend = [e.text for e in browser.find_elements("css selector", "#shadow-legend .legend-item")]
+    legend = settled(lambda: [e.text for e in browser.find_elements("css selector", "#shadow-legend .legend-item")])
     assert legend == ["lfu / lpm"] + [f"plugin-{i} / fcfs" for i in range(7)] + ["lru / fcfs"]
     assert text(browser, "replicas") == "--dp 2: replica 0 shown"
     assert "radix cache is off" in text(browser, "tree-summary")
-    assert cell(browser, "waiting", "rid").text == "<b>not markup</b>", "client text stays text"
+    assert settled(lambda: cell(browser, "waiting", "rid").text) == "<b>not markup</b>", "client text stays text"
     wait_for(browser, lambda: cell(browser, "epochs", "ttft_p50_s").text == "\u2013", "no TTFT yet")
     shadow.clear()
     shadow.update({"enabled": False, "pairs": []})
