@@ -31,9 +31,9 @@ SOURCE = SOURCES / "decode.cpp"
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")  # + -march (cpp_build)
 CPU_FEATURES = ("avx2", "fma", "f16c")  # what the kernel needs at least (x86-64-v3); AVX-512 BF16/VNNI if present
 NATIVE_DTYPES = ("bfloat16", "float32")
-ABI_VERSION = 4
+ABI_VERSION = 5
 
-DENSE, Q8, Q4 = 0, 1, 2  # Linear.format
+DENSE, Q8, Q4, Q8G16 = 0, 1, 2, 3  # Linear.format
 
 
 class Linear(ctypes.Structure):

@@ -1,10 +1,12 @@
 """Weight-only quantized linear layers for the CPU (``--quantization int8|int4``).
 
-- int8: one scale per output channel (symmetric): ``w = q * scale``, q in [-127, 127]; or, as a GGUF file's Q8_0
-  ships, one scale per 32 weights of a row (``scale`` [N, K/32]): torch's int8 kernel takes only the former, so
-  such a layer's torch products always use the dequantized copy (the native decode step reads the blocks).
-- int4: groups of ``group`` weights along the input dimension, each with a scale and a zero point: ``w = (q - 8) *
-  scale + zero``, q in [0, 15] (torch's int4pack convention; GGUF's Q4_0 and Q4_1 blocks map onto it exactly).
+- int8: one scale per output channel (symmetric): ``w = q * scale``, q in [-127, 127]; or, as GGUF files ship
+  them, a scale per block of 32 or 16 weights of a row (``scale`` [N, K/block]) and maybe an offset per block
+  (``w = q * scale + offset``: Q8_0, Q5_K, Q6_K; model/gguf_quant.py). torch's int8 kernel takes only the first,
+  so a block-scaled layer's torch products always use the dequantized copy (the native decode step reads blocks).
+- int4: groups of ``group`` weights along the input dimension, each with a scale and an offset: ``w = q * scale +
+  offset``, q in [0, 15] (GGUF's Q4_0, Q4_1 and Q4_K blocks map onto it exactly). torch's int4pack kernel takes
+  ``(q - 8) * scale + zero``, zero = offset + 8 scale, rounded once more: its products are not exact anyway.
 
 Decoding a few rows streams every weight once per step, so fewer bytes per weight is speed: torch's packed CPU
 kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) multiply straight from the quantized weights.
@@ -34,7 +36,8 @@ class Int4Weight:
 
     packed: torch.Tensor  # torch's int4pack layout (opaque)
     nibbles: torch.Tensor  # uint8 [N, K/2]: element 2i in the low nibble, 2i+1 in the high one
-    scale_zero: torch.Tensor  # float32 [K/group, N, 2]: scale and zero of each group
+    scale: torch.Tensor  # float32 [N, K/group]
+    offset: torch.Tensor  # float32 [N, K/group]: w = q * scale + offset
     group: int
 
 
@@ -46,8 +49,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric, per group of ``group`` input weights: (q int32 [N, K] in 0..15, scale [N, K/g], zero [N, K/g])
-    with ``w ~ (q - 8) * scale + zero``."""
+    """Asymmetric, per group of ``group`` input weights: (q int32 [N, K] in 0..15, scale [N, K/g], offset [N, K/g])
+    with ``w ~ q * scale + offset``."""
     n, k = w.shape
     if k % group:
         raise ValueError(f"int4 needs the input dimension ({k}) to be a multiple of the group size ({group})")
@@ -55,18 +58,16 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp(min=1e-12)
     q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-    return q.view(n, k), scale, lo + 8 * scale
+    return q.view(n, k), scale, lo
 
 
-def int4_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
-    """From q [N, K] (0..15), scale and zero [N, K/group]."""
+def int4_weight(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int4Weight:
+    """From q [N, K] (0..15), scale and offset [N, K/group]: w = q * scale + offset."""
     n, k = q.shape
-    group = k // scale.shape[1]
     q = q.to(torch.int32).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().float()
-    return Int4Weight(packed, nibbles, scale_zero, group)
+    return Int4Weight(packed, nibbles, scale.float().contiguous(), offset.float().contiguous(), k // scale.shape[1])
 
 
 class QuantLinear(nn.Module):
@@ -79,7 +80,8 @@ class QuantLinear(nn.Module):
     differ from that in the last bits; the bench report measures how often a greedy token flips."""
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype, *,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, int4: Int4Weight | None = None) -> None:
+                 int8: tuple[torch.Tensor, ...] | None = None, int4: Int4Weight | None = None) -> None:
+        """``int8``: (q, scale) or, block-scaled, (q, scale, offset); ``int4``: see Int4Weight."""
         super().__init__()
         if (int8 is None) == (int4 is None):
             raise ValueError("give exactly one of int8= or int4=")
@@ -88,39 +90,46 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.group = 0
         if int8 is not None:
-            self.register_buffer("q", int8[0].contiguous())
-            self.register_buffer("scale", int8[1].float())
-            self.register_buffer("kernel_scale", int8[1].to(dtype))
+            q, scale, offset = (*int8, None)[:3]
+            self.register_buffer("q", q.contiguous())
+            self.register_buffer("scale", scale.float())
+            self.register_buffer("offset", None if offset is None else offset.float())
+            self.register_buffer("kernel_scale", scale.to(dtype))
+            if scale.dim() == 2:
+                self.group = in_features // scale.shape[1]
+            elif offset is not None:
+                raise ValueError("an int8 offset goes with a scale per block")
         else:
             self.register_buffer("packed", int4.packed)
             self.register_buffer("nibbles", int4.nibbles)
-            self.register_buffer("scale_zero", int4.scale_zero)
-            self.register_buffer("kernel_scale_zero", int4.scale_zero.to(dtype))
+            self.register_buffer("scale", int4.scale)
+            self.register_buffer("offset", int4.offset)
+            zero = int4.offset + 8 * int4.scale  # torch's kernel: (q - 8) * scale + zero
+            self.register_buffer("kernel_scale_zero", torch.stack([int4.scale, zero], -1).transpose(0, 1).to(dtype)
+                                 .contiguous())
             self.group = int4.group
         self.kernel_rows = 0 if self.block_scales else 4  # quantize_model measures it per shape
 
     @property
     def block_scales(self) -> bool:
-        """int8 with a scale per 32 weights (a GGUF Q8_0 layer), which torch's int8 kernel cannot take."""
+        """int8 with a scale per block of a row (GGUF's Q8_0, Q5_K, Q6_K), which torch's int8 kernel cannot take."""
         return self.bits == 8 and self.scale.dim() == 2
 
     def dequantized(self) -> torch.Tensor:
-        """W in the activations' dtype, [N, K]."""
-        if self.block_scales:
-            blocks = self.q.float().view(self.out_features, -1, self.in_features // self.scale.shape[1])
-            return (blocks * self.scale[..., None]).view(self.out_features, self.in_features).to(self.dtype)
-        if self.bits == 8:
+        """W in the activations' dtype, [N, K]: ``q * scale + offset`` in float32 (a product exact in float32 for
+        every GGUF format taken, then one rounding: the value gguf's dequantization computes), rounded once more."""
+        if self.bits == 8 and not self.block_scales:
             return (self.q.float() * self.scale[:, None]).to(self.dtype)
-        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)
-        q = q.view(self.out_features, -1, self.group).float()
-        scale, zero = self.scale_zero[..., 0].t(), self.scale_zero[..., 1].t()  # [N, K/group]
-        w = (q - 8) * scale[..., None] + zero[..., None]
+        q = self.q if self.bits == 8 else torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)
+        w = q.view(self.out_features, -1, self.group).float() * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
         return w.view(self.out_features, self.in_features).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= self.kernel_rows:
+        if 0 < x2.shape[0] <= self.kernel_rows:  # (no rows: a prefill chunk that samples nothing)
             y = self._kernel(x2)
             if self.bias is not None:
                 y = y + self.bias
@@ -140,8 +149,7 @@ def quantize_linear(layer: nn.Linear, bits: int, dtype: torch.dtype, group: int 
     bias = layer.bias.detach() if layer.bias is not None else None
     if bits == 8:
         return QuantLinear(n, k, bias, dtype, int8=quantize_int8(layer.weight.detach()))
-    q, scale, zero = quantize_int4(layer.weight.detach(), group)
-    return QuantLinear(n, k, bias, dtype, int4=int4_weight(q, scale, zero, dtype))
+    return QuantLinear(n, k, bias, dtype, int4=int4_weight(*quantize_int4(layer.weight.detach(), group)))
 
 
 def kernel_rows(layer: QuantLinear, repeats: int = 5) -> int:
@@ -167,25 +175,28 @@ def kernel_rows(layer: QuantLinear, repeats: int = 5) -> int:
     return rows
 
 
-def quantize_model(model: nn.Module, bits: int, dtype: torch.dtype, prebuilt: dict[str, QuantLinear] | None = None,
-                   skip: tuple[str, ...] = ()) -> int:
-    """Swap every nn.Linear for a QuantLinear (``prebuilt[name]`` where given, e.g. from a GGUF file's own blocks);
-    ``skip``: names kept as they are. Returns how many were swapped."""
+def quantize_model(model: nn.Module, bits: int | None, dtype: torch.dtype,
+                   prebuilt: dict[str, QuantLinear] | None = None) -> int:
+    """Swap every nn.Linear for a QuantLinear: ``prebuilt[name]`` where given (e.g. from a GGUF file's own blocks;
+    it takes the layer's bias), else the layer quantized to ``bits`` (None: left as it is). Returns how many were
+    swapped."""
     prebuilt = prebuilt or {}
-    crossover: dict[tuple[int, int], int] = {}
+    crossover: dict[tuple, int] = {}
     swapped = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            if not isinstance(child, nn.Linear) or full in skip:
+            if not isinstance(child, nn.Linear) or (bits is None and full not in prebuilt):
                 continue
             layer = prebuilt.get(full) or quantize_linear(child, bits, dtype)
-            shape = (layer.out_features, layer.in_features)
-            if shape not in crossover:
-                crossover[shape] = kernel_rows(layer)
+            if full in prebuilt and child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
+            kind = (layer.out_features, layer.in_features, layer.bits, layer.block_scales)
+            if kind not in crossover:
+                crossover[kind] = kernel_rows(layer)
                 log.info("%s int%d %s: quantized kernel up to %d rows, then dequantize + GEMM", full, layer.bits,
-                         shape, crossover[shape])
-            layer.kernel_rows = crossover[shape]
+                         kind[:2], crossover[kind])
+            layer.kernel_rows = crossover[kind]
             setattr(parent, name, layer)
             swapped += 1
     return swapped

@@ -1,21 +1,33 @@
-"""A GGUF file's quantized linear weights, taken as they ship: under ``--quantization int4`` Q4_0 and Q4_1 blocks
-become radixserve's int4 layers, under ``int8`` Q8_0 blocks its int8 layers (one scale per 32 weights), and a
-Q8_0 output projection is taken under both -- the same values, scales and offsets llama.cpp computes with --
-instead of being dequantized and quantized again.
+"""A GGUF file's quantized linear weights, taken as they ship: the file's blocks become radixserve's int8 / int4
+layers holding the same integers, scales and offsets llama.cpp computes with, instead of being dequantized (and
+quantized again). Which formats each ``--quantization`` takes as they ship (``AS_SHIPPED``):
 
-GGUF block layouts (ggml), 32 weights of one row per block:
+    gguf  every linear as the file has it: the formats below from their blocks, F32/F16/BF16 tensors dense
+    int8  Q8_0, Q6_K, Q5_K, Q5_0, Q5_1 (8-bit integers fit them exactly); the rest quantized to int8 per channel
+    int4  Q4_0, Q4_1, Q4_K; the output projection in an 8-bit format as it ships, else int8 per channel
 
-    Q4_0  | d: f16 | 16 bytes: weight j in the low nibble of byte j, weight 16 + j in the high one |   w = (q - 8) * d
-    Q4_1  | d: f16 | m: f16 | 16 bytes, as Q4_0                                                    |   w = q * d + m
-    Q8_0  | d: f16 | 32 int8                                                                       |   w = q * d
+GGUF block layouts (ggml), along a row; every block decodes to ``w = q * scale + offset`` per 32 (Q6_K: 16) weights:
 
-Q4 blocks fit int4's ``w = (q - 8) * scale + zero`` exactly: Q4_0 with zero 0, Q4_1 with zero = m + 8 d. llama.cpp's
-converter reorders the rows of Llama's q/k projections for its rotary layout; that is undone here (rows only, so
-the blocks inside a row are untouched), as transformers undoes it when it dequantizes.
+    Q8_0  32 w | d: f16 | 32 int8                                                  scale d         offset -
+    Q4_0  32 w | d: f16 | 16 bytes: w j in the low nibble of byte j, 16 + j high   scale d         offset -8 d
+    Q4_1  32 w | d: f16 | m: f16 | 16 bytes, as Q4_0                               scale d         offset m
+    Q5_0  32 w | d: f16 | 4 bytes: bit j the fifth bit of w j | 16 bytes as Q4_0   scale d         offset -16 d
+    Q5_1  32 w | d: f16 | m: f16 | then as Q5_0                                    scale d         offset m
+    Q4_K 256 w | d, dmin: f16 | 12 bytes: 8 x (6-bit sc, 6-bit mn) | 128 bytes: per 64 w, w j in the low nibble of
+                 byte j, 32 + j in the high one                                    scale d sc      offset -dmin mn
+    Q5_K 256 w | as Q4_K, then 32 bytes qh before the nibbles: bit i of qh[j] is the fifth bit of w 32 i + j
+    Q6_K 256 w | 128 bytes low nibbles (per 128 w: j low / 64 + j high of byte j) | 64 bytes high 2 bits (per 128 w:
+                 bits 2s of byte j for w 32 s + j) | 16 int8 sc | d: f16 | q - 32   scale d sc      offset -
+
+Each product ``q * scale`` is exact in float32 (at most 6 + 19 bits), so ``q * scale + offset`` rounds once, as
+gguf's own dequantization does: the decoded weights equal it bit for bit (tests/test_gguf_quant.py).
+llama.cpp's converter reorders the rows of Llama's q/k projections for its rotary layout; that is undone here (rows
+only, so the blocks inside a row are untouched), as transformers undoes it when it dequantizes.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +36,6 @@ import torch
 from radixserve.kernels.cpu_quant import QuantLinear, int4_weight
 from radixserve.model.config import ModelConfig
 
-BLOCK = 32
 LAYER_TENSORS = {  # GGUF tensor -> (our module, its shard of a fused projection)
     "attn_q": ("self_attn.qkv_proj", "q"), "attn_k": ("self_attn.qkv_proj", "k"),
     "attn_v": ("self_attn.qkv_proj", "v"), "attn_output": ("self_attn.o_proj", None),
@@ -32,18 +43,104 @@ LAYER_TENSORS = {  # GGUF tensor -> (our module, its shard of a fused projection
     "ffn_down": ("mlp.down_proj", None),
 }
 SHARD_ORDER = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+DENSE_TYPES = ("F32", "F16", "BF16")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
+AS_SHIPPED = {  # --quantization -> (the decoder layers' formats taken as they ship, the output projection's)
+    "gguf": (INT4_TYPES + INT8_TYPES, INT4_TYPES + INT8_TYPES),
+    "int8": (INT8_TYPES, INT8_TYPES),
+    "int4": (INT4_TYPES, INT8_TYPES),
+}
+ARCHITECTURES = ("llama", "mistral")  # whose GGUF tensors map onto our modules as above
 
 
-def q4_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw Q4_0 / Q4_1 rows (uint8 [N, blocks * bytes]) -> (q [N, K] 0..15, scale [N, K/32], zero [N, K/32])."""
-    size = 18 if kind == "Q4_0" else 20
+@dataclass
+class Blocks:
+    """Decoded blocks of a [N, K] tensor: ``w = q * scale + offset`` per group of K."""
+
+    q: np.ndarray  # int8 [N, K] (Q4 formats: 0..15, Q5 formats: 0..31, Q6_K: -32..31, Q8_0: -128..127)
+    scale: np.ndarray  # float32 [N, K / group]
+    offset: np.ndarray | None  # float32 [N, K / group], or None for 0
+    bits: int  # 4: q fits a nibble (an int4 layer), else 8
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def rows(self, index: np.ndarray) -> Blocks:
+        return Blocks(self.q[index], self.scale[index], None if self.offset is None else self.offset[index],
+                      self.bits)
+
+    def regrouped(self, group: int) -> Blocks:
+        """The same weights with a scale and offset per ``group`` (a divisor of this group) and an offset."""
+        times = self.group // group
+        offset = np.zeros_like(self.scale) if self.offset is None else self.offset
+        return Blocks(self.q, self.scale.repeat(times, axis=1), offset.repeat(times, axis=1), 8)
+
+    def dequantized(self) -> np.ndarray:
+        n, k = self.q.shape
+        w = self.q.reshape(n, self.scale.shape[1], -1).astype(np.float32) * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.reshape(n, k)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes per value (the last axis) as float32."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(raw: np.ndarray) -> np.ndarray:
+    """Bytes [..., B] -> [..., 2B]: every byte's low nibbles, then every byte's high nibbles."""
+    return np.concatenate([raw & 15, raw >> 4], axis=-1)
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes [..., 12] -> 8 six-bit scales and 8 six-bit mins: bytes 0-3 hold scales 0-3 (low 6
+    bits), 4-7 mins 0-3; scales and mins 4-7 take their low 4 bits from bytes 8-11 (scale low nibble, min high) and
+    their top 2 bits from the top bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    a, b, c = raw[..., 0:4], raw[..., 4:8], raw[..., 8:12]
+    scales = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mins = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def decode_blocks(data: np.ndarray, kind: str) -> Blocks:
+    """Raw rows of one GGUF tensor (uint8 [N, bytes per row]) in format ``kind`` -> its Blocks."""
     n = data.shape[0]
-    blocks = data.reshape(n, -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., size - 16 :]
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
-    zero = np.zeros_like(d) if kind == "Q4_0" else blocks[..., 2:4].copy().view(np.float16)[..., 0] + 8 * d
-    return q, d, zero.astype(np.float32)
+    if kind == "Q8_0":
+        b = data.reshape(n, -1, 34)
+        return Blocks(b[..., 2:].copy().view(np.int8).reshape(n, -1), _f16(b[..., 0:2]), None, 8)
+    if kind in ("Q4_0", "Q4_1"):
+        b = data.reshape(n, -1, 18 if kind == "Q4_0" else 20)
+        d = _f16(b[..., 0:2])
+        offset = -8 * d if kind == "Q4_0" else _f16(b[..., 2:4])
+        return Blocks(_nibbles(b[..., -16:]).reshape(n, -1).astype(np.int8), d, offset, 4)
+    if kind in ("Q5_0", "Q5_1"):
+        b = data.reshape(n, -1, 22 if kind == "Q5_0" else 24)
+        d = _f16(b[..., 0:2])
+        high = b[..., -20:-16].copy().view("<u4")  # bit j: the fifth bit of weight j
+        q = _nibbles(b[..., -16:]) | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        offset = -16 * d if kind == "Q5_0" else _f16(b[..., 2:4])
+        return Blocks(q.reshape(n, -1).astype(np.int8), d, offset, 8)
+    if kind in ("Q4_K", "Q5_K"):
+        b = data.reshape(n, -1, 144 if kind == "Q4_K" else 176)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        q = _nibbles(b[..., -128:].reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)  # [n, super, sub-block, 32]
+        if kind == "Q5_K":
+            high = b[..., 16:48]  # [n, super, 32]: bit i of byte j for sub-block i
+            q = q | (((high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+        return Blocks(q.reshape(n, -1).astype(np.int8), (d[..., None] * sc).reshape(n, -1),
+                      -(dmin[..., None] * mn).reshape(n, -1), 4 if kind == "Q4_K" else 8)
+    if kind == "Q6_K":
+        b = data.reshape(n, -1, 210)
+        low = _nibbles(b[..., 0:128].reshape(n, -1, 2, 64)).reshape(n, -1, 2, 4, 32)  # [n, super, half, s, 32]
+        high = (b[..., 128:192].reshape(n, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        q = (low | (high << 4)).astype(np.int8) - 32
+        sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)
+        return Blocks(q.reshape(n, -1), (_f16(b[..., 208:210])[..., None] * sc).reshape(n, -1), None, 8)
+    raise ValueError(f"no decoder for {kind} blocks")
 
 
 def unpermute_rows(x: np.ndarray, heads: int) -> np.ndarray:
@@ -52,55 +149,68 @@ def unpermute_rows(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def q8_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Raw Q8_0 rows (uint8 [N, blocks * 34]) -> (q int8 [N, K], scale float32 [N, K/32])."""
-    n = data.shape[0]
-    blocks = data.reshape(n, -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    return blocks[..., 2:].copy().view(np.int8).reshape(n, -1), d
+def _layer_name(tensor: str, cfg: ModelConfig) -> tuple[str, str | None] | None:
+    """A GGUF tensor's module and shard, or None for one that is no linear layer's weight."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor)
+    if match and match.group(2) in LAYER_TENSORS:
+        module, shard = LAYER_TENSORS[match.group(2)]
+        return f"model.layers.{match.group(1)}.{module}", shard
+    if tensor == "output.weight" or (tensor == "token_embd.weight" and cfg.tie_word_embeddings):
+        return "lm_head", None
+    return None
 
 
-# what each --quantization takes as it ships: the decoder layers' formats, and the output projection's
-AS_SHIPPED = {8: (("Q8_0",), ("Q8_0",)), 4: (("Q4_0", "Q4_1"), ("Q8_0",))}
+def _as_layer(shards: list[Blocks], dtype: torch.dtype) -> QuantLinear:
+    """One QuantLinear from the blocks of its shards, rows stacked (q, k and v; gate and up). Shards in different
+    formats (a Q4_K_M file's Q6_K v beside Q4_K q and k) share the finer one: 8-bit blocks of the smaller group,
+    each with an offset -- the same weights, in more bytes."""
+    groups = {s.group for s in shards}
+    if len(groups) > 1 or len({s.bits for s in shards}) > 1 or len({s.offset is None for s in shards}) > 1:
+        shards = [s.regrouped(min(groups)) for s in shards]
+    q = torch.from_numpy(np.concatenate([s.q for s in shards]))
+    scale = torch.from_numpy(np.concatenate([s.scale for s in shards]))
+    offset = None if shards[0].offset is None else torch.from_numpy(np.concatenate([s.offset for s in shards]))
+    n, k = q.shape
+    if shards[0].bits == 4:
+        return QuantLinear(n, k, None, dtype, int4=int4_weight(q, scale, offset))
+    return QuantLinear(n, k, None, dtype, int8=(q, scale, offset))
 
 
-def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, bits: int) -> dict[str, QuantLinear]:
-    """Our int8 / int4 layers for every linear whose GGUF tensors are all in a format ``bits`` takes as it ships
-    (``AS_SHIPPED``; the others are quantized from the dequantized weights as usual). Keys are module names
-    (``model.layers.3.mlp.down_proj``, ``lm_head``)."""
+def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> dict[str, QuantLinear]:
+    """Our int8 / int4 layers for every linear whose GGUF tensors are all in a format ``quantization`` takes as it
+    ships (``AS_SHIPPED``); keys are module names (``model.layers.3.mlp.down_proj``, ``lm_head``). Under ``gguf``
+    a tensor in a format this module does not decode is refused by name; under int8 / int4 such layers are
+    quantized from the dequantized weights as usual."""
     from gguf import GGUFReader
 
-    if cfg.model_type not in ("llama", "mistral"):
+    if cfg.model_type not in ARCHITECTURES:
+        if quantization == "gguf":
+            raise ValueError(f"--quantization gguf reads the blocks of {', '.join(ARCHITECTURES)} GGUF files; this "
+                             f"one is {cfg.model_type}: serve it without --quantization (dequantized) or with int8")
         return {}  # the q/k row order is Llama's; other architectures take the general path
-    layer_kinds, head_kinds = AS_SHIPPED[bits]
-    parts: dict[str, dict[str | None, tuple[np.ndarray, ...] | None]] = {}
+    layer_kinds, head_kinds = AS_SHIPPED[quantization]
+    parts: dict[str, dict[str | None, Blocks | None]] = {}
     for t in GGUFReader(path).tensors:
-        kind = t.tensor_type.name
-        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
-        if match and match.group(2) in LAYER_TENSORS:
-            module, shard = LAYER_TENSORS[match.group(2)]
-            name = f"model.layers.{match.group(1)}.{module}"
-        elif t.name == "output.weight" or (t.name == "token_embd.weight" and cfg.tie_word_embeddings):
-            name, shard = "lm_head", None
-        else:
+        kind, found = t.tensor_type.name, _layer_name(t.name, cfg)
+        if found is None:
             continue
-        if kind not in (head_kinds if name == "lm_head" else layer_kinds):
+        name, shard = found
+        takes = head_kinds if name == "lm_head" else layer_kinds
+        if kind not in takes:
+            if quantization == "gguf" and kind not in DENSE_TYPES:
+                raise ValueError(f"{path.name}: tensor {t.name} is {kind}, whose blocks radixserve does not read "
+                                 f"(it reads {', '.join(takes + DENSE_TYPES)}); serve the file without "
+                                 "--quantization gguf (dequantized at load) or pick a file in those formats")
             parts.setdefault(name, {})[shard] = None  # one shard in another format: the whole layer is
             continue
-        arrays = q8_blocks(np.asarray(t.data)) if kind == "Q8_0" else q4_blocks(np.asarray(t.data), kind)
+        blocks = decode_blocks(np.asarray(t.data), kind)
         if shard in ("q", "k"):
             heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
-            arrays = tuple(unpermute_rows(x, heads) for x in arrays)
-        parts.setdefault(name, {})[shard] = arrays
+            blocks = blocks.rows(unpermute_rows(np.arange(blocks.q.shape[0]), heads))
+        parts.setdefault(name, {})[shard] = blocks
     layers = {}
     for name, shards in parts.items():
-        order = SHARD_ORDER.get(name.split(".", 3)[-1], (None,))
-        if any(shards.get(s) is None for s in order):
-            continue
-        arrays = [torch.from_numpy(np.concatenate([shards[s][i] for s in order])) for i in range(len(shards[order[0]]))]
-        n, k = arrays[0].shape
-        if len(arrays) == 2:  # Q8_0: q, a scale per block
-            layers[name] = QuantLinear(n, k, None, dtype, int8=(arrays[0], arrays[1]))
-        else:
-            layers[name] = QuantLinear(n, k, None, dtype, int4=int4_weight(*arrays, dtype))
+        found = [shards.get(s) for s in SHARD_ORDER.get(name.split(".", 3)[-1], (None,))]
+        if all(b is not None for b in found):
+            layers[name] = _as_layer(found, dtype)
     return layers

@@ -55,15 +55,15 @@ def pack_dense(w: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(x: torch.Tensor, n16: int, fill: float = 0) -> torch.Tensor:
-    """[N, K/32] per-block values -> [N/16, K/32, 16] (the 16 rows of a block side by side), N padded."""
+    """[N, K/group] per-block values -> [N/16, K/group, 16] (the 16 rows of a block side by side), N padded."""
     out = torch.full((n16, x.shape[1]), fill, dtype=torch.float32)
     out[: x.shape[0]] = x
     return out.view(n16 // 16, 16, -1).transpose(1, 2).contiguous()
 
 
 def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 q [N, K] with a scale per 32 k ([N, K/32]) -> (q + 128 as u8 in groups of 4 k: [N/16, K/32, 8, 16, 4],
-    fp32 scales [N/16, K/32, 16])."""
+    """int8 q [N, K] with a scale per 32 or 16 k ([N, K/group]) -> (q + 128 as u8 in groups of 4 k:
+    [N/16, K/32, 8, 16, 4], fp32 scales [N/16, K/group, 16])."""
     n, k = q.shape
     n16 = (n + 15) // 16 * 16
     u = torch.full((n16, k), 128, dtype=torch.uint8)
@@ -167,17 +167,19 @@ class NativeDecode:
         bias = None if layer.bias is None else self._dense(layer.bias)
         if layer.bits == 8:
             scale = layer.scale.float() if layer.block_scales else layer.scale.float()[:, None].expand(n, k // BLOCK)
-            if scale.shape[1] != k // BLOCK:
-                raise native.NativeUnavailable(f"int8 scales per {k // scale.shape[1]} weights; the native step "
-                                               f"reads one per {BLOCK} or one per row")
+            group = k // scale.shape[1]
+            if group not in (BLOCK, BLOCK // 2):
+                raise native.NativeUnavailable(f"int8 scales per {group} weights; the native step reads one per "
+                                               f"{BLOCK} or {BLOCK // 2}, or one per row")
             data, scale = pack_q8(layer.q, scale)
-            self._keep += [data, scale]
-            return native.Linear(native.Q8, n, k, 0, data.data_ptr(), scale.data_ptr(), None, bias)
+            zero = None if layer.offset is None else _blocks(layer.offset, scale.shape[0] * 16)
+            self._keep += [t for t in (data, scale, zero) if t is not None]
+            return native.Linear(native.Q8 if group == BLOCK else native.Q8G16, n, k, 0, data.data_ptr(),
+                                 scale.data_ptr(), None if zero is None else zero.data_ptr(), bias)
         if layer.group != BLOCK:
             raise native.NativeUnavailable(f"int4 groups of {layer.group}; the native step reads groups of {BLOCK}")
         q = torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1).view(n, k)
-        scale, zero = layer.scale_zero[..., 0].t(), layer.scale_zero[..., 1].t()  # w = (q - 8) scale + zero
-        data, d, m = pack_q4(q, scale, zero - 8 * scale)
+        data, d, m = pack_q4(q, layer.scale, layer.offset)
         self._keep += [data, d, m]
         return native.Linear(native.Q4, n, k, 0, data.data_ptr(), d.data_ptr(), m.data_ptr(), bias)
 

@@ -68,22 +68,27 @@ def pack(model: CausalLM) -> None:
 
 def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.dtype, device: torch.device,
              source: Path | None) -> None:
-    """Weight-only int8 / int4 linear layers (CPU). A GGUF source's blocks are taken as they ship where their
-    format fits (Q8_0 under int8; Q4_0/Q4_1 under int4; a Q8_0 output projection under both); the output
-    projection is int8 either way (the most sensitive layer: llama.cpp's Q4 files keep it at 6-8 bits, the bundled
-    one at Q8_0)."""
+    """Weight-only quantized linear layers (CPU). A GGUF source's blocks are taken as they ship where their format
+    fits (model/gguf_quant.py's AS_SHIPPED); under ``gguf`` every layer is as the file has it, under int8 / int4
+    the rest is quantized, and the output projection is 8-bit either way (the most sensitive layer: llama.cpp's
+    Q4 files keep it at 6-8 bits, the bundled one at Q8_0)."""
     from radixserve.kernels.cpu_quant import quantize_linear, quantize_model
 
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only (torch's packed CPU kernels)")
-    bits = 8 if quantization == "int8" else 4
+    from_gguf = source is not None and source.suffix == ".gguf"
+    if quantization == "gguf" and not from_gguf:
+        raise ValueError("--quantization gguf serves a .gguf file's own blocks; this model is not a GGUF file: use "
+                         "int8 or int4 to quantize it")
     prebuilt = {}
-    if source is not None and source.suffix == ".gguf":
+    if from_gguf:
         from radixserve.model.gguf_quant import gguf_quant_linears
 
-        prebuilt = gguf_quant_linears(source, cfg, dtype, bits)
+        prebuilt = gguf_quant_linears(source, cfg, dtype, quantization)
         log.info("%s: %d linear layers taken from %s as they ship", quantization, len(prebuilt), source.name)
-    prebuilt.setdefault("lm_head", quantize_linear(model.lm_head, 8, dtype))
+    if quantization != "gguf":
+        prebuilt.setdefault("lm_head", quantize_linear(model.lm_head, 8, dtype))
+    bits = {"int8": 8, "int4": 4, "gguf": None}[quantization]
     swapped = quantize_model(model, bits, dtype, prebuilt)
     log.info("%s: %d linear layers quantized", quantization, swapped)
 

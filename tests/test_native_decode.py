@@ -206,7 +206,7 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _run_linear(lib, lin, x: torch.Tensor, amx: bool) -> torch.Tensor:
     rows = x.shape[0]
     y = torch.empty(rows, lin.n, dtype=x.dtype)
-    scratch = torch.empty(rows * (lin.k + lin.k // 32 * 8) + 64, dtype=torch.uint8)
+    scratch = torch.empty(rows * (lin.k + lin.k // 32 * 12) + 64, dtype=torch.uint8)
     lib.rs_linear(ctypes.byref(lin), int(x.dtype == torch.bfloat16), x.data_ptr(), rows, y.data_ptr(), int(amx),
                   scratch.data_ptr())
     return y
@@ -216,7 +216,7 @@ def _run_linear(lib, lin, x: torch.Tensor, amx: bool) -> torch.Tensor:
 def test_each_product_format_computes_what_it_promises(n, k):
     """One linear product through every format, against the formula the kernel documents, on shapes whose rows
     fill no 16-row block or tile evenly and 1..19 rows of input."""
-    from radixserve.model.native_decode import pack_dense, pack_q4, pack_q8
+    from radixserve.model.native_decode import _blocks, pack_dense, pack_q4, pack_q8
 
     lib = cpu_native.load(cpu_native.default_cache_dir())
     amx_ok = lib.rs_request_amx() == 1
@@ -243,6 +243,18 @@ def test_each_product_format_computes_what_it_promises(n, k):
         dots = torch.einsum("rbk,nbk->rnb", xq.double(), q8.double().view(n, k // 32, 32))
         want = (dots * d8.double()[None] * dx.double()[:, None]).sum(-1)
         torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+        # int8 blocks of 32 or 16 (GGUF's Q5_K / Q6_K) with an offset per block: w = d q + m
+        sums16 = xq.double().view(rows, k // 16, 16).sum(-1)
+        for group, form in ((32, cpu_native.Q8), (16, cpu_native.Q8G16)):
+            d, m = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3, torch.randn(n, k // group, generator=g) * 0.05
+            data, scale = pack_q8(q8, d)
+            zero = _blocks(m, scale.shape[0] * 16)
+            lin = cpu_native.Linear(form, n, k, 0, data.data_ptr(), scale.data_ptr(), zero.data_ptr(), None)
+            dots = torch.einsum("rbk,nbk->rnb", xq.double().view(rows, -1, group), q8.double().view(n, -1, group))
+            sums = sums16.view(rows, -1, group // 16).sum(-1)[:, None, :]
+            dx_g = dx.double().repeat_interleave(32 // group, dim=1)[:, None, :]
+            want = ((dots * d.double()[None] + m.double()[None] * sums) * dx_g).sum(-1)
+            torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
         q4 = torch.randint(0, 16, (n, k), generator=g)
         d4, m4 = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.05
         data, d16, m16 = pack_q4(q4, d4, m4)

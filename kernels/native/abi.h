@@ -50,7 +50,7 @@ namespace rs {
 inline int64_t row_start(const Step& st, int m) { return st.starts[m]; }
 inline int row_len(const Step& st, int m) { return int(st.lens[m]); }
 
-constexpr int kDense = 0, kQ8 = 1, kQ4 = 2;  // Linear.format
+constexpr int kDense = 0, kQ8 = 1, kQ4 = 2, kQ8G16 = 3;  // Linear.format
 constexpr int kBlock = 32;                   // weights per quantization block (along k)
 constexpr int kMaxGroup = 16;                // query heads per kv head
 constexpr int kMaxHeadDim = 256;

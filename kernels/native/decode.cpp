@@ -116,7 +116,7 @@ Scratch carve(const Model& md, int64_t rows, int64_t shared, void* base, int64_t
   const int64_t shares = 2 * int64_t(omp_get_max_threads()) * kMaxSplit;
   const int64_t sizes[9] = {rows * md.hidden * es, rows * qkv * es, rows * md.heads * md.head_dim * es,
                             rows * 2 * md.inter * es, rows * md.inter * es, rows * wide,
-                            rows * (wide / kBlock) * 4, rows * (wide / kBlock) * 4,
+                            rows * (wide / kBlock) * 4, rows * (wide / kBlock) * 8,
                             shares * (md.heads / md.kv_heads) * (md.head_dim + 2) * 4};
   void* parts[9];
   const int64_t off = lay_out(sizes, 9, base, parts);
@@ -228,7 +228,7 @@ void attention_alone(const Model& md, const Layer& ly, const Step& st, const T* 
 int32_t check(const Model& md) {
   if (md.heads % md.kv_heads || md.heads / md.kv_heads > kMaxGroup || md.head_dim > kMaxHeadDim) return 1;
   auto bad = [](const Linear& lin) {
-    return lin.format == kDense ? lin.k % 2 != 0 : (lin.format != kQ8 && lin.format != kQ4) || lin.k % kBlock != 0;
+    return lin.format == kDense ? lin.k % 2 != 0 : (lin.format < kQ8 || lin.format > kQ8G16) || lin.k % kBlock != 0;
   };
   for (int l = 0; l < md.layers; ++l) {
     const Layer& ly = md.layer[l];
@@ -249,7 +249,7 @@ int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t shared) {
   return total;
 }
 
-int32_t rs_abi_version() { return 4; }
+int32_t rs_abi_version() { return 5; }
 
 // The vector instructions this build uses: "avx512" or "avx2" (simd.h)
 const char* rs_isa() { return kIsa; }
@@ -268,7 +268,7 @@ void rs_attention(const Model* md, int32_t layer, const Step* st, const void* qk
   }
 }
 
-// One product (tests): scratch of rows * (k + k / 32 * 8) bytes for a quantized W
+// One product (tests): scratch of rows * (k + k / 32 * 12) bytes for a quantized W
 void rs_linear(const Linear* lin, int32_t bf16, const void* x, int32_t rows, void* y, int32_t amx, void* scratch) {
   if (bf16) {
     linear_alone(*lin, static_cast<const uint16_t*>(x), rows, static_cast<uint16_t*>(y), amx != 0, scratch);

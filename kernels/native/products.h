@@ -195,20 +195,21 @@ inline void release_tiles() {}
 #endif
 
 // ---- quantized products ----
-// Weights in blocks of 16 output rows x 32 k (packed by kernels/cpu_native.py), each 32 k of a row with a scale d
-// (and for q4 an offset m): w = d q + m.
+// Weights in blocks of 16 output rows x 32 k (packed by model/native_decode.py), each 32 k of a row with a scale d
+// (and for q4, and q8 where ``zero`` is given, an offset m): w = d q + m.
 //   q8: 8 groups of 4 k, each 16 lanes x 4 bytes of q + 128 (u8)                                  512 bytes
 //   q4: 4 groups of 8 k, each 16 lanes x 4 bytes: low nibble q[k0 + b], high nibble q[k0 + 4 + b]  256 bytes
-//   scale: q8 fp32, q4 fp16 [n/16][k/32][16] (d); zero: q4 fp16, the same layout (m)
-// The activations are quantized per row and 32 k to int8 (xq = round(x / dx), dx = max|x| / 127, and sum(xq)),
-// as llama.cpp does for its quantized CPU products, so a block's dot product is integer (VNNI's u8 x s8 dpbusd;
-// AVX2's maddubs, simd.h):
+//   scale: q8 fp32, q4 fp16 [n/16][k/32][16] (d); zero: q4 fp16, q8 fp32 or null, the same layout (m)
+//   q8g16: q8's bytes with a scale (and, where ``zero`` is given, an offset) per 16 k: fp32 [n/16][k/16][16]
+// The activations are quantized per row and 32 k to int8 (xq = round(x / dx), dx = max|x| / 127, and the sums of
+// xq over each 16), as llama.cpp does for its quantized CPU products, so a block's dot product is integer (VNNI's
+// u8 x s8 dpbusd; AVX2's maddubs, simd.h):
 //   sum_k x w = dx (d sum_k q xq + m sum_k xq);  q8 stores q + 128: sum_k (q + 128) xq - 128 sum_k xq (kQ8Offset).
 
 struct QuantRows {  // a product's input rows, quantized (scratch)
   int8_t* q;        // [rows, k]
   float* d;         // [rows, k / 32]
-  int32_t* sum;     // [rows, k / 32]
+  int32_t* sum;     // [rows, k / 16]
 };
 
 template <class T>
@@ -221,7 +222,7 @@ inline void quantize_rows(const T* x, int rows, int k, const QuantRows& out) {
       const V16 lo = load16(x + at, 0xffff), hi = load16(x + at + 16, 0xffff);
       const float amax = reduce_max(vmax(vabs(lo), vabs(hi)));
       const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      out.sum[int64_t(m) * blocks + b] = quantize32(lo, hi, inv, out.q + at);
+      quantize32(lo, hi, inv, out.q + at, out.sum + (int64_t(m) * blocks + b) * 2);
       out.d[int64_t(m) * blocks + b] = d;
     }
 }
@@ -230,21 +231,26 @@ constexpr int kQRowTile = 4, kQColTile = 2;  // integer and float accumulators: 
 
 template <int Format, int MR, int NB>
 void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc) {
+  constexpr bool q8 = Format != kQ4;
+  constexpr int halves = Format == kQ8G16 ? 2 : 1;  // dot products (and scales) per 32 k
   const int blocks = k / kBlock;
-  const int64_t wbytes = Format == kQ8 ? 512 : 256;  // per 16 rows x 32 k
+  const int64_t wbytes = q8 ? 512 : 256;  // per 16 rows x 32 k
   const uint8_t* w = static_cast<const uint8_t*>(lin.w) + int64_t(b) * blocks * wbytes;
   V16 a[MR][NB];
   zero<MR, NB>(a);
   for (int blk = 0; blk < blocks; ++blk) {
-    I16 dot[MR][NB];
+    I16 dot[halves][MR][NB];
+#pragma GCC unroll 2
+    for (int h = 0; h < halves; ++h)
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r)
+      for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) dot[r][j] = izero16();
+        for (int j = 0; j < NB; ++j) dot[h][r][j] = izero16();
     const uint8_t* wb = w + blk * wbytes;
-    if constexpr (Format == kQ8) {
+    if constexpr (q8) {
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
+        constexpr int per_half = 8 / halves;
         I16 wv[NB];
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) wv[j] = load_i16(wb + j * blocks * wbytes + g * 64);
@@ -253,7 +259,7 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
           int32_t quad;
           std::memcpy(&quad, x.q + int64_t(m0 + r) * k + blk * kBlock + g * 4, 4);
 #pragma GCC unroll 4
-          for (int j = 0; j < NB; ++j) dot[r][j] = dot_q8(dot[r][j], wv[j], quad);
+          for (int j = 0; j < NB; ++j) dot[g / per_half][r][j] = dot_q8(dot[g / per_half][r][j], wv[j], quad);
         }
       }
     } else {
@@ -269,28 +275,33 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
           std::memcpy(&q0, xq, 4);
           std::memcpy(&q1, xq + 4, 4);
 #pragma GCC unroll 4
-          for (int j = 0; j < NB; ++j) dot[r][j] = dot_u4(dot_u4(dot[r][j], lo[j], q0), hi[j], q1);
+          for (int j = 0; j < NB; ++j) dot[0][r][j] = dot_u4(dot_u4(dot[0][r][j], lo[j], q0), hi[j], q1);
         }
       }
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) {
-      const int64_t at = (int64_t(b + j) * blocks + blk) * 16;
-      V16 d, c;
-      if constexpr (Format == kQ8) {
-        d = loadu(static_cast<const float*>(lin.scale) + at);
-        c = d * set1(-kQ8Offset);
-      } else {
-        d = load_halves(static_cast<const uint16_t*>(lin.scale) + at);
-        c = load_halves(static_cast<const uint16_t*>(lin.zero) + at);
-      }
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 2
+      for (int h = 0; h < halves; ++h) {
+        const int64_t at = ((int64_t(b + j) * blocks + blk) * halves + h) * 16;
+        V16 d, c;
+        if constexpr (Format == kQ4) {
+          d = load_halves(static_cast<const uint16_t*>(lin.scale) + at);
+          c = load_halves(static_cast<const uint16_t*>(lin.zero) + at);
+        } else {
+          d = loadu(static_cast<const float*>(lin.scale) + at);
+          c = d * set1(-kQ8Offset);
+          if (lin.zero) c = c + loadu(static_cast<const float*>(lin.zero) + at);
+        }
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) {
-        const int64_t xi = int64_t(m0 + r) * blocks + blk;
-        const V16 t = fmadd(d, to_float(dot[r][j]), c * set1(float(x.sum[xi])));
-        a[r][j] = fmadd(set1(x.d[xi]), t, a[r][j]);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t xi = int64_t(m0 + r) * blocks + blk;
+          const int32_t* sums = x.sum + xi * 2;
+          const int32_t sum = halves == 2 ? sums[h] : sums[0] + sums[1];
+          const V16 t = fmadd(d, to_float(dot[h][r][j]), c * set1(float(sum)));
+          a[r][j] = fmadd(set1(x.d[xi]), t, a[r][j]);
+        }
       }
-    }
   }
   hand_over<MR, NB>(a, acc);
 }
@@ -325,7 +336,10 @@ inline void product(const T* x, const QuantRows& qx, int rows, const Linear& lin
       const int nb = std::min(kQColTile, b1 - b);
       for (int m = 0; m < rows; m += kQRowTile) {
         const int mr = std::min(kQRowTile, rows - m);
-        (lin.format == kQ8 ? quant_tile_for<kQ8>(mr, nb) : quant_tile_for<kQ4>(mr, nb))(qx, m, lin.k, lin, b, acc);
+        const QuantTileFn tile = lin.format == kQ8    ? quant_tile_for<kQ8>(mr, nb)
+                                 : lin.format == kQ4  ? quant_tile_for<kQ4>(mr, nb)
+                                                      : quant_tile_for<kQ8G16>(mr, nb);
+        tile(qx, m, lin.k, lin, b, acc);
         for (int j = 0; j < nb; ++j)
           for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, acc[r][j]);
       }

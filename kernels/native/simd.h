@@ -133,13 +133,14 @@ inline V16 to_float(I16 v) { return _mm512_cvtepi32_ps(v); }
 inline V16 load_halves(const uint16_t* p) {  // 16 fp16 values as fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// 32 values times inv to int8 (nearest, ties to even; saturated) into out; returns their sum
-inline int32_t quantize32(V16 lo, V16 hi, float inv, int8_t* out) {
+// 32 values times inv to int8 (nearest, ties to even; saturated) into out; the sums of each 16 into sums[0..1]
+inline void quantize32(V16 lo, V16 hi, float inv, int8_t* out, int32_t* sums) {
   const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
   const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qlo));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qhi));
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  sums[0] = _mm512_reduce_add_epi32(qlo);
+  sums[1] = _mm512_reduce_add_epi32(qhi);
 }
 
 #else
@@ -327,7 +328,13 @@ inline V16 load_halves(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
-inline int32_t quantize32(V16 lo, V16 hi, float inv, int8_t* out) {
+inline int32_t sum8x2(__m256i a, __m256i b) {  // the 16 int32 lanes of a and b added up
+  const __m256i sum = _mm256_add_epi32(a, b);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+}
+inline void quantize32(V16 lo, V16 hi, float inv, int8_t* out, int32_t* sums) {
   const __m256 s = _mm256_set1_ps(inv);
   const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(lo.lo, s)), b = _mm256_cvtps_epi32(_mm256_mul_ps(lo.hi, s));
   const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(hi.lo, s)), d = _mm256_cvtps_epi32(_mm256_mul_ps(hi.hi, s));
@@ -335,10 +342,8 @@ inline int32_t quantize32(V16 lo, V16 hi, float inv, int8_t* out) {
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+  sums[0] = sum8x2(a, b);
+  sums[1] = sum8x2(c, d);
 }
 #endif
 

@@ -1,0 +1,113 @@
+"""GGUF files served from their blocks (``--quantization gguf``, model/gguf_quant.py): every block format radixserve
+reads decodes to the values gguf's own dequantization gives, a Q4_K_M-style file's layers hold exactly the weights
+transformers dequantizes from it, its greedy tokens are those of the dequantized model, the native decode step
+reads the same blocks, and what is not read is refused by tensor name and type."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_blocks, write_gguf
+from torch import nn
+
+from radixserve import Engine
+from radixserve.kernels import cpu_native
+from radixserve.kernels.cpu_quant import QuantLinear
+from radixserve.model.gguf_quant import AS_SHIPPED, Blocks, _as_layer, decode_blocks
+
+FORMATS = sorted(set(AS_SHIPPED["gguf"][0]))
+PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [11, 12, 13, 99, 98], [5, 4000, 77]]
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_every_format_decodes_to_ggufs_own_values(kind):
+    """Random blocks (every bit pattern of the integers, scales and packed high bits) of each format: equal to
+    gguf.quants.dequantize, value for value (a zero's sign aside: Q4_0's (q - 8) d is -0 where d < 0, our
+    q d - 8 d is +0), and the int8 / int4 layer built from them dequantizes to the same float32 weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_blocks(kind, 16, 512, seed=len(kind))
+    want = dequantize(raw, GGMLQuantizationType[kind]).reshape(16, 512)
+    blocks = decode_blocks(raw, kind)
+    assert np.array_equal(blocks.dequantized(), want)
+    layer = _as_layer([blocks], torch.float32)
+    assert layer.bits == blocks.bits
+    assert torch.equal(layer.dequantized(), torch.from_numpy(want))
+
+
+def test_shards_in_different_formats_fuse_into_one_layer_holding_each_ones_weights():
+    """A Q4_K_M file's q and k in Q4_K beside v in Q6_K: one 8-bit layer with a scale and offset per 16 weights."""
+    shards = [decode_blocks(random_blocks(kind, rows, 256, seed=rows), kind)
+              for kind, rows in (("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 16))]
+    layer = _as_layer(shards, torch.float32)
+    assert (layer.bits, layer.group) == (8, 16) and layer.offset is not None
+    want = np.concatenate([s.dequantized() for s in shards])
+    assert torch.equal(layer.dequantized(), torch.from_numpy(want))
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M.gguf", {})
+
+
+@pytest.fixture(scope="module")
+def engines(q4_k_m):
+    kwargs = dict(dtype="float32", decode_kernel="eager", max_total_tokens=600, chunked_prefill_size=7,
+                  check_invariants=True)
+    quantized, reference = Engine(str(q4_k_m), quantization="gguf", **kwargs), Engine(str(q4_k_m), **kwargs)
+    yield quantized, reference
+    quantized.shutdown()
+    reference.shutdown()
+
+
+def test_a_q4_k_m_file_is_served_from_its_blocks(engines):
+    """Every linear layer is a quantized one holding bit for bit the weights transformers dequantized from the
+    file (q/k rows put back in HF order), the layers in Q4_K as int4, Q6_K as int8 per 16 weights."""
+    quantized, reference = engines
+    layers = {n: m for n, m in quantized.runner.model.named_modules() if isinstance(m, QuantLinear)}
+    assert not any(isinstance(m, nn.Linear) for m in quantized.runner.model.modules())
+    assert len(layers) == 4 * 2 + 1
+    assert (layers["model.layers.0.mlp.gate_up_proj"].bits, layers["model.layers.0.mlp.down_proj"].group) == (4, 16)
+    want = dict(reference.runner.model.named_parameters())
+    for name, layer in layers.items():
+        assert torch.equal(layer.dequantized(), want[name + ".weight"]), name
+
+
+def test_greedy_tokens_are_the_dequantized_models(engines):
+    """Cache on, prefill chunked by 7 tokens, invariants checked each step; twice (the second on cached prefixes)."""
+    quantized, reference = engines
+    for _ in range(2):
+        got = [r["output_ids"] for r in quantized.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        want = [r["output_ids"] for r in reference.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        assert got == want
+    assert len({t for ids in want for t in ids}) > 3, "a model this degenerate would show nothing"
+
+
+def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
+    """The native decode step on the file's blocks (Q4_K as q4, Q6_K and the fused q/k/v as q8 per 16 with
+    offsets; activations quantized per 32 as llama.cpp does): the same greedy tokens as the eager path, mostly."""
+    if cpu_native.unavailable_reason("float32"):
+        pytest.skip(cpu_native.unavailable_reason("float32"))
+    with Engine(str(q4_k_m), quantization="gguf", dtype="float32", decode_kernel="native") as native:
+        layer = native.runner.native.desc.layer[0]
+        assert (layer.qkv.format, layer.gate_up.format, layer.down.format) == (
+            cpu_native.Q8G16, cpu_native.Q4, cpu_native.Q8G16)
+        got = [r["output_ids"] for r in native.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    want = [r["output_ids"] for r in engines[0].generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    assert same >= 0.75 * sum(map(len, want)), (got, want)
+
+
+def test_what_is_not_read_is_refused_by_tensor_and_type(tmp_path):
+    path = write_gguf(tmp_path / "q2.gguf", {"blk.1.ffn_up": "Q2_K"})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight is Q2_K"):
+        Engine(str(path), quantization="gguf", dtype="float32")
+
+
+def test_gguf_needs_a_gguf_file(tiny_models):
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        Engine(str(tiny_models["llama"]), quantization="gguf", dtype="float32")
