@@ -73,16 +73,16 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    """llama-server on 2 threads with STREAMS parallel slots of ``slot_tokens`` each (prompt caching on, as it
+    """llama-server on 2 threads with ``slots`` parallel slots of ``slot_tokens`` each (prompt caching on, as it
     ships: the bench's shared-prefix and multi-turn stages measure it; the speed runs here ask it not to)."""
 
     path = "/completion"
 
-    def __init__(self, gguf, slot_tokens: int = 4096) -> None:
+    def __init__(self, gguf, slot_tokens: int = 4096, slots: int = STREAMS) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen([str(llama_cpp.binary("llama-server")), "-m", str(gguf), "--port",
                                       self.url.rsplit(":", 1)[1], "-t", "2", "-tb", "2", "-c",
-                                      str(slot_tokens * STREAMS), "-np", str(STREAMS)],
+                                      str(slot_tokens * slots), "-np", str(slots)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(600):
             try:

@@ -137,31 +137,43 @@ def staged(hf_folder: Path) -> Path:
     return out
 
 
-def gguf_files(hf_folder: Path) -> dict[str, Path]:
-    """{"bf16", "q8_0", "q4_0", "q4_1"} -> GGUF files of the same weights."""
-    build()
-    files = {"q4_1": bundled_gguf()}
-    bf16 = ROOT / "models" / "model-bf16.gguf"
-    if not bf16.exists():
-        bf16.parent.mkdir(parents=True, exist_ok=True)
+def converted(hf_folder: Path, out: Path) -> Path:
+    """A BF16 GGUF file of ``hf_folder``'s weights made by llama.cpp's own converter (kept: made once)."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
         deps = ROOT / "pydeps"  # the converter imports sentencepiece; kept out of radixserve's environment
         if not (deps / "sentencepiece").exists():
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(deps),
                             "sentencepiece"], capture_output=True, text=True)
         env = {**os.environ, "PYTHONPATH": str(deps)}
+        tmp = out.with_name(out.name + ".tmp")
         proc = subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(staged(hf_folder)),
-                               "--outtype", "bf16", "--outfile", str(bf16)], capture_output=True, text=True, env=env)
+                               "--outtype", "bf16", "--outfile", str(tmp)], capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise Unavailable(f"llama.cpp's converter failed: {proc.stderr.strip()[-500:]}")
-    files["bf16"] = bf16
+        tmp.rename(out)
+    return out
+
+
+def quantized(bf16: Path, out: Path, kind: str) -> Path:
+    """``llama-quantize``'s ``kind`` (Q8_0, Q4_0, Q4_K_M, ...) of a BF16 GGUF file (kept: made once)."""
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        proc = subprocess.run([str(binary("llama-quantize")), str(bf16), str(tmp), kind.upper()],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise Unavailable(f"llama-quantize {kind} failed: {proc.stderr.strip()[-300:]}")
+        tmp.rename(out)
+    return out
+
+
+def gguf_files(hf_folder: Path) -> dict[str, Path]:
+    """{"bf16", "q8_0", "q4_0", "q4_1"} -> GGUF files of the same weights."""
+    build()
+    bf16 = converted(hf_folder, ROOT / "models" / "model-bf16.gguf")
+    files = {"q4_1": bundled_gguf(), "bf16": bf16}
     for kind in ("q8_0", "q4_0"):
-        out = ROOT / "models" / f"model-{kind}.gguf"
-        if not out.exists():
-            proc = subprocess.run([str(binary("llama-quantize")), str(bf16), str(out), kind.upper()],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise Unavailable(f"llama-quantize {kind} failed: {proc.stderr.strip()[-300:]}")
-        files[kind] = out
+        files[kind] = quantized(bf16, ROOT / "models" / f"model-{kind}.gguf", kind)
     return files
 
 

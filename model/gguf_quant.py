@@ -21,8 +21,9 @@ GGUF block layouts (ggml), along a row; every block decodes to ``w = q * scale +
 
 Each product ``q * scale`` is exact in float32 (at most 6 + 19 bits), so ``q * scale + offset`` rounds once, as
 gguf's own dequantization does: the decoded weights equal it bit for bit (tests/test_gguf_quant.py).
-llama.cpp's converter reorders the rows of Llama's q/k projections for its rotary layout; that is undone here (rows
-only, so the blocks inside a row are untouched), as transformers undoes it when it dequantizes.
+llama.cpp's converter reorders the rows of Llama's (and Mistral's) q/k projections for its rotary layout; that is
+undone here (rows only, so the blocks inside a row are untouched), as transformers undoes it when it dequantizes.
+Qwen2's rows ship in HF order; its q/k/v biases come with the dequantized checkpoint.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ AS_SHIPPED = {  # --quantization -> (the decoder layers' formats taken as they s
     "int8": (INT8_TYPES, INT8_TYPES),
     "int4": (INT4_TYPES, INT8_TYPES),
 }
-ARCHITECTURES = ("llama", "mistral")  # whose GGUF tensors map onto our modules as above
+PERMUTED = ("llama", "mistral")  # architectures whose q/k rows llama.cpp's converter reorders
+ARCHITECTURES = (*PERMUTED, "qwen2")  # whose GGUF tensors map onto our modules as above
 
 
 @dataclass
@@ -187,7 +189,7 @@ def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantiz
         if quantization == "gguf":
             raise ValueError(f"--quantization gguf reads the blocks of {', '.join(ARCHITECTURES)} GGUF files; this "
                              f"one is {cfg.model_type}: serve it without --quantization (dequantized) or with int8")
-        return {}  # the q/k row order is Llama's; other architectures take the general path
+        return {}  # other architectures' tensors take the general path
     layer_kinds, head_kinds = AS_SHIPPED[quantization]
     parts: dict[str, dict[str | None, Blocks | None]] = {}
     for t in GGUFReader(path).tensors:
@@ -204,7 +206,7 @@ def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantiz
             parts.setdefault(name, {})[shard] = None  # one shard in another format: the whole layer is
             continue
         blocks = decode_blocks(np.asarray(t.data), kind)
-        if shard in ("q", "k"):
+        if shard in ("q", "k") and cfg.model_type in PERMUTED:
             heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
             blocks = blocks.rows(unpermute_rows(np.arange(blocks.q.shape[0]), heads))
         parts.setdefault(name, {})[shard] = blocks

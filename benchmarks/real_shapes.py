@@ -1,0 +1,333 @@
+"""The sizes people serve, against llama.cpp's server: random-weight checkpoints of common 1-8B shapes (made here
+with transformers, never downloaded; SmolLM2's tokenizer), each served by radixserve and by llama.cpp's
+``llama-server`` (built natively, benchmarks/llama_cpp.py) from the same weights at three precisions, both on 2
+threads, taking turns measurement by measurement:
+
+- BF16: radixserve on the HF folder (bf16, its default decode kernel), llama.cpp on its own converter's BF16 file;
+- Q8_0 and Q4_K_M: both on the very file ``llama-quantize`` makes from that BF16 one (radixserve with
+  ``--quantization gguf``: every layer from its blocks).
+
+Measured: decode tok/s at batch 1, 8 and 32 (that many different prompts at once, non-streamed, first 8 and then
+8 + N new tokens each: the decode rate is the difference, so prefill and start-up cancel); prefill tok/s at 512
+and 2048 tokens (one prompt of that many token ids, one new token, no prompt cache); and the fraction of the
+machine's limits each reaches, measured in the same run (benchmarks/machine.py): decode at batch 1 against reading
+the file's linear weights once per token at the memory copy bandwidth (read + written bytes/s), prefill against the
+bf16 matmul peak.
+
+    python benchmarks/real_shapes.py [--quick] [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b]
+
+Llama-3.1-8B runs only where the machine's memory holds three copies of its bf16 weights (both servers and the
+checkpoint being made); otherwise the stage says it skipped it and why.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+import llama_cpp
+import machine
+from cpu_peer import LlamaServer, Ours
+from stage_results import load_stage, machine as machine_info, save_stage
+
+from radixserve.model.config import ModelConfig
+from radixserve.model.loader import load_configs, resolve_model
+
+STAGE = "shapes"
+SHAPES = {  # name: (transformers config class, its arguments); vocab: the tokenizer's
+    "llama-3.2-1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                         tie_word_embeddings=True, rope_theta=500000.0)),
+    "qwen2.5-1.5b": ("Qwen2Config", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                                         rope_theta=1000000.0)),
+    "llama-3.1-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                         tie_word_embeddings=False, rope_theta=500000.0)),
+}
+DEFAULT_SHAPES = ("llama-3.2-1b", "qwen2.5-1.5b")
+PRECISIONS = ("bf16", "q8_0", "q4_k_m")
+BATCHES = (1, 8, 32)
+PREFILLS = (512, 2048)
+FIRST = 8  # new tokens of the short run; the long run adds the measured ones
+TARGETS = {"decode_1": 1.0, "decode_8": 1.5, "prefill_512": 1.2, "prefill_2048": 1.2, "bandwidth": 0.9}
+ROOT = llama_cpp.ROOT.parent / "shapes"
+
+
+def params_of(kind: str, args: dict, vocab: int) -> int:
+    h, i, layers = args["hidden_size"], args["intermediate_size"], args["num_hidden_layers"]
+    hd = args.get("head_dim", h // args["num_attention_heads"])
+    q, kv = args["num_attention_heads"] * hd, args["num_key_value_heads"] * hd
+    embed = vocab * h * (1 if args["tie_word_embeddings"] else 2)
+    return layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + embed
+
+
+def checkpoint(name: str) -> Path:
+    """The shape's random bf16 checkpoint with SmolLM2's tokenizer (made once, kept under ~/.cache)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = ROOT / name / "hf"
+    if (out / "config.json").exists():
+        return out
+    tokenizer_from = resolve_model(None).path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    kind, args = SHAPES[name]
+    cfg = getattr(transformers, kind)(vocab_size=len(tokenizer), max_position_embeddings=8192,
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      **args)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    tmp = out.with_name("hf.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    del model
+    tmp.rename(out)
+    return out
+
+
+def files(name: str) -> dict[str, Path]:
+    """precision -> the GGUF file llama.cpp serves (and radixserve too, but for BF16)."""
+    llama_cpp.build()
+    bf16 = llama_cpp.converted(checkpoint(name), ROOT / name / "model-bf16.gguf")
+    return {"bf16": bf16, **{p: llama_cpp.quantized(bf16, ROOT / name / f"model-{p}.gguf", p) for p in PRECISIONS[1:]}}
+
+
+def linear_bytes(gguf: Path) -> int:
+    """Bytes of the linear layers' weights in a GGUF file: what one decode step reads at least (the output
+    projection whole; with tied embeddings that is token_embd)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf).tensors}
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    return head + sum(n for name, n in tensors.items() if name.startswith("blk.") and name.endswith(".weight")
+                      and any(part in name for part in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv",
+                                                         "ffn_gate", "ffn_up", "ffn_down")))
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(count)]
+
+
+def timed_batch(system, batch: list[list[int]], new: int) -> float:
+    """Seconds until every prompt of ``batch`` (sent at once) has ``new`` tokens."""
+    if isinstance(system, Ours):
+        httpx.post(system.url + "/flush_cache", timeout=60)
+
+    def one(ids: list[int]) -> None:
+        body = system.body(ids, new, False)
+        httpx.post(system.url + system.path, json=body, timeout=1800).raise_for_status()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(batch)) as pool:
+        list(pool.map(one, batch))
+    return time.perf_counter() - start
+
+
+def decode_rate(system, batch: int, new: int, seed: int) -> float:
+    """Decode tok/s of ``batch`` streams: the extra tokens of a long run over its extra time."""
+    ids = prompts(batch, 16, seed)
+    short, long = timed_batch(system, ids, FIRST), timed_batch(system, ids, FIRST + new)
+    return batch * new / max(long - short, 1e-9)
+
+
+def prefill_rate(system, length: int, seed: int) -> float:
+    return length / timed_batch(system, prompts(1, length, seed), 1)
+
+
+def measure_shape(name: str, quick: bool, repeats: int) -> dict:
+    gguf = files(name)
+    folder = checkpoint(name)
+    cfg = ModelConfig.from_hf(*load_configs(folder))
+    costs = machine.model_costs(cfg)
+    new = {1: 32 if quick else 64, 8: 32 if quick else 64, 32: 16 if quick else 32}
+    rows = []
+    for precision in tqdm(PRECISIONS, desc=name, leave=False):
+        ours_flags = (["--model-path", str(folder)] if precision == "bf16" else
+                      ["--model-path", str(gguf[precision]), "--quantization", "gguf"])
+        systems = {"radixserve": Ours([*ours_flags, "--max-total-tokens", "8192"]),
+                   "llama.cpp": LlamaServer(gguf[precision], slot_tokens=max(PREFILLS) + 64, slots=max(BATCHES))}
+        runs: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
+        try:
+            for system in systems.values():  # warm-up: first requests set up kernels and pools
+                timed_batch(system, prompts(2, 16, 0), 4)
+            for r in range(repeats):
+                order = list(systems.items())[:: 1 if r % 2 == 0 else -1]
+                for b in BATCHES:
+                    for label, system in order:
+                        runs[label].setdefault(f"decode_{b}", []).append(decode_rate(system, b, new[b], 10 * r + b))
+                for length in PREFILLS:
+                    for label, system in order:
+                        runs[label].setdefault(f"prefill_{length}", []).append(prefill_rate(system, length, r))
+        finally:
+            for system in systems.values():
+                system.stop()
+        weight_bytes = linear_bytes(gguf[precision])
+        for label, measured in runs.items():
+            row = {"shape": name, "precision": precision, "system": label, "runs": measured,
+                   **{k: statistics.median(v) for k, v in measured.items()}, "weight_bytes": weight_bytes}
+            row["bandwidth_bytes_s"] = row["decode_1"] * weight_bytes
+            row["prefill_flops_s"] = {str(n): row[f"prefill_{n}"] * machine.prefill_flops_per_token(costs, n)
+                                      for n in PREFILLS}
+            rows.append(row)
+    return {"params": costs["linear_params"], "config": SHAPES[name][1], "rows": rows}
+
+
+def fits(name: str) -> str | None:
+    """None, or why this machine cannot hold the shape (three copies of its bf16 weights)."""
+    need = 3 * 2 * params_of(SHAPES[name][0], SHAPES[name][1], 49152)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None if need <= have else f"needs about {need / 2**30:.0f} GiB of memory, this machine has {have / 2**30:.0f}"
+
+
+def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repeats: int = 2) -> dict:
+    try:
+        llama_cpp.build()
+    except llama_cpp.Unavailable as exc:
+        return {"skipped": str(exc)}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    info = machine_info()
+    limits = {"copy_bandwidth_bytes_s": machine.copy_bandwidth(), "matmul_peak_flops_s": machine.matmul_peak()}
+    res = {"started": started, "machine": info, "quick": quick, "repeats": 1 if quick else repeats,
+           "limits": limits, "shapes": {}, "skipped_shapes": {}}
+    for name in tqdm(shapes, desc="shapes"):
+        why = fits(name)
+        if why:
+            res["skipped_shapes"][name] = why
+            continue
+        try:
+            res["shapes"][name] = measure_shape(name, quick, res["repeats"])
+        except llama_cpp.Unavailable as exc:
+            res["skipped_shapes"][name] = str(exc)
+    again = {"copy_bandwidth_bytes_s": machine.copy_bandwidth(), "matmul_peak_flops_s": machine.matmul_peak()}
+    res["limits"] = {k: max(limits[k], again[k]) for k in limits}  # the best of the run's start and end
+    return res
+
+
+def ratios(res: dict) -> list[dict]:
+    """Per shape and precision: radixserve / llama.cpp for every measure, and each one's limit fractions."""
+    out = []
+    bw, peak = res["limits"]["copy_bandwidth_bytes_s"], res["limits"]["matmul_peak_flops_s"]
+    for name, shape in res["shapes"].items():
+        for precision in PRECISIONS:
+            pair = {r["system"]: r for r in shape["rows"] if r["precision"] == precision}
+            if len(pair) < 2:
+                continue
+            ours, theirs = pair["radixserve"], pair["llama.cpp"]
+            row = {"shape": name, "precision": precision}
+            for key in [f"decode_{b}" for b in BATCHES] + [f"prefill_{n}" for n in PREFILLS]:
+                row[key] = ours[key] / theirs[key]
+            for label, r in pair.items():
+                row[f"{label} bandwidth"] = r["bandwidth_bytes_s"] / bw
+                row[f"{label} matmul"] = max(r["prefill_flops_s"].values()) / peak
+            out.append(row)
+    return out
+
+
+def table(res: dict) -> str:
+    keys = [f"decode_{b}" for b in BATCHES] + [f"prefill_{n}" for n in PREFILLS]
+    head = f"{'shape':14} {'precision':9} {'system':11}" + "".join(f"{k:>14}" for k in keys) + f"{'bandwidth':>11}"
+    lines = [head, "-" * len(head)]
+    bw = res["limits"]["copy_bandwidth_bytes_s"]
+    for name, shape in res["shapes"].items():
+        for r in shape["rows"]:
+            lines.append(f"{name:14} {r['precision']:9} {r['system']:11}" + "".join(f"{r[k]:>14.1f}" for k in keys)
+                         + f"{r['bandwidth_bytes_s'] / bw:>10.0%}")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = ratios(res)
+    keys = [f"decode_{b}" for b in BATCHES] + [f"prefill_{n}" for n in PREFILLS]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    labels = [f"{r['shape']}\n{r['precision']}" for r in rows]
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        ax.bar([x + i * width for x in range(len(rows))], [r[key] for r in rows], width, label=key.replace("_", " "))
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=8)
+    ax.set(ylabel="radixserve / llama.cpp (tok/s)",
+           title=f"real shapes vs llama.cpp's server (2 threads each; {res['machine'].get('cpu', '')})")
+    ax.legend(fontsize=8, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def load(results_dir: Path) -> dict | None:
+    return load_stage(results_dir, STAGE)
+
+
+def save(res: dict, results_dir: Path) -> None:
+    save_stage(res, results_dir, STAGE)
+    if res.get("shapes"):
+        plot(res, results_dir / "real_shapes.png")
+
+
+def section(res: dict, targets: list[str], check) -> list[str]:
+    m = res["machine"]
+    L = ["## Real shapes vs llama.cpp (1-8B, random weights)", "",
+         f"Measured {res['started']} on commit {m['commit']}, {m['cpu']}, {m['cpus_in_mask']} CPUs "
+         "(`python benchmarks/real_shapes.py`; 2 threads each, taking turns measurement by measurement, medians of "
+         f"{res['repeats']} run(s)). Random-weight checkpoints of each shape with SmolLM2's tokenizer; BF16: "
+         "radixserve on the HF folder, llama.cpp on its converter's BF16 file; Q8_0 and Q4_K_M: both on the file "
+         "llama-quantize makes (radixserve `--quantization gguf`). Decode: N prompts at once, the rate from the "
+         "difference of two lengths; prefill: one prompt, no prompt cache. Limits measured in the run: memory copy "
+         f"{res['limits']['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, bf16 matmul "
+         f"{res['limits']['matmul_peak_flops_s'] / 1e9:.0f} GFLOP/s.", ""]
+    for name, why in res.get("skipped_shapes", {}).items():
+        L.append(f"- {name}: not run: {why}")
+    keys = [f"decode_{b}" for b in BATCHES] + [f"prefill_{n}" for n in PREFILLS]
+    L += ["", "tok/s (and radixserve / llama.cpp):", "",
+          "| shape | precision | " + " | ".join(k.replace("_", " ") for k in keys) + " | batch 1 bandwidth (ours / theirs) |",
+          "|---|---|" + "---|" * (len(keys) + 1)]
+    for r in ratios(res):
+        pair = {x["system"]: x for x in res["shapes"][r["shape"]]["rows"] if x["precision"] == r["precision"]}
+        cells = [f"{pair['radixserve'][k]:.1f} / {pair['llama.cpp'][k]:.1f} ({r[k]:.2f}x)" for k in keys]
+        L.append(f"| {r['shape']} | {r['precision']} | " + " | ".join(cells)
+                 + f" | {r['radixserve bandwidth']:.0%} / {r['llama.cpp bandwidth']:.0%} |")
+        what = f"shapes, {r['shape']} {r['precision']}"
+        targets.append(check(f"{what}: batch 1 vs llama.cpp", r["decode_1"], r["decode_1"] >= TARGETS["decode_1"],
+                             ">= 1.0x"))
+        targets.append(check(f"{what}: batch 1 share of the bandwidth limit", r["radixserve bandwidth"],
+                             r["radixserve bandwidth"] >= TARGETS["bandwidth"], ">= 90%"))
+        targets.append(check(f"{what}: batch 8 vs llama.cpp", r["decode_8"], r["decode_8"] >= TARGETS["decode_8"],
+                             ">= 1.5x"))
+        for n in PREFILLS:
+            targets.append(check(f"{what}: prefill {n} vs llama.cpp", r[f"prefill_{n}"],
+                                 r[f"prefill_{n}"] >= TARGETS[f"prefill_{n}"], ">= 1.2x"))
+    return L + ["", "![real shapes](real_shapes.png)", ""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    res = measure(args.quick, tuple(args.shapes.split(",")), args.repeats)
+    if "skipped" in res:
+        raise SystemExit(f"llama.cpp unavailable: {res['skipped']}")
+    print(table(res))
+    save(res, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
