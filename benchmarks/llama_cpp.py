@@ -137,8 +137,20 @@ def staged(hf_folder: Path) -> Path:
     return out
 
 
-def converted(hf_folder: Path, out: Path) -> Path:
-    """A BF16 GGUF file of ``hf_folder``'s weights made by llama.cpp's own converter (kept: made once)."""
+# The converter names a GPT-2-style tokenizer's pre-tokenizer by hashing what it makes of a text; transformers 5
+# loads a tokenizer by the model's type, so SmolLM2's tokenizer in a Qwen2 checkpoint (real_shapes.py) tokenizes
+# as Qwen2's would and hashes to nothing the converter knows. ``pre`` names it instead, as it really is.
+CONVERT_AS = """import runpy, sys
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def converted(hf_folder: Path, out: Path, pre: str | None = None) -> Path:
+    """A BF16 GGUF file of ``hf_folder``'s weights made by llama.cpp's own converter (kept: made once); ``pre``:
+    the tokenizer's pre-tokenizer as the converter names it (``smollm``), where its hash would not tell it."""
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         deps = ROOT / "pydeps"  # the converter imports sentencepiece; kept out of radixserve's environment
@@ -147,10 +159,12 @@ def converted(hf_folder: Path, out: Path) -> Path:
                             "sentencepiece"], capture_output=True, text=True)
         env = {**os.environ, "PYTHONPATH": str(deps)}
         tmp = out.with_name(out.name + ".tmp")
-        proc = subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(staged(hf_folder)),
+        env["PYTHONPATH"] += os.pathsep + str(source_dir())
+        lead = [sys.executable] if pre is None else [sys.executable, "-c", CONVERT_AS.format(pre=pre)]
+        proc = subprocess.run([*lead, str(source_dir() / "convert_hf_to_gguf.py"), str(staged(hf_folder)),
                                "--outtype", "bf16", "--outfile", str(tmp)], capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            raise Unavailable(f"llama.cpp's converter failed: {proc.stderr.strip()[-500:]}")
+            raise Unavailable(f"llama.cpp's converter failed: {proc.stderr.strip()[-1500:]}")
         tmp.rename(out)
     return out
 

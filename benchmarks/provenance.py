@@ -24,7 +24,7 @@ SCRIPTS = {"speculative": ["speculative.py"], "deterministic": ["deterministic_c
            "shared_cpu": ["shared_cpu.py"], "grammar": ["grammar_cost.py"], "quant": ["quant_cost.py"],
            "compile": ["compile_cost.py"], "peer": ["cpu_peer.py", "llama_cpp.py", "decode_score.py"],
            "radix": ["radix_speed.py"], "tp": ["tp_cost.py"], "dp": ["dp_cost.py"], "shadow": ["shadow_cost.py"],
-           "overhead": ["machine.py"]}  # a stage's own bench code; the others run in bench.py's scenarios
+           "overhead": ["machine.py"], "shapes": ["real_shapes.py", "llama_cpp.py", "cpu_peer.py", "machine.py"]}  # a stage's own bench code; the others run in bench.py's scenarios
 BENCH = ["bench.py", "scenarios.py", "harness.py"]
 
 
@@ -212,11 +212,24 @@ def _shadow(d: dict) -> list[tuple[str, str]]:
              f"{a['auto_vs_best_fixed_ttft']:.2f}")]
 
 
+def _shapes(d: dict) -> list[tuple[str, str]]:
+    rows = []
+    for name, shape in d["shapes"].items():
+        for precision in ("bf16", "q8_0", "q4_k_m"):
+            pair = {r["system"]: r for r in shape["rows"] if r["precision"] == precision}
+            if len(pair) == 2:
+                ours, theirs = pair["radixserve"], pair["llama.cpp"]
+                rows.append((f"{name} {precision} vs llama.cpp: batch 1, 8, 32; prefill 512, 2048", ", ".join(
+                    f"{ours[k] / theirs[k]:.2f}x" for k in ("decode_1", "decode_8", "decode_32", "prefill_512",
+                                                           "prefill_2048"))))
+    return rows + [(name, f"not run: {why}") for name, why in d.get("skipped_shapes", {}).items()]
+
+
 HEADLINES: dict[str, Callable[[dict], list[tuple[str, str]]]] = {
     "speculative": _speculative, "deterministic": _deterministic, "kv_tiers": _kv_tiers, "shared_cpu": _shared_cpu,
     "shared": _shared, "unique": _unique, "multiturn": _multiturn, "forward": _forward, "overhead": _overhead,
     "grammar": _grammar, "quant": _quant, "compile": _compile, "peer": _peer, "radix": _radix, "tp": _tp,
-    "dp": _dp, "shadow": _shadow}
+    "dp": _dp, "shadow": _shadow, "shapes": _shapes}
 
 
 def figures_markdown(root: Path) -> tuple[str, list[str]]:

@@ -100,7 +100,7 @@ def checkpoint(name: str) -> Path:
 def files(name: str) -> dict[str, Path]:
     """precision -> the GGUF file llama.cpp serves (and radixserve too, but for BF16)."""
     llama_cpp.build()
-    bf16 = llama_cpp.converted(checkpoint(name), ROOT / name / "model-bf16.gguf")
+    bf16 = llama_cpp.converted(checkpoint(name), ROOT / name / "model-bf16.gguf", pre="smollm")  # its tokenizer
     return {"bf16": bf16, **{p: llama_cpp.quantized(bf16, ROOT / name / f"model-{p}.gguf", p) for p in PRECISIONS[1:]}}
 
 
@@ -157,6 +157,8 @@ def measure_shape(name: str, quick: bool, repeats: int) -> dict:
     for precision in tqdm(PRECISIONS, desc=name, leave=False):
         ours_flags = (["--model-path", str(folder)] if precision == "bf16" else
                       ["--model-path", str(gguf[precision]), "--quantization", "gguf"])
+        if precision != "bf16":
+            resolve_model(str(gguf[precision]))  # the file's one-off conversion, outside the server's start-up
         systems = {"radixserve": Ours([*ours_flags, "--max-total-tokens", "8192"]),
                    "llama.cpp": LlamaServer(gguf[precision], slot_tokens=max(PREFILLS) + 64, slots=max(BATCHES))}
         runs: dict[str, dict[str, list[float]]] = {s: {} for s in systems}

@@ -9,6 +9,7 @@ import matplotlib
 import kv_tiers
 import provenance
 import shared_cpu
+import real_shapes
 import speculative
 from stage_results import load_stage
 
@@ -249,6 +250,9 @@ def write(res: dict, out: Path) -> None:
     spec = speculative.load(out)  # the same
     if spec is not None:
         L += speculative.section(spec, targets, check)
+    shapes = real_shapes.load(out)  # the same
+    if shapes is not None:
+        L += real_shapes.section(shapes, targets, check)
     L += provenance_section(out)
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")

@@ -125,6 +125,19 @@ def load(cache_dir: Path) -> ctypes.CDLL:
     return lib
 
 
+def product(lib: ctypes.CDLL, lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x W^T (+ b)`` of one packed linear layer (``lin``), x [rows, k] contiguous in the layer's dtype: the
+    native step's own product, its activations quantized per 32 values for a quantized W (as llama.cpp's)."""
+    import torch
+
+    rows = x.shape[0]
+    y = torch.empty(rows, lin.n, dtype=x.dtype)
+    scratch = torch.empty(rows * (lin.k + lin.k // 32 * 12) + 64, dtype=torch.uint8)
+    lib.rs_linear(ctypes.byref(lin), int(x.dtype == torch.bfloat16), x.data_ptr(), rows, y.data_ptr(), 0,
+                  scratch.data_ptr())
+    return y
+
+
 def isa(lib: ctypes.CDLL) -> str:
     """The vector instructions a loaded library was built for: "avx512" or "avx2"."""
     return lib.rs_isa().decode()

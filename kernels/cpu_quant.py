@@ -12,12 +12,15 @@ Decoding a few rows streams every weight once per step, so fewer bytes per weigh
 kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) multiply straight from the quantized weights.
 For one row they beat bf16 F.linear by about the bytes they save; from a few rows on they lose to a GEMM, so for
 a prefill the weight is dequantized to the activations' dtype for that one product. The crossover is measured per
-layer shape at load.
+layer shape at load. Where the native decode step runs (model/native_decode.py), every product of a quantized
+layer goes through its kernel instead, on the same blocks (``QuantLinear.native``): integer dot products with the
+activations quantized per 32 values, as llama.cpp computes its prefill.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +112,7 @@ class QuantLinear(nn.Module):
                                  .contiguous())
             self.group = int4.group
         self.kernel_rows = 0 if self.block_scales else 4  # quantize_model measures it per shape
+        self.native: Callable[[torch.Tensor], torch.Tensor] | None = None  # the native step's product, where it runs
 
     @property
     def block_scales(self) -> bool:
@@ -129,7 +133,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if 0 < x2.shape[0] <= self.kernel_rows:  # (no rows: a prefill chunk that samples nothing)
+        if self.native is not None and x2.shape[0]:  # (no rows: a prefill chunk that samples nothing)
+            y = self.native(x2.to(self.dtype).contiguous())  # bias included
+        elif 0 < x2.shape[0] <= self.kernel_rows:
             y = self._kernel(x2)
             if self.bias is not None:
                 y = y + self.bias

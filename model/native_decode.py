@@ -13,6 +13,7 @@ against the eager and compiled steps: the ``compile`` stage of ``make bench`` (d
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,6 +114,7 @@ class NativeDecode:
         self.model, self.dtype = model, dtype
         self.pool_slots = kv.k.shape[1]
         self._keep: list[torch.Tensor] = []  # every tensor a structure points into
+        self._quantized_layers: list[tuple[QuantLinear, native.Linear]] = []
         layers = (native.Layer * cfg.num_layers)()
         for i, layer in enumerate(model.model.layers):
             k_pool, v_pool = kv.layer(i)
@@ -139,6 +141,12 @@ class NativeDecode:
         self.shared_steps = 0  # of which decode steps that scored a shared prefix once for all rows
         self._head_dim = cfg.head_dim
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
+        for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
+            layer.native = functools.partial(self._product, lin)
+
+    def _product(self, lin: native.Linear, x: torch.Tensor) -> torch.Tensor:
+        """One quantized layer's product through the kernel (this object keeps the packed blocks alive)."""
+        return native.product(self.lib, lin, x)
 
     def _dense(self, t: torch.Tensor) -> int:
         t = t.detach()
@@ -174,14 +182,18 @@ class NativeDecode:
             data, scale = pack_q8(layer.q, scale)
             zero = None if layer.offset is None else _blocks(layer.offset, scale.shape[0] * 16)
             self._keep += [t for t in (data, scale, zero) if t is not None]
-            return native.Linear(native.Q8 if group == BLOCK else native.Q8G16, n, k, 0, data.data_ptr(),
-                                 scale.data_ptr(), None if zero is None else zero.data_ptr(), bias)
+            lin = native.Linear(native.Q8 if group == BLOCK else native.Q8G16, n, k, 0, data.data_ptr(),
+                                scale.data_ptr(), None if zero is None else zero.data_ptr(), bias)
+            self._quantized_layers.append((layer, lin))
+            return lin
         if layer.group != BLOCK:
             raise native.NativeUnavailable(f"int4 groups of {layer.group}; the native step reads groups of {BLOCK}")
         q = torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1).view(n, k)
         data, d, m = pack_q4(q, layer.scale, layer.offset)
         self._keep += [data, d, m]
-        return native.Linear(native.Q4, n, k, 0, data.data_ptr(), d.data_ptr(), m.data_ptr(), bias)
+        lin = native.Linear(native.Q4, n, k, 0, data.data_ptr(), d.data_ptr(), m.data_ptr(), bias)
+        self._quantized_layers.append((layer, lin))
+        return lin
 
     @staticmethod
     def takes(mode: str, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> bool:

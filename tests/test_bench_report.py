@@ -156,3 +156,37 @@ def test_the_deterministic_section_comes_from_its_committed_file(tmp_path):
     assert "| prefill | 128 | 3000.0 | 1000.0 | 3.00x |" in text and "| decode | 1 | 90.0 | 60.0 | 1.50x |" in text
     assert "`native` decode kernel" in text and "`cpp` batch-invariant kernels" in text and "abc1234" in text
     assert (tmp_path / "deterministic.png").stat().st_size > 10_000
+
+
+def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
+    """benchmarks/real_shapes.py's report section: one row and five targets per shape and precision, from the
+    measured tok/s; the plot written; a shape the machine cannot hold named with the reason."""
+    import real_shapes
+    from stage_results import save_stage
+
+    def row(system: str, precision: str, scale: float) -> dict:
+        rates = {"decode_1": 30 * scale, "decode_8": 120 * scale, "decode_32": 200 * scale, "prefill_512": 300 * scale,
+                 "prefill_2048": 250 * scale}
+        return {"shape": "llama-3.2-1b", "precision": precision, "system": system, **rates,
+                "bandwidth_bytes_s": rates["decode_1"] * 2.4e9 / 30, "prefill_flops_s": {"512": 2e11, "2048": 2.2e11}}
+
+    rows = [row("radixserve", "bf16", 1.0), row("llama.cpp", "bf16", 0.9),
+            row("radixserve", "q4_k_m", 0.8), row("llama.cpp", "q4_k_m", 1.0)]
+    res = {"started": "2026-12-03 17:00:00", "repeats": 2, "quick": False,
+           "machine": {"commit": "abc1234", "cpu": "a CPU", "cpus_in_mask": 2},
+           "limits": {"copy_bandwidth_bytes_s": 3e9, "matmul_peak_flops_s": 4e11},
+           "shapes": {"llama-3.2-1b": {"params": 1, "config": {}, "rows": rows}},
+           "skipped_shapes": {"llama-3.1-8b": "needs about 42 GiB of memory, this machine has 23"}}
+    save_stage(res, tmp_path, real_shapes.STAGE)
+    real_shapes.save(real_shapes.load(tmp_path), tmp_path)
+    targets: list[str] = []
+    text = "\n".join(real_shapes.section(real_shapes.load(tmp_path), targets, report.check))
+    judged = {cells[0]: cells[3] for cells in ([c.strip() for c in t.strip("|").split("|")] for t in targets)}
+    assert len(judged) == 2 * 5
+    assert judged["shapes, llama-3.2-1b bf16: batch 1 vs llama.cpp"] == "met"  # 1 / 0.9
+    assert judged["shapes, llama-3.2-1b bf16: batch 8 vs llama.cpp"] == "**not met**"  # 1.11x < 1.5x
+    assert judged["shapes, llama-3.2-1b bf16: batch 1 share of the bandwidth limit"] == "**not met**"  # 0.8
+    assert judged["shapes, llama-3.2-1b q4_k_m: batch 1 vs llama.cpp"] == "**not met**"  # 0.8
+    assert "llama-3.1-8b: not run: needs about 42 GiB" in text
+    assert "| llama-3.2-1b | bf16 | 30.0 / 27.0 (1.11x)" in text
+    assert (tmp_path / "real_shapes.png").stat().st_size > 10_000

@@ -91,8 +91,9 @@ def test_greedy_tokens_are_the_dequantized_models(engines):
 
 def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
     """The native step on the file's blocks (Q4_K as q4, Q6_K and the fused q/k/v as q8 per 16 with offsets;
-    activations quantized per 32 as llama.cpp does) prefills a prompt and decodes 8 tokens; the eager path, fed
-    the same tokens, gives each of them nearly the same log-probability (its activations stay float)."""
+    activations quantized per 32 as llama.cpp does) prefills a prompt and decodes 8 tokens, and a prompt too long
+    for it goes through torch's step with the same kernel's products; the eager path, fed the same tokens, gives
+    each of them nearly the same log-probability (its activations stay float)."""
     if cpu_native.unavailable_reason("float32"):
         pytest.skip(cpu_native.unavailable_reason("float32"))
     prompt = PROMPTS[0] + [400, 500, 600, 700, 800, 900]
@@ -101,12 +102,21 @@ def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
         assert (layer.qkv.format, layer.gate_up.format, layer.down.format) == (
             cpu_native.Q8G16, cpu_native.Q4, cpu_native.Q8G16)
         out = native.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+        # a prompt too long for the native step's prefill: torch's step, its products through the same kernel
+        assert all(m.native is not None for m in native.runner.model.modules() if isinstance(m, QuantLinear))
+        long = [int(t) for t in np.random.default_rng(1).integers(100, 40000, 320)]
+        long_out = native.generate(input_ids=long, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                                   logprob_start_len=0)
     ids = prompt + out["output_ids"]
     got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:] + out["meta_info"]["output_token_logprobs"]]
     scored = engines[0].generate(input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
                                  logprob_start_len=0)
     want = [lp for lp, _, _ in scored["meta_info"]["input_token_logprobs"][1:]]
     assert np.abs(np.array(got) - np.array(want)).max() < 0.5, (got, want)
+    scored = engines[0].generate(input_ids=long, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                                 logprob_start_len=0)
+    got, want = ([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in (long_out, scored))
+    assert np.abs(np.array(got) - np.array(want)).max() < 0.5
     assert np.mean(want[: len(prompt) - 1]) < -11.5, "logits spread enough to tell tokens apart (uniform: -10.8)"
 
 
