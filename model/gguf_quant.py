@@ -74,7 +74,7 @@ class Blocks:
                       self.bits)
 
     def regrouped(self, group: int) -> Blocks:
-        """The same weights with a scale and offset per ``group`` (a divisor of this group) and an offset."""
+        """The same weights as 8-bit blocks of ``group`` (a divisor of this group), each with a scale and an offset."""
         times = self.group // group
         offset = np.zeros_like(self.scale) if self.offset is None else self.offset
         return Blocks(self.q, self.scale.repeat(times, axis=1), offset.repeat(times, axis=1), 8)
