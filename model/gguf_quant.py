@@ -21,9 +21,19 @@ GGUF block layouts (ggml), along a row; every block decodes to ``w = q * scale +
 
 Each product ``q * scale`` is exact in float32 (at most 6 + 19 bits), so ``q * scale + offset`` rounds once, as
 gguf's own dequantization does: the decoded weights equal it bit for bit (tests/test_gguf_quant.py).
-llama.cpp's converter reorders the rows of Llama's (and Mistral's) q/k projections for its rotary layout; that is
-undone here (rows only, so the blocks inside a row are untouched), as transformers undoes it when it dequantizes.
-Qwen2's rows ship in HF order; its q/k/v biases come with the dequantized checkpoint.
+
+Architectures served from blocks (``ARCHITECTURES``, by the HF model type transformers converts the file to):
+llama, mistral, qwen2, qwen3, gemma2, gemma3_text (a ``gemma3`` file) and phi3 -- every one radixserve runs that
+transformers' GGUF reader converts. Their tensors map onto our fused modules in one of two layouts:
+
+    split  attn_q | attn_k | attn_v -> qkv_proj (q, k, v)   ffn_gate | ffn_up -> gate_up_proj (gate, up)
+    fused  attn_qkv -> qkv_proj whole                       ffn_up (gate rows, then up) -> gate_up_proj whole (Phi-3)
+
+attn_output, ffn_down and output (or token_embd, tied) are one tensor each. llama.cpp's converter reorders the rows
+of Llama's (and Mistral's) q/k projections for its rotary layout; that is undone here (rows only, so the blocks
+inside a row are untouched), as transformers undoes it when it dequantizes. The others' rows ship in HF order
+(their rotary layout is NeoX's); Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms and Gemma's norms (stored
+as 1 + w) are dense and come with the dequantized checkpoint.
 """
 from __future__ import annotations
 
@@ -37,13 +47,16 @@ import torch
 from radixserve.kernels.cpu_quant import QuantLinear, int4_weight
 from radixserve.model.config import ModelConfig
 
-LAYER_TENSORS = {  # GGUF tensor -> (our module, its shard of a fused projection)
+SPLIT = {  # GGUF tensor (blk.N.<name>.weight) -> (our module, its shard of a fused projection), shards in order
     "attn_q": ("self_attn.qkv_proj", "q"), "attn_k": ("self_attn.qkv_proj", "k"),
     "attn_v": ("self_attn.qkv_proj", "v"), "attn_output": ("self_attn.o_proj", None),
     "ffn_gate": ("mlp.gate_up_proj", "gate"), "ffn_up": ("mlp.gate_up_proj", "up"),
     "ffn_down": ("mlp.down_proj", None),
 }
-SHARD_ORDER = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+FUSED = {  # Phi-3: q/k/v in one tensor, and ffn_up holding gate and up, rows back to back as our modules have them
+    "attn_qkv": ("self_attn.qkv_proj", None), "attn_output": ("self_attn.o_proj", None),
+    "ffn_up": ("mlp.gate_up_proj", None), "ffn_down": ("mlp.down_proj", None),
+}
 DENSE_TYPES = ("F32", "F16", "BF16")
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
@@ -52,8 +65,24 @@ AS_SHIPPED = {  # --quantization -> (the decoder layers' formats taken as they s
     "int8": (INT8_TYPES, INT8_TYPES),
     "int4": (INT4_TYPES, INT8_TYPES),
 }
-PERMUTED = ("llama", "mistral")  # architectures whose q/k rows llama.cpp's converter reorders
-ARCHITECTURES = (*PERMUTED, "qwen2")  # whose GGUF tensors map onto our modules as above
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How one architecture's GGUF tensors map onto our modules."""
+
+    tensors: dict[str, tuple[str, str | None]]  # SPLIT or FUSED
+    permuted: bool = False  # q/k rows reordered by llama.cpp's converter for its rotary layout
+
+    def shards(self, module: str) -> tuple[str | None, ...]:
+        """The shards a module's rows stack, in order; (None,) for a module one tensor fills."""
+        return tuple(s for m, s in self.tensors.values() if m == module and s is not None) or (None,)
+
+
+ARCHITECTURES = {  # HF model type (what transformers converts the file to) -> its layout
+    "llama": Layout(SPLIT, permuted=True), "mistral": Layout(SPLIT, permuted=True), "qwen2": Layout(SPLIT),
+    "qwen3": Layout(SPLIT), "gemma2": Layout(SPLIT), "gemma3_text": Layout(SPLIT), "phi3": Layout(FUSED),
+}
 
 
 @dataclass
@@ -151,11 +180,11 @@ def unpermute_rows(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _layer_name(tensor: str, cfg: ModelConfig) -> tuple[str, str | None] | None:
+def _layer_name(tensor: str, cfg: ModelConfig, layout: Layout) -> tuple[str, str | None] | None:
     """A GGUF tensor's module and shard, or None for one that is no linear layer's weight."""
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor)
-    if match and match.group(2) in LAYER_TENSORS:
-        module, shard = LAYER_TENSORS[match.group(2)]
+    if match and match.group(2) in layout.tensors:
+        module, shard = layout.tensors[match.group(2)]
         return f"model.layers.{match.group(1)}.{module}", shard
     if tensor == "output.weight" or (tensor == "token_embd.weight" and cfg.tie_word_embeddings):
         return "lm_head", None
@@ -185,7 +214,8 @@ def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantiz
     quantized from the dequantized weights as usual."""
     from gguf import GGUFReader
 
-    if cfg.model_type not in ARCHITECTURES:
+    layout = ARCHITECTURES.get(cfg.model_type)
+    if layout is None:
         if quantization == "gguf":
             raise ValueError(f"--quantization gguf reads the blocks of {', '.join(ARCHITECTURES)} GGUF files; this "
                              f"one is {cfg.model_type}: serve it without --quantization (dequantized) or with int8")
@@ -193,7 +223,7 @@ def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantiz
     layer_kinds, head_kinds = AS_SHIPPED[quantization]
     parts: dict[str, dict[str | None, Blocks | None]] = {}
     for t in GGUFReader(path).tensors:
-        kind, found = t.tensor_type.name, _layer_name(t.name, cfg)
+        kind, found = t.tensor_type.name, _layer_name(t.name, cfg, layout)
         if found is None:
             continue
         name, shard = found
@@ -206,13 +236,13 @@ def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantiz
             parts.setdefault(name, {})[shard] = None  # one shard in another format: the whole layer is
             continue
         blocks = decode_blocks(np.asarray(t.data), kind)
-        if shard in ("q", "k") and cfg.model_type in PERMUTED:
+        if shard in ("q", "k") and layout.permuted:
             heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
             blocks = blocks.rows(unpermute_rows(np.arange(blocks.q.shape[0]), heads))
         parts.setdefault(name, {})[shard] = blocks
     layers = {}
     for name, shards in parts.items():
-        found = [shards.get(s) for s in SHARD_ORDER.get(name.split(".", 3)[-1], (None,))]
+        found = [shards.get(s) for s in layout.shards(name.split(".", 3)[-1])]
         if all(b is not None for b in found):
             layers[name] = _as_layer(found, dtype)
     return layers

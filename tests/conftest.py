@@ -169,8 +169,10 @@ def random_blocks(kind: str, rows: int, k: int, seed: int, scale: float = 1.0):
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
-    # per f16 field, d (and dmin / m): weights of about 0.01 (K formats: d x a 6-bit or int8 sub-block scale x q)
-    steps = {"Q4_K": (8e-5, 8e-5), "Q5_K": (4e-5, 8e-5), "Q6_K": (2e-5,), "Q8_0": (2e-4,), "Q2_K": (2e-4, 2e-4)}.get(
+    # per f16 field, d (and dmin / m): weights of about 0.01 (K formats: d x a 6-bit or int8 sub-block scale x q);
+    # Q4_K / Q5_K's dmin x a 6-bit min near d x sc x q's mean: weights centred on zero, as trained ones are (all
+    # positive, they push every token's state the same way, and a tiny random model repeats one token)
+    steps = {"Q4_K": (8e-5, 6e-4), "Q5_K": (4e-5, 6.2e-4), "Q6_K": (2e-5,), "Q8_0": (2e-4,), "Q2_K": (2e-4, 2e-4)}.get(
         kind, (0.002, 0.002))
     at = {"Q6_K": (208,), "Q2_K": (80, 82)}.get(kind, (0, 2))[: len(steps)]  # where those fields sit
     for offset, step in zip(at, steps):
@@ -182,14 +184,22 @@ def random_blocks(kind: str, rows: int, k: int, seed: int, scale: float = 1.0):
 
 
 def write_gguf(out: Path, formats: dict[str, str], architecture: str = "llama", seed: int = 0) -> Path:
-    """A tiny random GGUF file (``llama`` or ``qwen2``, with q/k/v biases) with the bundled SmolLM2's tokenizer:
-    2 layers, hidden 256, MLP 512, 4 heads over 2 kv heads; ``formats``: GGUF tensor name pattern (``attn_v``,
-    ``output``, ...) -> its type (default Q4_K for the layers, Q6_K for the output, Q8_0 for the embeddings: a
-    Q4_K_M file's mix)."""
+    """A tiny random GGUF file of ``architecture`` (llama, qwen2, qwen3, gemma2, gemma3, phi3) with the bundled
+    SmolLM2's tokenizer, its tensors named and shaped as llama.cpp's converter writes them: 2 layers, hidden 256,
+    MLP 512, 4 heads over 2 kv heads of 64 (qwen3, gemma2/3: of 128, stated as key_length, as their files do).
+    qwen2 adds q/k/v biases; qwen3 and gemma3 q/k norms; gemma2/3 norms after both sublayers and a window of 6
+    tokens (gemma2 with no output tensor: tied, as its files are); phi3 ships q/k/v as one attn_qkv and gate and up
+    as one ffn_up. ``formats``: GGUF tensor name pattern (``attn_v``, ``output``, ...) -> its type (default: Q4_K,
+    Q6_K for attn_v, ffn_down and the output, Q5_K for attn_qkv, Q8_0 for the embeddings: a Q4_K_M file's mix)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-    shape = {"hidden": 256, "inter": 512, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 49152}
-    h, inter, hd = shape["hidden"], shape["inter"], shape["hidden"] // shape["heads"]
+    h, inter, heads, kv_heads, layers, vocab = 256, 512, 4, 2, 2, 49152
+    gemma = architecture in ("gemma2", "gemma3")
+    qk_norms = architecture in ("qwen3", "gemma3")
+    tied = architecture == "gemma2"
+    # head_dim != hidden / heads; 128: transformers reads no head_dim for Qwen3 and takes its config's default
+    hd = 128 if architecture in ("qwen3", "gemma2", "gemma3") else h // heads
+    q_rows, kv_rows = heads * hd, kv_heads * hd
     src = GGUFReader(bundled_gguf())
     writer = GGUFWriter(out, architecture)
     for key, field in src.fields.items():
@@ -199,16 +209,24 @@ def write_gguf(out: Path, formats: dict[str, str], architecture: str = "llama", 
                 writer.add_array(key, field.contents())
             else:
                 writer.add_key_value(key, field.contents(), kind)
-    writer.add_block_count(shape["layers"])
+    writer.add_block_count(layers)
     writer.add_context_length(2048)
     writer.add_embedding_length(h)
     writer.add_feed_forward_length(inter)
-    writer.add_head_count(shape["heads"])
-    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(shape["vocab"])
+    writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(hd)
+    if hd != h // heads:
+        writer.add_key_length(hd)
+        writer.add_value_length(hd)
+    if gemma:
+        writer.add_sliding_window(6)
+    if architecture == "gemma2":  # Gemma 2's caps (transformers takes its config's, the same)
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
     rng = np.random.default_rng(seed)
 
     def add(name: str, rows: int, k: int, default: str, scale: float = 1.0) -> None:
@@ -219,23 +237,38 @@ def write_gguf(out: Path, formats: dict[str, str], architecture: str = "llama", 
             writer.add_tensor(name, random_blocks(kind, rows, k, int(rng.integers(1 << 30)), scale),
                               raw_dtype=GGMLQuantizationType[kind])
 
-    add("token_embd.weight", shape["vocab"], h, "Q8_0")
-    for i in range(shape["layers"]):
+    def norm(name: str, size: int, scale: float = 1.0) -> None:  # llama.cpp stores Gemma's 1 + w: a scale as Llama's
+        writer.add_tensor(name, (scale * (1 + 0.1 * rng.standard_normal(size))).astype(np.float32))
+
+    add("token_embd.weight", vocab, h, "Q8_0", scale=4 if tied else 1)  # tied: it is the output projection too
+    for i in range(layers):
         p = f"blk.{i}."
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(p + norm + ".weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
-        add(p + "attn_q.weight", h, h, "Q4_K")
-        add(p + "attn_k.weight", shape["kv_heads"] * hd, h, "Q4_K")
-        add(p + "attn_v.weight", shape["kv_heads"] * hd, h, "Q6_K")
+        for name in ("attn_norm", "ffn_norm"):
+            norm(p + name + ".weight", h)
+        for name in ("post_attention_norm", "post_ffw_norm") if gemma else ():
+            # sublayers loud beside the sqrt(hidden)-scaled embedding: else a tied Gemma repeats its input token
+            norm(p + name + ".weight", h, scale=4)
+        for name in ("attn_q_norm", "attn_k_norm") if qk_norms else ():
+            norm(p + name + ".weight", hd)
+        if architecture == "phi3":
+            add(p + "attn_qkv.weight", q_rows + 2 * kv_rows, h, "Q5_K")
+        else:
+            add(p + "attn_q.weight", q_rows, h, "Q4_K")
+            add(p + "attn_k.weight", kv_rows, h, "Q4_K")
+            add(p + "attn_v.weight", kv_rows, h, "Q6_K")
         if architecture == "qwen2":
-            for name, rows in (("attn_q", h), ("attn_k", shape["kv_heads"] * hd), ("attn_v", shape["kv_heads"] * hd)):
+            for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                 writer.add_tensor(f"{p}{name}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
-        add(p + "attn_output.weight", h, h, "Q4_K")
-        add(p + "ffn_gate.weight", inter, h, "Q4_K")
-        add(p + "ffn_up.weight", inter, h, "Q4_K")
+        add(p + "attn_output.weight", h, q_rows, "Q4_K")
+        if architecture == "phi3":  # gate's rows, then up's
+            add(p + "ffn_up.weight", 2 * inter, h, "Q4_K")
+        else:
+            add(p + "ffn_gate.weight", inter, h, "Q4_K")
+            add(p + "ffn_up.weight", inter, h, "Q4_K")
         add(p + "ffn_down.weight", h, inter, "Q6_K")
     writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
-    add("output.weight", shape["vocab"], h, "Q6_K", scale=4)  # logits spread a few units: greedy choices clear
+    if not tied:
+        add("output.weight", vocab, h, "Q6_K", scale=4)  # logits spread a few units: greedy choices clear
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

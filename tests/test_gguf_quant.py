@@ -1,21 +1,25 @@
 """GGUF files served from their blocks (``--quantization gguf``, model/gguf_quant.py): every block format radixserve
-reads decodes to the values gguf's own dequantization gives, a Q4_K_M-style file's layers hold exactly the weights
-transformers dequantizes from it, its greedy tokens are those of the dequantized model, the native decode step
-reads the same blocks, and what is not read is refused by tensor name and type."""
+reads decodes to the values gguf's own dequantization gives; a Q4_K_M-style file of every architecture read from
+blocks (Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3) has layers holding exactly the weights transformers dequantizes
+from it, and greedy tokens those of the dequantized model; the native decode step reads the same blocks; and what
+is not read is refused by tensor name and type, or by architecture."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import random_blocks, write_gguf
+from conftest import bundled_gguf, random_blocks, write_gguf
 from torch import nn
 
 from radixserve import Engine
 from radixserve.kernels import cpu_native
 from radixserve.kernels.cpu_quant import QuantLinear
-from radixserve.model.gguf_quant import AS_SHIPPED, Blocks, _as_layer, decode_blocks
+from radixserve.model.config import FAMILIES, ModelConfig
+from radixserve.model.gguf_quant import ARCHITECTURES, AS_SHIPPED, Blocks, _as_layer, decode_blocks, gguf_quant_linears
+from radixserve.model.loader import load_configs
 
 FORMATS = sorted(set(AS_SHIPPED["gguf"][0]))
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [11, 12, 13, 99, 98], [5, 4000, 77]]
@@ -49,10 +53,12 @@ def test_shards_in_different_formats_fuse_into_one_layer_holding_each_ones_weigh
     assert torch.equal(layer.dequantized(), torch.from_numpy(want))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def q4_k_m(request, tmp_path_factory) -> Path:
     """A Q4_K_M-style file of each architecture read from blocks: Llama (q/k rows reordered by llama.cpp's
-    converter) and Qwen2 (rows as HF has them, q/k/v biases)."""
+    converter), Qwen2 (rows as HF has them, q/k/v biases), Qwen3 and Gemma 3 (head_dim 128 != hidden / heads, q/k
+    norms), Gemma 2 (tied: the output projection is token_embd's Q8_0 blocks) and Phi-3 (q/k/v in one Q5_K
+    attn_qkv, gate and up in one ffn_up)."""
     return write_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}-Q4_K_M.gguf", {}, request.param)
 
 
@@ -74,7 +80,7 @@ def test_a_q4_k_m_file_is_served_from_its_blocks(engines):
     assert not any(isinstance(m, nn.Linear) for m in quantized.runner.model.modules())
     assert len(layers) == 4 * 2 + 1
     assert (layers["model.layers.0.mlp.gate_up_proj"].bits, layers["model.layers.0.mlp.down_proj"].group) == (4, 16)
-    want = dict(reference.runner.model.named_parameters())
+    want = dict(reference.runner.model.named_parameters(remove_duplicate=False))  # a tied lm_head too
     for name, layer in layers.items():
         assert torch.equal(layer.dequantized(), want[name + ".weight"]), name
 
@@ -93,9 +99,13 @@ def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
     """The native step on the file's blocks (Q4_K as q4, Q6_K and the fused q/k/v as q8 per 16 with offsets;
     activations quantized per 32 as llama.cpp does) prefills a prompt and decodes 8 tokens, and a prompt too long
     for it goes through torch's step with the same kernel's products; the eager path, fed the same tokens, gives
-    each of them nearly the same log-probability (its activations stay float)."""
+    each of them nearly the same log-probability (its activations stay float). Llama and Qwen2: the other files'
+    layers have what the native step refuses (q/k norms, Gemma's block; model/arch.py) or, Phi-3's, one format for
+    q/k/v that the Q4_K_M mix above does not have."""
     if cpu_native.unavailable_reason("float32"):
         pytest.skip(cpu_native.unavailable_reason("float32"))
+    if engines[0].runner.model.config.model_type not in ("llama", "qwen2"):
+        pytest.skip("checked on the Llama and Qwen2 files")
     prompt = PROMPTS[0] + [400, 500, 600, 700, 800, 900]
     with Engine(str(q4_k_m), quantization="gguf", dtype="float32", decode_kernel="native") as native:
         layer = native.runner.native.desc.layer[0]
@@ -129,3 +139,19 @@ def test_what_is_not_read_is_refused_by_tensor_and_type(tmp_path):
 def test_gguf_needs_a_gguf_file(tiny_models):
     with pytest.raises(ValueError, match="not a GGUF file"):
         Engine(str(tiny_models["llama"]), quantization="gguf", dtype="float32")
+
+
+def test_every_architecture_radixserve_runs_and_transformers_converts_is_read_from_blocks():
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    converted = {"gemma3_text" if a == "gemma3" else a for a in GGUF_SUPPORTED_ARCHITECTURES}  # text-only, as read
+    assert set(FAMILIES) & converted == set(ARCHITECTURES)
+
+
+def test_an_architecture_without_a_layout_is_refused_under_gguf_and_left_to_int8(smollm2_path):
+    """One radixserve would run with no layout here (a family added later): refused by name under gguf; under int8
+    its layers take the general path."""
+    cfg = dataclasses.replace(ModelConfig.from_hf(*load_configs(smollm2_path)), model_type="falcon")
+    with pytest.raises(ValueError, match="this one is falcon: serve it without --quantization"):
+        gguf_quant_linears(bundled_gguf(), cfg, torch.float32, "gguf")
+    assert gguf_quant_linears(bundled_gguf(), cfg, torch.float32, "int8") == {}
