@@ -5,7 +5,11 @@
 - large batches (prefill, M >= 64 rows) are compute-bound, and on CPUs without AMX (avx512_bf16 ones included)
   the bf16 GEMM can be slower than the float32 one, where a float32 copy of the weight is faster end to end and
   more exact. Which is faster is measured on this machine when the model is packed (with AMX it is the other way
-  round), so the float32 copy exists only where it pays.
+  round), so the float32 copy exists only where it pays;
+- on a CPU where oneDNN has no bf16 GEMM at all (AVX2 only) torch's fallback multiplies bf16 at about a tenth of
+  float32's rate (measured on a Zen 3: 11 against 150 GFLOP/s), so a prefill of a 135M model ran at 70 tokens/s:
+  there the weights stay as they are and large products run in float32 on a copy made for that product only
+  (WidenedLinear: no second copy kept, the model's memory stays its own).
 """
 from __future__ import annotations
 
@@ -36,6 +40,23 @@ class PackedLinear(nn.Module):
         return packed_linear(x.contiguous(), self.packed, self.bias)
 
 
+class WidenedLinear(nn.Module):
+    """A bf16/fp16 linear left unpacked (oneDNN cannot pack it here): products of F32_MIN_ROWS rows and more in
+    float32, widening the weight for that product (its cost is one pass over the weight, small beside the GEMM
+    of that many rows), smaller ones as F.linear."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= F32_MIN_ROWS:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
 @torch.library.custom_op("radixserve::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's product with a weight reordered by ``_reorder_linear_weight``; an opaque op to torch.compile (whose
@@ -58,13 +79,19 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return bool(supported())
 
 
-def float32_gemm_pays(dtype: torch.dtype, rows: int = 256, features: int = 1024) -> bool:
-    """Is a float32 GEMM (with the casts) clearly faster than a packed ``dtype`` one on this machine?"""
+def float32_gemm_pays(dtype: torch.dtype, packed: bool = True, rows: int = 256, features: int = 1024) -> bool:
+    """Is a float32 GEMM (with the casts) clearly faster than a ``dtype`` one on this machine -- packed for oneDNN,
+    or (``packed=False``) torch's own?"""
     w = torch.randn(4 * features, features, dtype=dtype)
     x = torch.randn(rows, features, dtype=dtype)
-    low, high = PackedLinear(w, None, False), PackedLinear(w, None, True)
+    if packed:
+        low, high = PackedLinear(w, None, False), PackedLinear(w, None, True)
+    else:
+        plain = nn.Linear(features, 4 * features, bias=False, dtype=dtype)
+        plain.weight.data = w
+        low, high = plain, WidenedLinear(plain)
 
-    def best(layer: PackedLinear) -> float:
+    def best(layer: nn.Module) -> float:
         layer(x)
         times = []
         for _ in range(3):
@@ -76,20 +103,32 @@ def float32_gemm_pays(dtype: torch.dtype, rows: int = 256, features: int = 1024)
     return best(high) < 0.85 * best(low)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear of ``model`` (CPU, bf16/fp16) for a PackedLinear; returns how many were swapped. A
-    layer whose packed product is not bitwise F.linear's, or that cannot be packed, stays as it is."""
-    linears = [(p, n, c) for p in model.modules() for n, c in p.named_children() if isinstance(c, nn.Linear)
-               and can_pack(c.weight.dtype, c.weight.device)]
+def low_precision_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, layer) of every CPU nn.Linear of ``model`` in bf16 or fp16."""
+    return [(p, n, c) for p in model.modules() for n, c in p.named_children() if isinstance(c, nn.Linear)
+            and c.weight.device.type == "cpu" and c.weight.dtype in (torch.bfloat16, torch.float16)]
+
+
+def pack_linears(model: nn.Module) -> str | None:
+    """Swap every nn.Linear of ``model`` (CPU, bf16/fp16) for a PackedLinear, or, where oneDNN cannot pack that
+    dtype, for a WidenedLinear if float32 products pay here; returns what was done (None: nothing). A layer whose
+    packed product is not bitwise F.linear's, or that cannot be packed, stays as it is."""
+    linears = low_precision_linears(model)
     if not linears:
-        return 0
+        return None
+    dtype = linears[0][2].weight.dtype
+    if not can_pack(dtype, torch.device("cpu")):
+        if not float32_gemm_pays(dtype, packed=False):
+            return None
+        for parent, name, child in linears:
+            setattr(parent, name, WidenedLinear(child))
+        return (f"{len(linears)} linear layers: oneDNN has no {dtype} GEMM on this CPU; products of "
+                f"{F32_MIN_ROWS}+ rows in float32")
     try:
-        float32_copy = float32_gemm_pays(linears[0][2].weight.dtype)
+        float32_copy = float32_gemm_pays(dtype)
     except RuntimeError as exc:  # this CPU or torch build cannot pack after all: plain F.linear everywhere
         log.info("CPU linears: not packed (%s)", exc)
-        return 0
-    log.info("CPU linears: %s", "packed low precision for small batches, float32 for large ones" if float32_copy
-             else "packed low precision")
+        return None
     swapped = 0
     for parent, name, child in linears:
         try:
@@ -102,4 +141,7 @@ def pack_linears(model: nn.Module) -> int:
             continue
         setattr(parent, name, packed)
         swapped += 1
-    return swapped
+    if not swapped:
+        return None
+    return (f"{swapped} linear layers packed for oneDNN: low precision for small batches" +
+            (", float32 for large ones" if float32_copy else ""))
