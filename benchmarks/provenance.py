@@ -171,7 +171,7 @@ def _grammar(d: dict) -> list[tuple[str, str]]:
 
 
 def _quant(d: dict) -> list[tuple[str, str]]:
-    return [(f"{r['mode']} weights: decode tok/s at batch 1 and 8, perplexity",
+    return [(f"{r['mode']}{'' if ',' in r['mode'] else ' weights'}: decode tok/s at batch 1 and 8, perplexity",
              f"{r['decode_1_tok_s']:.1f}, {r['decode_8_tok_s']:.1f}, {r['perplexity']:.3f}") for r in d["quant"]["rows"]]
 
 

@@ -1,5 +1,7 @@
-"""What --quantization buys and costs: the model runner with bf16, int8 and int4 weights on the same model, side by
-side in one run -- decode tokens/s at batch 1 and 8 and prefill tokens/s (alternating, median of repeats), and
+"""What --quantization and --kv-cache-dtype buy and cost: the model runner with bf16, int8 and int4 weights, and with
+bf16 weights over an 8-bit KV pool (int8, fp8_e4m3, fp8_e5m2 codes), on the same model, side by side in one run --
+KV bytes per token and the pool's default size, decode tokens/s at batch 1 and 8 over 128 tokens of context and at
+batch 8 over 1024, prefill tokens/s (alternating, median of repeats), and
 accuracy as the mean log-probability (and perplexity) of a fixed English text (benchmarks/data/perplexity.txt),
 in windows of 256 tokens scoring the last 128: through prefill (the engine's prompt logprobs) and through
 teacher-forced decode steps of the default decode kernel (benchmarks/decode_score.py).
@@ -8,6 +10,7 @@ teacher-forced decode steps of the default decode kernel (benchmarks/decode_scor
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -22,7 +25,11 @@ from harness import stage_cli, write_json
 
 from radixserve import Engine
 
-MODES = {"bf16": None, "int8": "int8", "int4": "int4"}
+# row -> (--quantization, --kv-cache-dtype)
+MODES = {"bf16": (None, "auto"), "int8": ("int8", "auto"), "int4": ("int4", "auto"),
+         "bf16, KV int8": (None, "int8"), "bf16, KV fp8_e4m3": (None, "fp8_e4m3"),
+         "bf16, KV fp8_e5m2": (None, "fp8_e5m2")}
+JOBS = (("decode", 1, 128), ("decode", 8, 128), ("decode", 8, 1024), ("prefill", 512, 0))
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 WINDOW, SCORED = 256, 128
 
@@ -50,14 +57,23 @@ def decode_mean_logprob(engine: Engine, ids: list[int]) -> float:
     return sum(lps) / len(lps)
 
 
+def default_pool_tokens(engine: Engine) -> int:
+    """The KV pool's size in tokens when --max-total-tokens is not given (on this machine)."""
+    cfg = engine.runner.cfg
+    args = dataclasses.replace(engine.args, max_total_tokens=None)
+    return args.resolved(cfg.kv_values_per_token, cfg.max_position_embeddings, head_dim=cfg.head_dim).max_total_tokens
+
+
 def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, model_path: str | None = None) -> dict:
     engines = {}
-    for name, q in MODES.items():
+    for name, (q, kv) in MODES.items():
         start = time.perf_counter()
-        engines[name] = (Engine(model_path, dtype=dtype, quantization=q, max_total_tokens=20000),
+        engines[name] = (Engine(model_path, dtype=dtype, quantization=q, kv_cache_dtype=kv, max_total_tokens=20000),
                          time.perf_counter() - start)
     ids = engines["bf16"][0].tokenizer.encode(TEXT.read_text())
-    rows = {name: {"mode": name, "start_s": t} for name, (_, t) in engines.items()}
+    rows = {name: {"mode": name, "kv_cache_dtype": MODES[name][1], "start_s": t,
+                   "kv_bytes_per_token": engine.runner.kv.nbytes / engine.runner.kv.k.shape[1],
+                   "default_pool_tokens": default_pool_tokens(engine)} for name, (engine, t) in engines.items()}
     for name, (engine, _) in tqdm(engines.items(), desc="accuracy", leave=False):
         lp, n = mean_logprob(engine, ids)
         dlp = decode_mean_logprob(engine, ids)
@@ -67,18 +83,19 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
     for o in ours.values():  # warm-up: kernels set up on first use
         o.prefill(64, 0)
         o.decode(2, 64, 4, 0)
-    jobs = [("decode", 1), ("decode", 8), ("prefill", 512)]
-    for kind, size in tqdm(jobs, desc="quant speed", leave=False):
+    for kind, size, context in tqdm(JOBS, desc="quant speed", leave=False):
         times: dict[str, list[float]] = {name: [] for name in ours}
         for r in range(repeats):
             order = list(ours.items()) if r % 2 == 0 else list(reversed(ours.items()))
             for name, o in order:
                 if kind == "decode":
-                    times[name].append(o.decode(size, 128, 8 if quick else 16, 100 * r))
+                    times[name].append(o.decode(size, context, 8 if quick else 16, 100 * r))
                 else:
                     times[name].append(o.prefill(size, r))
+        key = f"decode_{size}_tok_s" if context == 128 else f"{kind}_{size}_{context}_tok_s" if context else \
+            f"{kind}_{size}_tok_s"
         for name, t in times.items():
-            rows[name][f"{kind}_{size}_tok_s"] = size / statistics.median(t)
+            rows[name][key] = size / statistics.median(t)
     for engine, _ in engines.values():
         engine.shutdown()
     return {"dtype": dtype, "threads": torch.get_num_threads(), "text_tokens": len(ids), "rows": list(rows.values())}
@@ -87,11 +104,13 @@ def measure(dtype: str = "bfloat16", repeats: int = 3, quick: bool = False, mode
 def main() -> None:
     args = stage_cli(__doc__, "benchmarks/results/quant_cost.json")
     res = measure(args.dtype, args.repeats, args.quick, args.model_path)
-    print(f"\n{'mode':6} {'decode b1':>10} {'decode b8':>10} {'prefill 512':>12} {'mean logprob':>13} {'ppl':>7} "
-          f"{'ppl, decode':>12}")
+    print(f"\n{'mode':18} {'KV B/token':>10} {'pool':>7} {'decode b1':>10} {'decode b8':>10} {'b8, 1024':>9} "
+          f"{'prefill 512':>12} {'mean logprob':>13} {'ppl':>7} {'ppl, decode':>12}")
     for r in res["rows"]:
-        print(f"{r['mode']:6} {r['decode_1_tok_s']:>10.1f} {r['decode_8_tok_s']:>10.1f} {r['prefill_512_tok_s']:>12.0f} "
-              f"{r['mean_logprob']:>13.4f} {r['perplexity']:>7.3f} {r['decode_perplexity']:>12.3f}")
+        print(f"{r['mode']:18} {r['kv_bytes_per_token']:>10.0f} {r['default_pool_tokens']:>7} "
+              f"{r['decode_1_tok_s']:>10.1f} {r['decode_8_tok_s']:>10.1f} {r['decode_8_1024_tok_s']:>9.1f} "
+              f"{r['prefill_512_tok_s']:>12.0f} {r['mean_logprob']:>13.4f} {r['perplexity']:>7.3f} "
+              f"{r['decode_perplexity']:>12.3f}")
     write_json(res, args.out)
 
 

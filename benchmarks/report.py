@@ -211,21 +211,26 @@ def write(res: dict, out: Path) -> None:
         plot_grammar(g["rows"], out / "grammar.png")
     if "quant" in res:
         qd = res["quant"]
-        L += ["## Quantized weights: speed and accuracy", "",
+        L += ["## Quantized weights and KV: speed and accuracy", "",
               "The model runner with bf16 weights and with `--quantization int8` / `int4` (int4: the bundled GGUF's "
-              "Q4_1 blocks as they ship; the output projection int8), activations in bf16, side by side "
-              "(alternating, median of repeats); decode through each one's default kernel "
-              f"({', '.join(sorted({r.get('decode_kernel', '?') for r in qd['rows']}))}). Accuracy: mean "
-              "log-probability per token of a fixed English text "
+              "Q4_1 blocks as they ship; the output projection int8), and with bf16 weights over an 8-bit KV pool "
+              "(`--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2`: codes with a float32 scale per token and head), "
+              "activations in bf16, side by side (alternating, median of repeats); decode through each one's default "
+              f"kernel ({', '.join(sorted({r.get('decode_kernel', '?') for r in qd['rows']}))}). KV bytes per token "
+              "over all layers; the pool's default size in tokens on this machine (8-bit codes: the bytes of the "
+              "default, more tokens). Accuracy: mean log-probability per token of a fixed English text "
               f"({qd['rows'][0]['scored_tokens']} scored tokens, windows of 256 scoring the last 128), through "
               "prefill (the engine's prompt logprobs) and through teacher-forced decode steps (where the native "
               "step quantizes activations to 8 bits per 32 values for quantized weights); perplexity = exp(-mean). "
               "llama.cpp's perplexity at the same quantizations: the section against llama.cpp.", "",
-              "| weights | decode tok/s, batch 1 | decode tok/s, batch 8 | prefill tok/s, 512 | mean logprob | "
-              "perplexity | perplexity, decode steps | start-up s |", "|---|---|---|---|---|---|---|---|"]
+              "| weights, KV | KV bytes / token | default pool, tokens | decode tok/s, batch 1 | decode tok/s, batch 8 "
+              "| batch 8 over 1024 tokens | prefill tok/s, 512 | mean logprob | perplexity | perplexity, decode steps "
+              "| start-up s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in qd["rows"]:
-            dec = r.get("decode_perplexity")
-            L.append(f"| {r['mode']} | {r['decode_1_tok_s']:.1f} | {r['decode_8_tok_s']:.1f} | "
+            dec, long = r.get("decode_perplexity"), r.get("decode_8_1024_tok_s")
+            L.append(f"| {r['mode']} | {r.get('kv_bytes_per_token', float('nan')):.0f} | "
+                     f"{r.get('default_pool_tokens', '-')} | {r['decode_1_tok_s']:.1f} | {r['decode_8_tok_s']:.1f} | "
+                     f"{'-' if long is None else f'{long:.1f}'} | "
                      f"{r['prefill_512_tok_s']:.0f} | {r['mean_logprob']:.4f} | {r['perplexity']:.3f} | "
                      f"{'-' if dec is None else f'{dec:.3f}'} | {r['start_s']:.1f} |")
         L += [""]

@@ -31,9 +31,10 @@ SOURCE = SOURCES / "decode.cpp"
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")  # + -march (cpp_build)
 CPU_FEATURES = ("avx2", "fma", "f16c")  # what the kernel needs at least (x86-64-v3); AVX-512 BF16/VNNI if present
 NATIVE_DTYPES = ("bfloat16", "float32")
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 DENSE, Q8, Q4, Q8G16 = 0, 1, 2, 3  # Linear.format
+KV_CODES = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # --kv-cache-dtype -> Model.kv_codes (0: the pools hold T)
 
 
 class Linear(ctypes.Structure):
@@ -44,7 +45,8 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qkv", Linear), ("o", Linear),
-                ("gate_up", Linear), ("down", Linear), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p)]
+                ("gate_up", Linear), ("down", Linear), ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
 
 
 class Model(ctypes.Structure):
@@ -53,7 +55,8 @@ class Model(ctypes.Structure):
                 ("inter", ctypes.c_int32), ("vocab", ctypes.c_int32), ("amx", ctypes.c_int32),
                 ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("layer", ctypes.POINTER(Layer)), ("norm", ctypes.c_void_p),
-                ("lm_head", Linear)]
+                ("lm_head", Linear), ("kv_codes", ctypes.c_int32), ("kv_top", ctypes.c_int32),
+                ("kv_limit", ctypes.c_float), ("pad", ctypes.c_float), ("kv_values", ctypes.c_void_p)]
 
 
 class Step(ctypes.Structure):
@@ -118,6 +121,9 @@ def load(cache_dir: Path) -> ctypes.CDLL:
     lib.rs_attention.restype = None
     lib.rs_attention.argtypes = [ctypes.POINTER(Model), ctypes.c_int32, ctypes.POINTER(Step), ctypes.c_void_p,
                                  ctypes.c_void_p]
+    lib.rs_store_codes.restype = None
+    lib.rs_store_codes.argtypes = [ctypes.POINTER(Model), ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                   ctypes.c_void_p]
     lib.rs_check.restype = ctypes.c_int32
     lib.rs_check.argtypes = [ctypes.POINTER(Model)]
     lib.rs_decode_step.restype = ctypes.c_int32

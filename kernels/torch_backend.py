@@ -173,7 +173,8 @@ class TorchAttention:
         for i, (t0, s0, p, e) in enumerate(zip(meta.tok_starts, meta.slot_starts, batch.prefix_lens,
                                                batch.extend_lens)):
             first, mask = (0, meta.masks[i]) if window is None else meta.windowed[window][i]
-            if p == 0:  # the fresh K/V are the whole row: no gather
+            if p == 0 and isinstance(k_pool, torch.Tensor):  # the fresh K/V are the whole row: no gather (an
+                # 8-bit pool's are read back: every read sees the codes, so caching never changes a token)
                 ki, vi = k[t0 : t0 + e], v[t0 : t0 + e]
             else:
                 row = batch.slots[s0 + first : s0 + p + e]

@@ -8,27 +8,43 @@ import numpy as np
 import torch
 
 from radixserve.kernels.base import AttentionBackend, AttentionBatch
+from radixserve.model.kv_codes import ScaledPool
 from radixserve.model.slot_table import SlotTable
 from radixserve.policies.drafts import is_chain, tree_depths
 from radixserve.wire.plans import ForwardPlan
 
 
 class KVPool:
-    """K and V for every layer: ``[num_layers, num_slots, kv_heads, head_dim]``. Slot 0 is the dummy."""
+    """K and V for every layer: ``[num_layers, num_slots, kv_heads, head_dim]``. Slot 0 is the dummy.
+
+    ``codes`` (``--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2``): K and V held as 8-bit codes (uint8) with a float32
+    scale per slot and head (``k_scale``/``v_scale`` ``[num_layers, num_slots, kv_heads]``; model/kv_codes.py);
+    ``layer(i)`` then hands out ScaledPools, which encode on store and decode on gather. None: the model's dtype."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, codes: str | None = None) -> None:
         shape = (num_layers, num_slots, kv_heads, head_dim)
+        self.dtype, self.codes = dtype, codes
+        stored = dtype if codes is None else torch.uint8
         # zero_() touches every page now: otherwise the first requests pay the page faults of a fresh pool
-        self.k = torch.empty(shape, dtype=dtype, device=device).zero_()
-        self.v = torch.empty(shape, dtype=dtype, device=device).zero_()
+        self.k = torch.empty(shape, dtype=stored, device=device).zero_()
+        self.v = torch.empty(shape, dtype=stored, device=device).zero_()
+        self.k_scale = self.v_scale = None
+        if codes is None:
+            self._layers = [(self.k[i], self.v[i]) for i in range(num_layers)]
+            return
+        self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+        self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+        self._layers = [(ScaledPool(self.k[i], self.k_scale[i], codes, dtype),
+                         ScaledPool(self.v[i], self.v_scale[i], codes, dtype)) for i in range(num_layers)]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[ScaledPool, ScaledPool]:
+        return self._layers[i]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        scales = 0 if self.k_scale is None else 2 * self.k_scale.numel() * 4
+        return 2 * self.k.numel() * self.k.element_size() + scales
 
 
 class RopeTable:

@@ -3,6 +3,7 @@ host memory, L2 (``HostTier``: least recently used pages out beyond a byte budge
 model/kv_tiers.py moves them."""
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, OrderedDict, deque
 
@@ -18,20 +19,37 @@ class PageCodec:
     """A page's KV as it is kept below the pool: page-first ``[2 (K, V), layers, page, kv_heads, head_dim]`` (one
     page is one contiguous read), in the pool's dtype ("auto": exact) or int8 / fp8 (e4m3) with float32 scales:
     K's per channel over the page's tokens (``[layers, kv_heads, head_dim]``: keys carry outlier channels, which a
-    scale per token would let swamp the rest), V's per token (``[layers, page, kv_heads]``)."""
+    scale per token would let swamp the rest), V's per token (``[layers, page, kv_heads]``).
 
-    def __init__(self, fmt: str, dtype: torch.dtype, layers: int, kv_heads: int, head_dim: int, page: int) -> None:
+    A pool of 8-bit codes (``codes``: --kv-cache-dtype int8/fp8) moves exactly: its codes, then its scales
+    (``[2, layers, page, kv_heads]`` float32), as the pool holds them."""
+
+    def __init__(self, fmt: str, dtype: torch.dtype, layers: int, kv_heads: int, head_dim: int, page: int,
+                 codes: str | None = None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown KV page format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        if codes is not None and fmt != "auto":
+            raise ValueError(f"a pool of {codes} codes moves its pages as they are; page format {fmt} re-encodes "
+                             "pages of a pool in the model's dtype")
         self.fmt, self.dtype, self.page = fmt, dtype, page
         self.shape = (2, layers, page, kv_heads, head_dim)
+        # exact pages: each pool tensor's rows in turn, as (dtype, one page's shape of it): K, V (and their scales)
+        one = (layers, page, kv_heads, head_dim)
+        self.parts = [(dtype if codes is None else torch.uint8, one)] * 2
+        if codes is not None:
+            self.parts += [(torch.float32, one[:3])] * 2
         self.stored = {"auto": dtype, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[fmt]
         self.value_bytes = 2 * layers * page * kv_heads * head_dim * self.stored.itemsize
         self.k_scales = (layers, 1, kv_heads, head_dim)
         self.v_scales = (layers, page, kv_heads, 1)
         self.k_scale_bytes = 0 if fmt == "auto" else layers * kv_heads * head_dim * 4
-        self.nbytes = self.value_bytes + (0 if fmt == "auto" else self.k_scale_bytes + layers * page * kv_heads * 4)
+        self.nbytes = (sum(math.prod(shape) * dt.itemsize for dt, shape in self.parts) if fmt == "auto" else
+                       self.value_bytes + self.k_scale_bytes + layers * page * kv_heads * 4)
         self.limit = {"int8": 127.0, "fp8_e4m3": 448.0}.get(fmt)
+
+    @staticmethod
+    def _tensors(kv: KVPool) -> list[torch.Tensor]:
+        return [kv.k, kv.v] if kv.codes is None else [kv.k, kv.v, kv.k_scale, kv.v_scale]
 
     def encode(self, kv: KVPool, slots: np.ndarray) -> list[torch.Tensor]:
         """The pages of ``slots`` (page after page, ``page`` slots each), each a tensor of its own (``nbytes``
@@ -41,11 +59,13 @@ class PageCodec:
         if self.fmt == "auto":
             pages = []
             for i in range(n):
-                page = torch.empty(self.shape, dtype=self.dtype)
+                page, at = torch.empty(self.nbytes, dtype=torch.uint8), 0
                 part = idx[i * self.page : (i + 1) * self.page]
-                torch.index_select(kv.k, 1, part, out=page[0])
-                torch.index_select(kv.v, 1, part, out=page[1])
-                pages.append(page.view(-1).view(torch.uint8))
+                for t, (dt, shape) in zip(self._tensors(kv), self.parts):
+                    size = math.prod(shape) * dt.itemsize
+                    torch.index_select(t, 1, part, out=page[at : at + size].view(dt).view(shape))
+                    at += size
+                pages.append(page)
             return pages
         x = torch.stack((kv.k[:, idx], kv.v[:, idx]))  # [2, L, n * page, H, D]
         x = x.view(2, x.shape[1], n, self.page, *x.shape[3:]).permute(2, 0, 1, 3, 4, 5)
@@ -62,17 +82,23 @@ class PageCodec:
         """Tokens ``skip`` .. ``skip + len(slots)`` of ``pages`` (in order) into the pool's ``slots``."""
         n = len(pages)
         buf = torch.stack(pages)
+        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         if self.fmt == "auto":
-            x = buf.view(self.dtype).view(n, *self.shape)
-        else:
-            a, b = self.value_bytes, self.value_bytes + self.k_scale_bytes
-            q = buf[:, :a].contiguous().view(self.stored).view(n, *self.shape).float()
-            ks = buf[:, a:b].contiguous().view(torch.float32).view(n, *self.k_scales)
-            vs = buf[:, b:].contiguous().view(torch.float32).view(n, *self.v_scales)
-            x = torch.stack((q[:, 0] * ks, q[:, 1] * vs), dim=1).to(self.dtype)
+            at = 0
+            for t, (dt, shape) in zip(self._tensors(kv), self.parts):
+                size = math.prod(shape) * dt.itemsize
+                x = buf[:, at : at + size].contiguous().view(dt).view(n, *shape)  # [n, L, page, ...]
+                x = x.transpose(0, 1).reshape(shape[0], n * self.page, *shape[2:])
+                t[:, idx] = x[:, skip : skip + len(slots)]
+                at += size
+            return
+        a, b = self.value_bytes, self.value_bytes + self.k_scale_bytes
+        q = buf[:, :a].contiguous().view(self.stored).view(n, *self.shape).float()
+        ks = buf[:, a:b].contiguous().view(torch.float32).view(n, *self.k_scales)
+        vs = buf[:, b:].contiguous().view(torch.float32).view(n, *self.v_scales)
+        x = torch.stack((q[:, 0] * ks, q[:, 1] * vs), dim=1).to(self.dtype)
         x = x.permute(1, 2, 0, 3, 4, 5).reshape(2, self.shape[1], n * self.page, *self.shape[3:])
         x = x[:, :, skip : skip + len(slots)]
-        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         kv.k[:, idx] = x[0]
         kv.v[:, idx] = x[1]
 

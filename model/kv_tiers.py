@@ -261,12 +261,12 @@ def build_tiers(kv: KVPool, layers: int, kv_heads: int, head_dim: int, dtype: to
     """The runner's tiers for ``args`` (resolved ServerArgs) and the scheduler's ``config`` (TierConfig)."""
     from radixserve.model.kv_storage import load_storage
 
-    codec = PageCodec(args.hicache_kv_format, dtype, layers, kv_heads, head_dim, config.page_size)
+    codec = PageCodec(args.hicache_kv_format, dtype, layers, kv_heads, head_dim, config.page_size, kv.codes)
     budget = int(args.hicache_size * 1e9) if args.hicache_size else int(args.hicache_ratio * kv.nbytes)
     backend = args.hicache_storage_backend
     storage = None if backend == "none" else load_storage(backend, args.hicache_extra_config())
     log.info("KV tiers: pages of %d tokens (%s, %.1f MiB each); L2 %.0f MiB of host memory; L3 %s; write %s, "
-             "prefetch %s", config.page_size, codec.fmt, codec.nbytes / 2**20, budget / 2**20,
+             "prefetch %s", config.page_size, kv.codes or codec.fmt, codec.nbytes / 2**20, budget / 2**20,
              describe_storage(backend, storage), config.write_policy, config.prefetch_policy)
     return KVTiers(kv, codec, HostTier(budget), storage, config.namespace, report)
 

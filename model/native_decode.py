@@ -28,6 +28,7 @@ from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.bounds import check_indices, check_ranges
 from radixserve.kernels.cpu_quant import QuantLinear
 from radixserve.model.forward_batch import ForwardBatch, KVPool
+from radixserve.model.kv_codes import KV_CODES, code_values
 from radixserve.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
@@ -117,19 +118,26 @@ class NativeDecode:
         self._quantized_layers: list[tuple[QuantLinear, native.Linear]] = []
         layers = (native.Layer * cfg.num_layers)()
         for i, layer in enumerate(model.model.layers):
-            k_pool, v_pool = kv.layer(i)
             attn, mlp = layer.self_attn, layer.mlp
+            scales = (None, None) if kv.codes is None else (kv.k_scale[i].data_ptr(), kv.v_scale[i].data_ptr())
             layers[i] = native.Layer(self._dense(layer.attn_norm.weight), self._dense(layer.mlp_norm.weight),
                                      self._linear(attn.qkv_proj), self._linear(attn.o_proj),
                                      self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj),
-                                     k_pool.data_ptr(), v_pool.data_ptr())
+                                     kv.k[i].data_ptr(), kv.v[i].data_ptr(), *scales)
         self._layers = layers
+        kv_codes = {}
+        if kv.codes is not None:  # the pools hold 8-bit codes: the kernel encodes and decodes them as torch does
+            values = code_values(kv.codes)
+            self._keep.append(values)
+            top = int(torch.nonzero(values[:128] == KV_CODES[kv.codes][1])[0])
+            kv_codes = dict(kv_codes=native.KV_CODES[kv.codes], kv_top=top,
+                            kv_limit=KV_CODES[kv.codes][1], kv_values=values.data_ptr())
         self.desc = native.Model(
             bf16=int(dtype == torch.bfloat16), layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size, vocab=cfg.vocab_size,
             amx=int(dtype == torch.bfloat16 and self.lib.rs_request_amx() == 1),
             eps=cfg.rms_norm_eps, scale=cfg.attn_scale, layer=layers, norm=self._dense(model.model.norm.weight),
-            lm_head=self._linear(model.lm_head))
+            lm_head=self._linear(model.lm_head), **kv_codes)
         code = self.lib.rs_check(ctypes.byref(self.desc))
         if code:
             raise native.NativeUnavailable(f"the kernel refuses this model's {'heads' if code == 1 else 'linear layers'}")
@@ -208,8 +216,9 @@ class NativeDecode:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
         slots, first, length = batch.attn.tree_contexts(self.window)  # a draft tree's rows: lists of their own
-        # the kernel's shared-prefix path takes AMX tiles, bf16 and head dim 64 (attention_shared.h's shared_path)
-        shares = self.desc.amx and self._head_dim == 64
+        # the kernel's shared-prefix path takes AMX tiles, bf16 and head dim 64, a pool in the model's dtype
+        # (attention_shared.h's shared_path)
+        shares = self.desc.amx and self._head_dim == 64 and not self.desc.kv_codes
         shared = shared_prefix(batch.attn, first, length) if shares else 0
         need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, shared)
         if self._scratch.numel() < need:

@@ -23,6 +23,7 @@ from radixserve.model.compiled import CompiledDecode
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, KVPool, RopeTable
 from radixserve.model.grammar import Constraints, Masks
+from radixserve.model.kv_codes import KV_CODES, DecodedReads
 from radixserve.model.logit_processing import LogitProcessing
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
@@ -61,9 +62,9 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
 
 
 def pack(model: CausalLM) -> None:
-    packed = pack_linears(model)  # CPU bf16: same results, faster matrix-vector products
-    if packed:
-        log.info("packed %d linear layers for oneDNN", packed)
+    done = pack_linears(model)  # CPU bf16/fp16: faster products
+    if done:
+        log.info("CPU linears: %s", done)
 
 
 def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.dtype, device: torch.device,
@@ -124,7 +125,8 @@ class ModelRunner:
                  quantization: str | None = None, source: Path | None = None, decode_kernel: str = "eager",
                  max_batch: int = 1, tp: TPGroup = SINGLE, context_length: int | None = None,
                  decode_fallback: tuple[str, ...] = (), max_threads: int | None = None,
-                 server_root: int | None = None, logit_processors: tuple[str, ...] = ()) -> None:
+                 server_root: int | None = None, logit_processors: tuple[str, ...] = (),
+                 kv_cache_dtype: str | None = None) -> None:
         """``num_threads``: a fixed thread count (CPU); without it the runner takes up to ``max_threads`` (default:
         this process's CPU budget), fewer while other processes keep CPUs busy (radixserve/cpu_load.py).
         ``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
@@ -132,7 +134,8 @@ class ModelRunner:
         try in turn when ``decode_kernel`` cannot load here (empty: that fails the start). ``server_root``: the pid
         of the server's launcher, whose processes count as this runner's own when it watches the CPUs (None: this
         process only, as in an Engine). ``logit_processors``: the named processors requests may use (loaded
-        now)."""
+        now). ``kv_cache_dtype``: int8, fp8_e4m3 or fp8_e5m2 holds the KV pool in 8-bit codes (model/kv_codes.py);
+        anything else, the model's dtype."""
         self.num_threads: int | None = None  # the threads every step runs on (CPU); adaptive: the most
         self.adaptive: AdaptiveThreads | None = None  # None: a fixed count (--num-threads, or not the CPU)
         if device == "cpu":  # default: the CPUs this process may use (affinity and cgroup quota) others leave free
@@ -158,7 +161,9 @@ class ModelRunner:
         self.model = build_model(cfg, path, self.dtype, self.device, quantization, source, tp)
         attn = self.model.model.layers[0].self_attn  # this rank's heads
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.kv = KVPool(cfg.num_layers, num_slots + 1, self.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        codes = kv_cache_dtype if kv_cache_dtype in KV_CODES else None
+        self.kv = KVPool(cfg.num_layers, num_slots + 1, self.num_kv_heads, cfg.head_dim, self.dtype, self.device,
+                         codes)
         self.native: NativeDecode | None = None
         self.compiled: CompiledDecode | None = None
         self.decode_refused: dict[str, str] = {}  # kernel -> why it did not load (auto then took the next one)
@@ -186,14 +191,16 @@ class ModelRunner:
 
             make_invariant(self.model, self.attn.ops)
             log.info("deterministic: batch-invariant kernels (%s)", self.attn.ops.name)
+        if codes is not None and self.attn.name != "torch":  # the torch backend reads the codes itself
+            self.attn = DecodedReads(self.attn)
         self.table = SlotTable()
         self.constraints = Constraints(path, cfg.vocab_size)
         self.penalties = Penalties(cfg.vocab_size, self.device)
         self.processing = LogitProcessing(logit_processors)
         self.tiers = None  # --enable-hierarchical-cache: pages below the pool (attach_tiers)
-        log.info("model loaded in %.1fs (%s, %s%s); KV pool %d tokens, %.0f MiB", time.perf_counter() - start,
+        log.info("model loaded in %.1fs (%s, %s%s); KV pool %d tokens, %.0f MiB%s", time.perf_counter() - start,
                  cfg.model_type, dtype, f", rank {tp.rank} of {tp.size}" if tp.size > 1 else "", num_slots,
-                 self.kv.nbytes / 2**20)
+                 self.kv.nbytes / 2**20, f" ({codes} codes, a scale per token and head)" if codes else "")
         if kernels[0] == "compiled":
             try:
                 self.compiled = CompiledDecode(self.model, self.kv, self.rope, cache_root() / "inductor",
@@ -239,7 +246,7 @@ class ModelRunner:
                    decode_kernel=args.decode_kernel, max_batch=args.max_running_requests, tp=tp,
                    context_length=args.context_length, decode_fallback=args.decode_fallback,
                    max_threads=max_threads, server_root=server_root,
-                   logit_processors=args.logit_processors or ())
+                   logit_processors=args.logit_processors or (), kv_cache_dtype=args.kv_cache_dtype)
 
     def attach_tiers(self, args, config, report) -> None:
         """Pages below the pool (model/kv_tiers.py): ``args`` resolved ServerArgs, ``config`` the scheduler's

@@ -108,7 +108,8 @@ HELP = {
     "trust_remote_code": "refused: radixserve runs only the architectures it implements and never executes a "
                          "checkpoint's code (accepted so SGLang command lines fail with a clear message)",
     "dtype": "weights and activations; auto: bfloat16 (the CPU's fast path; float32 checkpoints too)",
-    "kv_cache_dtype": "the KV pool's dtype; auto: the model's dtype (the only one implemented yet: fp8 is refused)",
+    "kv_cache_dtype": "the KV pool's dtype; auto: the model's dtype; int8, fp8_e4m3, fp8_e5m2: 8-bit codes with a "
+                      "float32 scale per token and head (about half the bytes of bf16, so nearly twice the tokens)",
     "max_total_tokens": "KV pool size in tokens (default: from free memory; on CUDA from --mem-fraction-static)",
     "chunked_prefill_size": "new tokens per prefill step; <= 0 disables chunking",
     "max_prefill_tokens": "new tokens per prefill step when chunking is off",

@@ -70,6 +70,8 @@ def tier_config(args: ServerArgs, model_dir: Path) -> TierConfig | None:
     # what else the KV's bits depend on: weight quantization, and --deterministic's own kernels (its promise of
     # the same bits whatever the batch would not hold for KV computed without it)
     compute = f"{args.dtype}/{args.quantization or 'none'}/{'deterministic' if args.deterministic else 'default'}"
+    if args.kv_cache_dtype != args.dtype:  # 8-bit codes: pages of another layout, and other bits
+        compute += f"/kv-{args.kv_cache_dtype}"
     ns = namespace(model_fingerprint(model_dir), compute, args.hicache_page_size, args.hicache_kv_format)
     return TierConfig(args.hicache_page_size, ns, args.hicache_write_policy, args.hicache_storage_prefetch_policy)
 
@@ -84,7 +86,8 @@ def prepare(args: ServerArgs) -> Prepared:
     check_divisible(args.tp, model.num_heads, model.num_kv_heads, model.intermediate_size)
     per_rank = 2 * model.num_layers * kv_heads_per_rank(args.tp, model.num_kv_heads) * model.head_dim
     requested = args.decode_kernel
-    args = args.resolved(model.kv_values_per_token, model.max_position_embeddings, model.num_parameters, per_rank)
+    args = args.resolved(model.kv_values_per_token, model.max_position_embeddings, model.num_parameters, per_rank,
+                         model.head_dim)
     if args.decode_kernel == "native" and model.native_refusal:  # what this machine allows, this model may not
         if requested == "native":
             raise ValueError(f"--decode-kernel native: {model.native_refusal}; use --decode-kernel compiled or eager")

@@ -15,7 +15,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 RESOLVED = ("decode_fallback",)  # fields resolved() sets: no flag of their own
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
-    "kv_cache_dtype": (*DTYPES, "fp8_e5m2", "fp8_e4m3"),
+    "kv_cache_dtype": (*DTYPES, "int8", "fp8_e4m3", "fp8_e5m2"),
     "quantization": ("int8", "int4", "gguf", "none"),
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "triton", "torch", "batch-invariant"),
@@ -27,7 +27,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 BUILT_IN_DRAFTS = ("none", "ngram", "suffix", "radix", "draft-model")  # --speculative-algorithm's (any case)
 DRAFT_MODEL_NAMES = ("standalone", "draft-model")  # a second model's drafts: SGLang's name and the policy's
 NOT_BUILT_DRAFTS = ("eagle", "eagle3", "mtp")  # SGLang's algorithms that need a model's own draft heads
-DEFAULT_MAX_TOTAL_TOKENS = 65536
+KV_CODE_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")  # --kv-cache-dtype held as 8-bit codes (model/kv_codes.py)
+DEFAULT_MAX_TOTAL_TOKENS = 65536  # the CPU pool's default cap, in tokens of the model's dtype (its bytes for codes)
 KV_MEMORY_FRACTION = 0.3  # of the RAM available at start, when --max-total-tokens is not given
 GPU_MEM_FRACTION = 0.85  # CUDA: of the GPU's memory, for weights and the KV pool (the rest: activations, CUDA)
 
@@ -42,7 +43,7 @@ class ServerArgs:
     tool_call_parser: str = "auto"
     trust_remote_code: bool = False  # accepted for SGLang's muscle memory, refused when set: no remote code runs
     dtype: str = "auto"  # auto: bfloat16 on CPU
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype (the only one implemented)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8, fp8_e4m3, fp8_e5m2: 8-bit codes, a scale per head
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from memory
     chunked_prefill_size: int = 2048  # new tokens per prefill step; <= 0 disables chunking
     max_prefill_tokens: int = 16384  # new tokens per prefill step when chunking is off
@@ -129,9 +130,6 @@ class ServerArgs:
             raise ValueError(f"--trust-remote-code: radixserve runs only the architectures it implements "
                              f"({', '.join(supported_model_types())}); remote code is never executed. Drop the flag "
                              "(a checkpoint of one of these architectures loads without it)")
-        if self.kv_cache_dtype.startswith("fp8"):
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented yet: the KV pool holds the "
-                             "model's dtype; leave it at auto")
         names = self.served_model_name
         if names is not None:  # one name (Engine, SGLang's single string) or several (aliases); frozen as a tuple
             names = (names,) if isinstance(names, str) else tuple(names)
@@ -250,6 +248,10 @@ class ServerArgs:
         if self.tp > 1:
             raise ValueError("--enable-hierarchical-cache is not implemented with --tp > 1 yet (each rank would keep "
                              "its own share of every page); use --dp for several replicas sharing one L3")
+        if self.kv_cache_dtype in KV_CODE_FORMATS and self.hicache_kv_format != "auto":
+            raise ValueError(f"--hicache-kv-format {self.hicache_kv_format} re-encodes pages of a pool in the model's "
+                             f"dtype; with --kv-cache-dtype {self.kv_cache_dtype} the pool's pages are 8-bit already "
+                             "and move below it as they are: leave --hicache-kv-format at auto")
         if self.hicache_page_size < 1:
             raise ValueError(f"--hicache-page-size {self.hicache_page_size} must be >= 1 token")
         if not self.hicache_ratio > 0 or self.hicache_size < 0:
@@ -348,18 +350,21 @@ class ServerArgs:
         return cls(**kwargs)
 
     def resolved(self, kv_values_per_token: int, model_context: int, num_parameters: int = 0,
-                 kv_values_per_rank: int | None = None) -> ServerArgs:
+                 kv_values_per_rank: int | None = None, head_dim: int = 64) -> ServerArgs:
         """A copy with every auto value made concrete (the frozen config the actors run on).
 
         ``kv_values_per_token``: K and V elements one token takes over all layers (2 * layers * kv_heads * head_dim);
         ``num_parameters``: the model's weights (on CUDA the pool gets what the weights leave of the GPU's share);
         ``kv_values_per_rank``: with --tp, what one rank's share of the heads takes per token (KV heads copied to
         several ranks count on each). A GPU holds one rank's weights and pool; a CPU node's memory all its ranks'.
+        ``head_dim``: a KV head's values (8-bit codes carry a float32 scale per head).
         """
         dtype = "bfloat16" if self.dtype == "auto" else self.dtype
-        if self.kv_cache_dtype not in ("auto", dtype):
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented yet: the KV pool holds the "
-                             f"model's dtype ({dtype}); leave it at auto, or set --dtype {self.kv_cache_dtype}")
+        codes = self.kv_cache_dtype in KV_CODE_FORMATS
+        if not codes and self.kv_cache_dtype not in ("auto", dtype):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented: the KV pool holds the "
+                             f"model's dtype ({dtype}) or 8-bit codes ({', '.join(KV_CODE_FORMATS)}); leave it at "
+                             f"auto, set --dtype {self.kv_cache_dtype}, or take one of the 8-bit formats")
         device = self.device
         if device == "auto":
             import torch
@@ -371,8 +376,9 @@ class ServerArgs:
             raise ValueError("--dp > 1 on CUDA is not implemented yet (each replica needs GPUs of its own); run a "
                              "server per GPU and `radixserve router` in front of them")
         # a CPU node's memory holds every rank's pool of every replica
-        kv_bytes_per_token = per_rank * (1 if on_cuda else len(self.ranks_here) * self.dp) * \
-            (4 if dtype == "float32" else 2)
+        values = per_rank * (1 if on_cuda else len(self.ranks_here) * self.dp)
+        plain_bytes_per_token = values * (4 if dtype == "float32" else 2)
+        kv_bytes_per_token = values + values // head_dim * 4 if codes else plain_bytes_per_token
         num_parameters //= self.tp if on_cuda else 1
         context = min(self.context_length or model_context, model_context)
         total = self.max_total_tokens
@@ -383,7 +389,8 @@ class ServerArgs:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             # not forced up to the context: a long-context model on a small machine gets a smaller pool (requests
             # that cannot fit are refused with a message naming --max-total-tokens) instead of running out of RAM
-            total = max(256, min(DEFAULT_MAX_TOTAL_TOKENS, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
+            cap = DEFAULT_MAX_TOTAL_TOKENS * plain_bytes_per_token // kv_bytes_per_token  # codes: the same bytes
+            total = max(256, min(cap, int(avail * KV_MEMORY_FRACTION / kv_bytes_per_token)))
         chain = self._decode_kernels(dtype, device)
         kernel = chain[0]
         backend = self.dist_backend if self.dist_backend != "auto" else "nccl" if device.startswith("cuda") else "gloo"
@@ -392,7 +399,8 @@ class ServerArgs:
         if backend == "gloo" and device.startswith("cuda") and self.tp > 1:
             raise ValueError("--dist-backend gloo cannot gather CUDA tensors (the logits of the vocabulary shards); "
                              "use nccl on CUDA")
-        return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=dtype, context_length=context,
+        return dataclasses.replace(self, dtype=dtype, kv_cache_dtype=self.kv_cache_dtype if codes else dtype,
+                                   context_length=context,
                                    max_total_tokens=total, device=device, decode_kernel=kernel,
                                    decode_fallback=chain[1:] if self.decode_kernel == "auto" else (),
                                    disable_compile=kernel == "eager", dist_backend=backend,

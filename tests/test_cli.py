@@ -140,7 +140,7 @@ def run_main(capsys, *argv: str) -> tuple[int, str]:
     (["--dtype", "fp8"], "radixserve serve: error: argument --dtype: invalid choice: 'fp8'"),
     (["--tp", "x"], "argument --tp/--tp-size/--tensor-parallel-size: invalid int value: 'x'"),
     (["--tp", "0"], "error: tp=0 must be >= 1"),
-    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3 is not implemented yet"),
+    (["--kv-cache-dtype", "fp16"], "--kv-cache-dtype float16 is not implemented: the KV pool holds the model's"),
     (["--trust-remote-code"], "remote code is never executed"),
     (["--chat-template", "nope"], "--chat-template 'nope' is neither a file nor a built-in template"),
     (["model-dir"], "unrecognized arguments: model-dir (every setting is a --flag"),

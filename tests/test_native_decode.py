@@ -16,6 +16,7 @@ from radixserve import Engine
 from radixserve.kernels import cpu_native
 from radixserve.kernels.cpu_native import NativeUnavailable, unavailable_reason
 from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.kv_codes import KV_CODES, ScaledPool, encode
 from radixserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(unavailable_reason("bfloat16") is not None,
@@ -266,13 +267,15 @@ def test_each_product_format_computes_what_it_promises(n, k):
         torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv", ["plain", *KV_CODES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (64, 4, 4), (16, 4, 2), (96, 6, 2)])
-def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_heads):
+def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_heads, kv):
     """The attention phase alone against float64 softmax(q k^T / sqrt(d)) v over each row's slots: head dims
-    with their own bf16 paths (64, 128) and the generic one, one row of 700 keys and three rows (a row's keys
+    with their own paths (64, 128) and the generic one, one row of 700 keys and three rows (a row's keys
     split among threads), twenty rows sharing a 160-key prefix (scored for all rows at once on AMX tiles where
-    bf16 head dim 64 has them, else row by row), slots scattered over the pool."""
+    bf16 head dim 64 has them, else row by row), slots scattered over the pool; the pool in the model's dtype or
+    in 8-bit codes (model/kv_codes.py: the reference reads the values the codes stand for)."""
     lib = cpu_native.load(cpu_native.default_cache_dir())
     g = torch.Generator().manual_seed(head_dim + heads)
     shapes = [[700], [5, 300, 129], [160 + int(x) for x in torch.randint(1, 120, (20,), generator=g)]]
@@ -292,11 +295,20 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
         starts = lengths.cumsum(0) - lengths
         width = (heads + 2 * kv_heads) * head_dim
         qkv = torch.randn(len(lens), width, generator=g).to(dtype)
-        layer = cpu_native.Layer(k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr())
+        codes = {}
+        if kv == "plain":
+            layer = cpu_native.Layer(k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr())
+        else:  # the kernel reads the codes; the reference their values
+            (kc, ks), (vc, vs) = encode(k_pool, kv), encode(v_pool, kv)
+            k_pool, v_pool = (ScaledPool(c, sc, kv, torch.float64).index_select(0, torch.arange(total + 1))
+                              for c, sc in ((kc, ks), (vc, vs)))
+            layer = cpu_native.Layer(k_pool=kc.data_ptr(), v_pool=vc.data_ptr(), k_scale=ks.data_ptr(),
+                                     v_scale=vs.data_ptr())
+            codes = dict(kv_codes=cpu_native.KV_CODES[kv], kv_limit=KV_CODES[kv][1])
         layers = (cpu_native.Layer * 1)(layer)
         model = cpu_native.Model(bf16=int(dtype == torch.bfloat16), layers=1, hidden=heads * head_dim, heads=heads,
                                  kv_heads=kv_heads, head_dim=head_dim, inter=32, vocab=16, eps=1e-6,
-                                 scale=head_dim**-0.5, layer=layers)
+                                 scale=head_dim**-0.5, layer=layers, **codes)
         model.amx = lib.rs_request_amx()
         scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), len(lens), len(shared)), dtype=torch.uint8)
         step = cpu_native.Step(rows=len(lens), shared=len(shared), slots=slots.data_ptr(), starts=starts.data_ptr(),

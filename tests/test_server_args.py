@@ -79,17 +79,42 @@ def test_served_model_names_are_a_tuple_of_aliases():
             ServerArgs(served_model_name=bad)
 
 
-def test_kv_cache_dtype_is_the_models_or_refused():
+def test_kv_cache_dtype_is_the_models_or_8_bit_codes():
     kv = 2 * 30 * 3 * 64
     assert ServerArgs(device="cpu").resolved(kv, 8192).kv_cache_dtype == "bfloat16", "auto: the model's dtype"
     same = ServerArgs(device="cpu", dtype="fp32", kv_cache_dtype="float32").resolved(kv, 8192)
     assert same.kv_cache_dtype == same.dtype == "float32"
-    with pytest.raises(ValueError, match="--kv-cache-dtype float16 is not implemented yet: the KV pool holds the "
-                                         "model's dtype \\(bfloat16\\)"):
+    with pytest.raises(ValueError, match="--kv-cache-dtype float16 is not implemented: the KV pool holds the "
+                                         "model's dtype \\(bfloat16\\) or 8-bit codes"):
         ServerArgs(device="cpu", kv_cache_dtype="fp16").resolved(kv, 8192)
-    for fp8 in ("fp8_e5m2", "fp8_e4m3"):
-        with pytest.raises(ValueError, match=f"--kv-cache-dtype {fp8} is not implemented yet"):
-            ServerArgs(kv_cache_dtype=fp8)
+    plain = ServerArgs(device="cpu", max_total_tokens=1000).resolved(kv, 8192)
+    for fmt in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        coded = ServerArgs(device="cpu", kv_cache_dtype=fmt).resolved(kv, 8192, head_dim=64)
+        assert coded.kv_cache_dtype == fmt and coded.dtype == "bfloat16"
+        assert ServerArgs(device="cpu", kv_cache_dtype=fmt, max_total_tokens=1000).resolved(kv, 8192).max_total_tokens \
+            == plain.max_total_tokens, "an explicit pool size is kept"
+
+
+def test_8_bit_kv_gets_the_same_bytes_as_more_tokens(monkeypatch):
+    import os
+
+    kv = 2 * 30 * 3 * 64
+    plain = ServerArgs(device="cpu").resolved(kv, 8192)
+    coded = ServerArgs(device="cpu", kv_cache_dtype="int8").resolved(kv, 8192, head_dim=64)
+    bf16_bytes, code_bytes = kv * 2, kv + kv // 64 * 4  # a scale (float32) per token, layer, K/V and head
+    assert code_bytes / bf16_bytes == 68 / 128
+    assert coded.max_total_tokens == plain.max_total_tokens * bf16_bytes // code_bytes, \
+        "the default cap is the bf16 pool's bytes"
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 << 17 if name == "SC_AVPHYS_PAGES" else real(name))
+    small, small_coded = (ServerArgs(device="cpu", kv_cache_dtype=d).resolved(kv, 8192) for d in ("auto", "int8"))
+    assert small_coded.max_total_tokens > 1.8 * small.max_total_tokens, "memory-bound: nearly twice the tokens"
+
+
+def test_8_bit_kv_pages_move_below_the_pool_as_they_are():
+    with pytest.raises(ValueError, match="the pool's pages are 8-bit already"):
+        ServerArgs(kv_cache_dtype="int8", enable_hierarchical_cache=True, hicache_kv_format="int8")
+    ServerArgs(kv_cache_dtype="fp8_e4m3", enable_hierarchical_cache=True)
 
 
 def test_closed_sets_are_checked_for_engine_callers_too():

@@ -18,8 +18,10 @@ struct Layer {
   const void* ln1;
   const void* ln2;
   Linear qkv, o, gate_up, down;
-  void* k_pool;  // T [slots, kv_heads, head_dim]
+  void* k_pool;  // T [slots, kv_heads, head_dim]; 8-bit codes (uint8) when Model.kv_codes is set
   void* v_pool;
+  float* k_scale;  // 8-bit codes: float [slots, kv_heads], a head's value = code's value * scale; else null
+  float* v_scale;
 };
 struct Model {
   int32_t bf16, layers, hidden, heads, kv_heads, head_dim, inter, vocab;
@@ -28,6 +30,11 @@ struct Model {
   const Layer* layer;
   const void* norm;
   Linear lm_head;
+  int32_t kv_codes;  // 0: the pools hold T; kInt8Codes, kE4M3Codes, kE5M2Codes: 8-bit codes (model/kv_codes.py)
+  int32_t kv_top;    // fp8 codes: the largest finite positive code (codes 0 .. kv_top increase in value)
+  float kv_limit;    // the magnitude a head's largest value is scaled to
+  float pad;
+  const float* kv_values;  // [256]: what each code byte stands for
 };
 struct Step {
   int32_t rows, logit_rows;
@@ -51,6 +58,7 @@ inline int64_t row_start(const Step& st, int m) { return st.starts[m]; }
 inline int row_len(const Step& st, int m) { return int(st.lens[m]); }
 
 constexpr int kDense = 0, kQ8 = 1, kQ4 = 2, kQ8G16 = 3;  // Linear.format
+constexpr int kInt8Codes = 1, kE4M3Codes = 2, kE5M2Codes = 3;  // Model.kv_codes
 constexpr int kBlock = 32;                   // weights per quantization block (along k)
 constexpr int kMaxGroup = 16;                // query heads per kv head
 constexpr int kMaxHeadDim = 256;

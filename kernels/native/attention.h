@@ -38,16 +38,59 @@ struct SoftmaxState {  // one task's state for up to kMaxGroup query heads
   alignas(64) float acc[kMaxGroup][kMaxHeadDim];
 };
 
-// The generic path: any head dim, either storage type.
+// The pool as the generic path reads it: `at` is a (slot, kv head) pair's index, slot * kv_heads + head.
 template <class T>
-inline void attend_keys(const T* q, const T* kp, const T* vp, int nkv, int g, const int64_t* row, int len, int hd,
-                        int group, float scale, SoftmaxState& st) {
+struct PlainKV {  // K/V in the model's dtype
+  const T* k;
+  const T* v;
+  int hd;
+  float dot(const T* q, int64_t at) const { return dot_head(q, k + at * hd, hd); }
+  V16 value(int64_t at, int i, M16 mk) const { return load16(v + at * hd + i, mk); }
+};
+// 8-bit codes (model/kv_codes.py) as floats, format F (abi.h): kCodeUnit<F> times what load_codes16 reads
+template <int F>
+inline V16 load_codes16(const uint8_t* p, M16 m) {
+  const __m128i b = load_code_bytes(p, m);
+  if constexpr (F == kInt8Codes) return int8_codes(b);
+  const __m256i w = _mm256_cvtepu8_epi16(b);
+  if constexpr (F == kE5M2Codes) return half_codes(_mm256_slli_epi16(w, 8));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  return half_codes(_mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7)));
+}
+template <int F>
+constexpr float kCodeUnit = F == kE4M3Codes ? 256.0f : 1.0f;  // e4m3 codes read as fp16 are 2^-8 of their values
+
+template <int F>
+struct CodedKV {  // K/V as 8-bit codes with a scale per (slot, kv head): a key's dot taken on its codes, then scaled
+  const uint8_t* k;
+  const uint8_t* v;
+  const float* k_scale;
+  const float* v_scale;
+  int hd;
+  float key_scale(int64_t at) const { return k_scale[at] * kCodeUnit<F>; }
+  float value_scale(int64_t at) const { return v_scale[at] * kCodeUnit<F>; }
+  template <class T>
+  float dot(const T* q, int64_t at) const {
+    V16 a = zero16();
+    for (int i = 0; i < hd; i += 16) {
+      const M16 mk = mask16(hd - i);
+      a = fmadd(load16(q + i, mk), load_codes16<F>(k + at * hd + i, mk), a);
+    }
+    return reduce_add(a) * key_scale(at);
+  }
+  V16 value(int64_t at, int i, M16 mk) const { return load_codes16<F>(v + at * hd + i, mk) * set1(value_scale(at)); }
+};
+
+// The generic path: any head dim, any pool (PlainKV of either storage type, CodedKV).
+template <class T, class KV>
+inline void attend_keys(const T* q, const KV& kv, int nkv, int g, const int64_t* row, int len, int hd, int group,
+                        float scale, SoftmaxState& st) {
   alignas(64) float score[kMaxGroup][kKeys];
   for (int j0 = 0; j0 < len; j0 += kKeys) {
     const int nj = std::min(kKeys, len - j0);
     for (int j = 0; j < nj; ++j) {
-      const T* key = kp + (row[j0 + j] * nkv + g) * hd;
-      for (int h = 0; h < group; ++h) score[h][j] = dot_head(q + h * hd, key, hd) * scale;
+      const int64_t at = row[j0 + j] * nkv + g;
+      for (int h = 0; h < group; ++h) score[h][j] = kv.dot(q + h * hd, at) * scale;
     }
     for (int h = 0; h < group; ++h) {
       float top = st.best[h];
@@ -65,10 +108,10 @@ inline void attend_keys(const T* q, const T* kp, const T* vp, int nkv, int g, co
       for (int i = 0; i < hd; ++i) st.acc[h][i] *= fix;
     }
     for (int j = 0; j < nj; ++j) {
-      const T* val = vp + (row[j0 + j] * nkv + g) * hd;
+      const int64_t at = row[j0 + j] * nkv + g;
       for (int i = 0; i < hd; i += 16) {
         const M16 mk = mask16(hd - i);
-        const V16 v = load16(val + i, mk);
+        const V16 v = kv.value(at, i, mk);
         for (int h = 0; h < group; ++h)
           store16(&st.acc[h][i], fmadd(set1(score[h][j]), v, load16(&st.acc[h][i], mk)), mk);
       }
@@ -111,6 +154,20 @@ struct SumTree {
 };
 #endif
 
+// A head's online softmax over one block of up to 16 keys (their scaled scores, the real ones in `real`): the
+// running max and sum of exp updated, the value sums av rescaled to the new max, the keys' weights into p
+template <int AV>
+inline void online_softmax(V16 scores, M16 real, float& best, float& total, V16* av, float* p) {
+  const V16 s = blend(set1(-INFINITY), real, scores);
+  const float top = std::max(best, reduce_max(s));
+  const float fix = std::exp(best - top);  // 0 on the first keys
+  best = top;
+  const V16 w = select(real, exp16(s - set1(top)));
+  total = total * fix + reduce_add(w);
+  storeu(p, w);
+  for (int i = 0; i < AV; ++i) av[i] = av[i] * set1(fix);
+}
+
 // bf16, head dim HD (64 or 128), HS query heads of a group: queries and value sums kept in registers, the scores
 // of 16 keys at a time summed by one tree.
 template <int HD, int HS>
@@ -140,14 +197,7 @@ inline void attend_heads_bf16(const bf16* q, const bf16* kp, const bf16* vp, int
         }
         tree.push2(x, y);
       }
-      const V16 s = blend(set1(-INFINITY), real, tree.sums() * set1(scale));
-      const float top = std::max(best[h], reduce_max(s));
-      const float fix = std::exp(best[h] - top);  // 0 on the first keys
-      best[h] = top;
-      const V16 p = select(real, exp16(s - set1(top)));
-      total[h] = total[h] * fix + reduce_add(p);
-      storeu(pbuf[h], p);
-      for (int i = 0; i < AV; ++i) av[h][i] = av[h][i] * set1(fix);
+      online_softmax<AV>(tree.sums() * set1(scale), real, best[h], total[h], av[h], pbuf[h]);
     }
     for (int j = 0; j < nj; ++j) {
       const bf16* val = vp + (row[j0 + j] * nkv + g) * HD;
@@ -163,22 +213,95 @@ inline void attend_heads_bf16(const bf16* q, const bf16* kp, const bf16* vp, int
     for (int i = 0; i < AV; ++i) storeu(&acc[h][16 * i], av[h][i]);
 }
 
+// f(h0, std::integral_constant<int, n>{}) for each run of n <= K query heads of a group, from head h0
+template <int K, class F>
+inline void head_chunks(int group, F f) {
+  for (int h0 = 0; h0 < group; h0 += K) {
+    switch (std::min(K, group - h0)) {
+      case 1: f(h0, std::integral_constant<int, 1>{}); break;
+      case 2: f(h0, std::integral_constant<int, 2>{}); break;
+      case 3: f(h0, std::integral_constant<int, 3>{}); break;
+      default: f(h0, std::integral_constant<int, K>{});
+    }
+  }
+}
+
 template <int HD>
 inline void attend_keys_bf16(const bf16* q, const bf16* kp, const bf16* vp, int nkv, int g, const int64_t* row,
                              int len, int group, float scale, SoftmaxState& st) {
   // query heads whose queries and sums fit the registers at once (AVX2: half as many, each half as wide)
   constexpr int kHeads = RS_AVX512 ? (HD == 64 ? 4 : 2) : 1;
-  for (int h0 = 0; h0 < group; h0 += kHeads) {
-    const bf16* qh = q + h0 * HD;
-    float* b = st.best + h0;
-    float* t = st.total + h0;
-    float(*a)[kMaxHeadDim] = st.acc + h0;
-    switch (std::min(kHeads, group - h0)) {
-      case 1: attend_heads_bf16<HD, 1>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
-      case 2: attend_heads_bf16<HD, 2>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
-      case 3: attend_heads_bf16<HD, 3>(qh, kp, vp, nkv, g, row, len, scale, b, t, a); break;
-      default: attend_heads_bf16<HD, kHeads>(qh, kp, vp, nkv, g, row, len, scale, b, t, a);
+  head_chunks<kHeads>(group, [&](int h0, auto hs) {
+    attend_heads_bf16<HD, decltype(hs)::value>(q + h0 * HD, kp, vp, nkv, g, row, len, scale, st.best + h0,
+                                               st.total + h0, st.acc + h0);
+  });
+}
+
+// 8-bit codes, head dim HD (64 or 128), HS query heads: as attend_heads_bf16, with queries in fp32 and each key's
+// dot taken on its codes, scaled once (its value's scale folded into its softmax weight)
+template <int F, int HD, int HS, class T>
+inline void attend_heads_codes(const T* q, const CodedKV<F>& kv, int nkv, int g, const int64_t* row, int len,
+                               float scale, float* best, float* total, float (*acc)[kMaxHeadDim]) {
+  constexpr int AV = HD / 16;
+  V16 qv[HS][AV], av[HS][AV];
+  for (int h = 0; h < HS; ++h)
+    for (int i = 0; i < AV; ++i) {
+      qv[h][i] = load16(q + h * HD + 16 * i, 0xffff);
+      av[h][i] = loadu(&acc[h][16 * i]);
     }
+  alignas(64) float pbuf[HS][16], kscale[16];
+  for (int j0 = 0; j0 < len; j0 += 16) {
+    const int nj = std::min(16, len - j0);
+    const M16 real = mask16(nj);
+    int64_t at[16];
+    for (int j = 0; j < 16; ++j) {
+      at[j] = row[j0 + std::min(j, nj - 1)] * nkv + g;
+      kscale[j] = kv.key_scale(at[j]) * scale;
+    }
+    for (int h = 0; h < HS; ++h) {
+      SumTree tree;
+      for (int j = 0; j < 16; j += 2) {
+        V16 x = zero16(), y = zero16();
+        for (int i = 0; i < AV; ++i) {
+          x = fmadd(qv[h][i], load_codes16<F>(kv.k + at[j] * HD + 16 * i, 0xffff), x);
+          y = fmadd(qv[h][i], load_codes16<F>(kv.k + at[j + 1] * HD + 16 * i, 0xffff), y);
+        }
+        tree.push2(x, y);
+      }
+      online_softmax<AV>(tree.sums() * loadu(kscale), real, best[h], total[h], av[h], pbuf[h]);
+    }
+    for (int j = 0; j < nj; ++j) {
+      V16 v[AV];
+      for (int i = 0; i < AV; ++i) v[i] = load_codes16<F>(kv.v + at[j] * HD + 16 * i, 0xffff);
+      const float vs = kv.value_scale(at[j]);
+      for (int h = 0; h < HS; ++h) {
+        const V16 pj = set1(pbuf[h][j] * vs);
+        for (int i = 0; i < AV; ++i) av[h][i] = fmadd(pj, v[i], av[h][i]);
+      }
+    }
+  }
+  for (int h = 0; h < HS; ++h)
+    for (int i = 0; i < AV; ++i) storeu(&acc[h][16 * i], av[h][i]);
+}
+
+// A task's keys over an 8-bit pool: the register-held path for head dims 64 and 128, the generic one otherwise
+template <int F, class T>
+inline void attend_keys_codes(const Layer& ly, const T* q, int nkv, int g, const int64_t* row, int len, int hd,
+                              int group, float scale, SoftmaxState& st) {
+  const CodedKV<F> kv{static_cast<const uint8_t*>(ly.k_pool), static_cast<const uint8_t*>(ly.v_pool), ly.k_scale,
+                      ly.v_scale, hd};
+  constexpr int kHeads = RS_AVX512 ? 2 : 1;
+  if (hd == 64 || hd == 128) {
+    head_chunks<kHeads>(group, [&](int h0, auto hs) {
+      if (hd == 64)
+        attend_heads_codes<F, 64, decltype(hs)::value>(q + h0 * hd, kv, nkv, g, row, len, scale, st.best + h0,
+                                                       st.total + h0, st.acc + h0);
+      else
+        attend_heads_codes<F, 128, decltype(hs)::value>(q + h0 * hd, kv, nkv, g, row, len, scale, st.best + h0,
+                                                        st.total + h0, st.acc + h0);
+    });
+  } else {
+    attend_keys(q, kv, nkv, g, row, len, hd, group, scale, st);
   }
 }
 
@@ -213,12 +336,18 @@ inline void attention(const Model& md, const Layer& ly, const Step& st, const T*
       s.total[h] = 0.0f;
       for (int i = 0; i < hd; ++i) s.acc[h][i] = 0.0f;
     }
-    if constexpr (std::is_same_v<T, bf16>) {
+    if (md.kv_codes == kInt8Codes) {
+      attend_keys_codes<kInt8Codes>(ly, q, nkv, g, row, j1 - j0, hd, group, md.scale, s);
+    } else if (md.kv_codes == kE4M3Codes) {
+      attend_keys_codes<kE4M3Codes>(ly, q, nkv, g, row, j1 - j0, hd, group, md.scale, s);
+    } else if (md.kv_codes == kE5M2Codes) {
+      attend_keys_codes<kE5M2Codes>(ly, q, nkv, g, row, j1 - j0, hd, group, md.scale, s);
+    } else if constexpr (std::is_same_v<T, bf16>) {
       if (hd == 64) attend_keys_bf16<64>(q, kp, vp, nkv, g, row, j1 - j0, group, md.scale, s);
       else if (hd == 128) attend_keys_bf16<128>(q, kp, vp, nkv, g, row, j1 - j0, group, md.scale, s);
-      else attend_keys(q, kp, vp, nkv, g, row, j1 - j0, hd, group, md.scale, s);
+      else attend_keys(q, PlainKV<T>{kp, vp, hd}, nkv, g, row, j1 - j0, hd, group, md.scale, s);
     } else {
-      attend_keys(q, kp, vp, nkv, g, row, j1 - j0, hd, group, md.scale, s);
+      attend_keys(q, PlainKV<T>{kp, vp, hd}, nkv, g, row, j1 - j0, hd, group, md.scale, s);
     }
     if (split == 1) {
       for (int h = 0; h < group; ++h) {

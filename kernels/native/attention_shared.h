@@ -29,7 +29,7 @@ constexpr int kSharedMin = 128;  // fewer shared keys: the per-row path is as fa
 constexpr int kSharedDim = 64;   // the head dim this path takes
 
 inline bool shared_path(const Model& md, const Step& st) {
-  return kHaveAmx && md.amx && md.bf16 && md.head_dim == kSharedDim && st.shared >= kSharedMin && st.rows >= 2;
+  return kHaveAmx && md.amx && md.bf16 && !md.kv_codes && md.head_dim == kSharedDim && st.shared >= kSharedMin && st.rows >= 2;
 }
 
 struct SharedScratch {

@@ -56,6 +56,34 @@ inline void rms_norm(const T* x, const T* w, int rows, int dim, float eps, T* ou
   }
 }
 
+// One head's value as an 8-bit code (model/kv_codes.py's encode, value for value): int8 rounds to nearest even
+// within +-127; fp8 takes the nearer of the two codes around |y| (a tie: the even code, as round-to-nearest-even),
+// the largest finite one beyond them, and y's sign
+inline uint8_t encode_code(const Model& md, float y) {
+  if (md.kv_codes == kInt8Codes) return uint8_t(int8_t(std::clamp(std::nearbyint(y), -127.0f, 127.0f)));
+  const float a = std::fabs(y), *value = md.kv_values;
+  int lo = 0, hi = md.kv_top, code = hi;
+  if (a < value[hi]) {
+    while (hi - lo > 1) {  // value[lo] <= a < value[hi]
+      const int mid = (lo + hi) / 2;
+      (value[mid] <= a ? lo : hi) = mid;
+    }
+    const float half = (value[lo] + value[hi]) * 0.5f;  // exact: fp8 values have at most 4 significant bits
+    code = a < half ? lo : a > half ? hi : (lo % 2 == 0 ? lo : hi);
+  }
+  return uint8_t(code | (std::signbit(y) ? 0x80 : 0));
+}
+
+// A head of T into codes and its scale: the largest magnitude lands on kv_limit
+template <class T>
+inline void store_codes(const Model& md, const T* x, int hd, uint8_t* codes, float* scale) {
+  float top = 0.0f;
+  for (int i = 0; i < hd; ++i) top = std::max(top, std::fabs(to_f(x[i])));
+  const float s = std::max(top, 1e-12f) / md.kv_limit;
+  *scale = s;
+  for (int i = 0; i < hd; ++i) codes[i] = encode_code(md, to_f(x[i]) / s);
+}
+
 // RoPE on a row's q and k heads in place (x * cos + roll(x, half) * sin), then its k and v into the pool
 template <class T>
 inline void rope_and_store(const Model& md, const Layer& ly, const Step& st, T* qkv) {
@@ -74,9 +102,14 @@ inline void rope_and_store(const Model& md, const Layer& ly, const Step& st, T* 
     for (int i = 0; i < hd; ++i) x[i] = from_f<T>(tmp[i]);
     if (head >= nq) {  // a k head: it and its v go to the row's new slot
       const int g = head - nq;
-      const int64_t at = (st.out_slot[m] * nkv + g) * hd;
-      std::memcpy(static_cast<T*>(ly.k_pool) + at, x, sizeof(T) * hd);
-      std::memcpy(static_cast<T*>(ly.v_pool) + at, x + nkv * hd, sizeof(T) * hd);
+      const int64_t at = st.out_slot[m] * nkv + g;
+      if (md.kv_codes) {
+        store_codes(md, x, hd, static_cast<uint8_t*>(ly.k_pool) + at * hd, ly.k_scale + at);
+        store_codes(md, x + nkv * hd, hd, static_cast<uint8_t*>(ly.v_pool) + at * hd, ly.v_scale + at);
+      } else {
+        std::memcpy(static_cast<T*>(ly.k_pool) + at * hd, x, sizeof(T) * hd);
+        std::memcpy(static_cast<T*>(ly.v_pool) + at * hd, x + nkv * hd, sizeof(T) * hd);
+      }
     }
   }
 }
@@ -249,7 +282,7 @@ int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t shared) {
   return total;
 }
 
-int32_t rs_abi_version() { return 5; }
+int32_t rs_abi_version() { return 6; }
 
 // The vector instructions this build uses: "avx512" or "avx2" (simd.h)
 const char* rs_isa() { return kIsa; }
@@ -266,6 +299,12 @@ void rs_attention(const Model* md, int32_t layer, const Step* st, const void* qk
   } else {
     attention_alone(*md, md->layer[layer], *st, static_cast<const float*>(qkv), static_cast<float*>(out));
   }
+}
+
+// `heads` heads of md.head_dim float values into 8-bit codes and scales, as the step stores K/V (tests)
+void rs_store_codes(const Model* md, const float* x, int32_t heads, uint8_t* codes, float* scales) {
+  for (int h = 0; h < heads; ++h)
+    store_codes(*md, x + int64_t(h) * md->head_dim, md->head_dim, codes + int64_t(h) * md->head_dim, scales + h);
 }
 
 // One product (tests): scratch of rows * (k + k / 32 * 12) bytes for a quantized W

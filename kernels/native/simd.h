@@ -133,6 +133,12 @@ inline V16 to_float(I16 v) { return _mm512_cvtepi32_ps(v); }
 inline V16 load_halves(const uint16_t* p) {  // 16 fp16 values as fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 16 8-bit KV codes (model/kv_codes.py) as floats, masked-off lanes 0, with no table: an int8 code is its value;
+// an fp8 e5m2 code is an fp16's upper byte; an fp8 e4m3 code laid into an fp16 (sign to the top, exponent and
+// mantissa one bit lower) reads 2^-8 of its value, subnormals included (the caller's scale carries the 2^8)
+inline __m128i load_code_bytes(const uint8_t* p, M16 m) { return _mm_maskz_loadu_epi8(m, p); }
+inline V16 int8_codes(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+inline V16 half_codes(__m256i h) { return _mm512_cvtph_ps(h); }
 // 32 values times inv to int8 (nearest, ties to even; saturated) into out; the sums of each 16 into sums[0..1]
 inline void quantize32(V16 lo, V16 hi, float inv, int8_t* out, int32_t* sums) {
   const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
@@ -327,6 +333,18 @@ inline V16 to_float(I16 v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_p
 inline V16 load_halves(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline __m128i load_code_bytes(const uint8_t* p, M16 m) {
+  if (m == 0xffff) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  alignas(16) uint8_t bytes[16] = {};  // masked-off lanes read code 0, which stands for 0 in every format
+  for (int i = 0; i < 16; ++i) if (m >> i & 1) bytes[i] = p[i];
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(bytes));
+}
+inline V16 int8_codes(__m128i b) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline V16 half_codes(__m256i h) {
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
 }
 inline int32_t sum8x2(__m256i a, __m256i b) {  // the 16 int32 lanes of a and b added up
   const __m256i sum = _mm256_add_epi32(a, b);
