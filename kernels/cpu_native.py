@@ -34,7 +34,7 @@ NATIVE_DTYPES = ("bfloat16", "float32")
 ABI_VERSION = 6
 
 DENSE, Q8, Q4, Q8G16 = 0, 1, 2, 3  # Linear.format
-KV_CODES = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # --kv-cache-dtype -> Model.kv_codes (0: the pools hold T)
+KV_FORMAT = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # --kv-cache-dtype -> Model.kv_codes (0: the pools hold T)
 
 
 class Linear(ctypes.Structure):

@@ -42,9 +42,13 @@ class KVPool:
         return self._layers[i]
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool holds, each indexed [layer, slot, ...]: K, V (and, for codes, their scales)."""
+        return [self.k, self.v] if self.codes is None else [self.k, self.v, self.k_scale, self.v_scale]
+
+    @property
     def nbytes(self) -> int:
-        scales = 0 if self.k_scale is None else 2 * self.k_scale.numel() * 4
-        return 2 * self.k.numel() * self.k.element_size() + scales
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 class RopeTable:

@@ -47,10 +47,6 @@ class PageCodec:
                        self.value_bytes + self.k_scale_bytes + layers * page * kv_heads * 4)
         self.limit = {"int8": 127.0, "fp8_e4m3": 448.0}.get(fmt)
 
-    @staticmethod
-    def _tensors(kv: KVPool) -> list[torch.Tensor]:
-        return [kv.k, kv.v] if kv.codes is None else [kv.k, kv.v, kv.k_scale, kv.v_scale]
-
     def encode(self, kv: KVPool, slots: np.ndarray) -> list[torch.Tensor]:
         """The pages of ``slots`` (page after page, ``page`` slots each), each a tensor of its own (``nbytes``
         uint8). Exact pages are gathered straight into their own memory: one copy, on the step's critical path."""
@@ -61,7 +57,7 @@ class PageCodec:
             for i in range(n):
                 page, at = torch.empty(self.nbytes, dtype=torch.uint8), 0
                 part = idx[i * self.page : (i + 1) * self.page]
-                for t, (dt, shape) in zip(self._tensors(kv), self.parts):
+                for t, (dt, shape) in zip(kv.tensors, self.parts):
                     size = math.prod(shape) * dt.itemsize
                     torch.index_select(t, 1, part, out=page[at : at + size].view(dt).view(shape))
                     at += size
@@ -85,7 +81,7 @@ class PageCodec:
         idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         if self.fmt == "auto":
             at = 0
-            for t, (dt, shape) in zip(self._tensors(kv), self.parts):
+            for t, (dt, shape) in zip(kv.tensors, self.parts):
                 size = math.prod(shape) * dt.itemsize
                 x = buf[:, at : at + size].contiguous().view(dt).view(n, *shape)  # [n, L, page, ...]
                 x = x.transpose(0, 1).reshape(shape[0], n * self.page, *shape[2:])

@@ -130,7 +130,7 @@ class NativeDecode:
             values = code_values(kv.codes)
             self._keep.append(values)
             top = int(torch.nonzero(values[:128] == KV_CODES[kv.codes][1])[0])
-            kv_codes = dict(kv_codes=native.KV_CODES[kv.codes], kv_top=top,
+            kv_codes = dict(kv_codes=native.KV_FORMAT[kv.codes], kv_top=top,
                             kv_limit=KV_CODES[kv.codes][1], kv_values=values.data_ptr())
         self.desc = native.Model(
             bf16=int(dtype == torch.bfloat16), layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,

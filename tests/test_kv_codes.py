@@ -58,7 +58,7 @@ def test_the_native_kernel_encodes_every_value_as_torch(fmt):
     values = code_values(fmt)
     limit = KV_CODES[fmt][1]
     top = int(torch.nonzero(values[:128] == limit)[0])
-    desc = cpu_native.Model(head_dim=64, kv_codes=cpu_native.KV_CODES[fmt],
+    desc = cpu_native.Model(head_dim=64, kv_codes=cpu_native.KV_FORMAT[fmt],
                             kv_top=top, kv_limit=limit, kv_values=values.data_ptr())
     torch.manual_seed(1)
     heads = [torch.randn(64) * s for s in (1e-4, 0.3, 1.0, 50.0) for _ in range(8)]

@@ -304,7 +304,7 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
                               for c, sc in ((kc, ks), (vc, vs)))
             layer = cpu_native.Layer(k_pool=kc.data_ptr(), v_pool=vc.data_ptr(), k_scale=ks.data_ptr(),
                                      v_scale=vs.data_ptr())
-            codes = dict(kv_codes=cpu_native.KV_CODES[kv], kv_limit=KV_CODES[kv][1])
+            codes = dict(kv_codes=cpu_native.KV_FORMAT[kv], kv_limit=KV_CODES[kv][1])
         layers = (cpu_native.Layer * 1)(layer)
         model = cpu_native.Model(bf16=int(dtype == torch.bfloat16), layers=1, hidden=heads * head_dim, heads=heads,
                                  kv_heads=kv_heads, head_dim=head_dim, inter=32, vocab=16, eps=1e-6,
