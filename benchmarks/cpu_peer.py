@@ -172,8 +172,11 @@ PAIRS = {  # precision: (radixserve systems, llama.cpp GGUF key); the first syst
     # the Q8_0 file llama.cpp runs, served as it ships ({gguf}: the pair's file); the bundled model is the Q4_1 one
     "int8 / Q8_0": ({"radixserve int8": ["--model-path", "{gguf}", "--quantization", "int8"]}, "q8_0"),
     "int4 / Q4_1": ({"radixserve int4": ["--quantization", "int4"]}, "q4_1"),
+    # the K-quant file people download most, every tensor as it ships (SmolLM2's rows of 576 do not fill Q4_K's
+    # 256-weight super-blocks, so llama-quantize writes Q5_0 and Q8_0 for those tensors, as it would for any user)
+    "gguf / Q4_K_M": ({"radixserve gguf": ["--model-path", "{gguf}", "--quantization", "gguf"]}, "q4_k_m"),
 }
-QUANT = {"bf16": None, "int8 / Q8_0": "int8", "int4 / Q4_1": "int4"}
+QUANT = {"bf16": None, "int8 / Q8_0": "int8", "int4 / Q4_1": "int4", "gguf / Q4_K_M": "gguf"}
 
 
 def measure(quick: bool = False, model_path: str | None = None, runs: int = 3, tokens: int = 200) -> dict:

@@ -182,11 +182,11 @@ def quantized(bf16: Path, out: Path, kind: str) -> Path:
 
 
 def gguf_files(hf_folder: Path) -> dict[str, Path]:
-    """{"bf16", "q8_0", "q4_0", "q4_1"} -> GGUF files of the same weights."""
+    """{"bf16", "q8_0", "q4_0", "q4_1", "q4_k_m"} -> GGUF files of the same weights."""
     build()
     bf16 = converted(hf_folder, ROOT / "models" / "model-bf16.gguf")
     files = {"q4_1": bundled_gguf(), "bf16": bf16}
-    for kind in ("q8_0", "q4_0"):
+    for kind in ("q8_0", "q4_0", "q4_k_m"):
         files[kind] = quantized(bf16, ROOT / "models" / f"model-{kind}.gguf", kind)
     return files
 

@@ -53,7 +53,7 @@ SHAPES = {  # name: (transformers config class, its arguments); vocab: the token
                                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                          tie_word_embeddings=False, rope_theta=500000.0)),
 }
-DEFAULT_SHAPES = ("llama-3.2-1b", "qwen2.5-1.5b")
+DEFAULT_SHAPES = ("llama-3.2-1b", "qwen2.5-1.5b", "llama-3.1-8b")  # the 8B where memory allows (fits)
 PRECISIONS = ("bf16", "q8_0", "q4_k_m")
 BATCHES = (1, 8, 32)
 PREFILLS = (512, 2048)

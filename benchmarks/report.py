@@ -400,7 +400,10 @@ def peer_section(p: dict, targets: list[str], out: Path) -> list[str]:
          f"`llama-perplexity` computes it (chunks of {p['chunk']} tokens scoring their second half), ours over the "
          "same chunks of our tokenization. Pairs: bf16 / llama.cpp's BF16 GGUF (its own converter, from our "
          "checkpoint); int8 / Q8_0: radixserve serves the very Q8_0 file llama.cpp runs, its blocks as they ship; int4 / "
-         "the bundled Q4_1 file, which both read as it ships.", "",
+         "the bundled Q4_1 file, which both read as it ships; gguf / Q4_K_M: llama-quantize's Q4_K_M of the BF16 file, "
+         "served with --quantization gguf, every tensor as it ships (SmolLM2's rows of 576 weights do not fill the "
+         "256-weight K-quant super-blocks, so most of its tensors are Q5_0 and Q8_0, as llama-quantize writes them "
+         "for anyone).", "",
          "| precision | system | one stream tok/s | vs llama.cpp | 8 streams tok/s | vs llama.cpp | perplexity | "
          "perplexity, decode steps |", "|---|---|---|---|---|---|---|---|"]
     for r in p["rows"]:

@@ -44,6 +44,30 @@ class Int4Weight:
     group: int
 
 
+@dataclass
+class SuperBlocks:
+    """A GGUF K-quant layer's scales as the file factors them, kept for the native step (which reads them in those
+    bits): per 32 (Q4_K) or 16 (Q6_K) weights a 6- or 8-bit integer times its super-block's (256 weights) float;
+    ``scale = d * sc`` and, Q4_K, ``offset = -dmin * mn`` (both exact in float32)."""
+
+    kind: str  # "Q4_K" or "Q6_K"
+    d: torch.Tensor  # float32 [N, K/256]
+    sc: torch.Tensor  # uint8 (Q4_K: 0..63) or int8 (Q6_K) [N, K/group]
+    dmin: torch.Tensor | None = None  # Q4_K: float32 [N, K/256]
+    mn: torch.Tensor | None = None  # Q4_K: uint8 [N, K/32]
+
+    def rows(self, index: torch.Tensor) -> SuperBlocks:
+        return SuperBlocks(self.kind, *(None if t is None else t[index] for t in (self.d, self.sc, self.dmin, self.mn)))
+
+    @staticmethod
+    def stacked(parts: list[SuperBlocks | None]) -> SuperBlocks | None:
+        """The parts' rows one after another (a fused layer's shards), or None unless all are of one kind."""
+        if any(p is None for p in parts) or len({p.kind for p in parts}) > 1:
+            return None
+        cat = [None if t[0] is None else torch.cat(t) for t in zip(*((p.d, p.sc, p.dmin, p.mn) for p in parts))]
+        return SuperBlocks(parts[0].kind, *cat)
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per output channel, symmetric: (q int8 [N, K], scale float32 [N])."""
     w = w.float()
@@ -83,8 +107,10 @@ class QuantLinear(nn.Module):
     differ from that in the last bits; the bench report measures how often a greedy token flips."""
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype, *,
-                 int8: tuple[torch.Tensor, ...] | None = None, int4: Int4Weight | None = None) -> None:
-        """``int8``: (q, scale) or, block-scaled, (q, scale, offset); ``int4``: see Int4Weight."""
+                 int8: tuple[torch.Tensor, ...] | None = None, int4: Int4Weight | None = None,
+                 super_blocks: SuperBlocks | None = None) -> None:
+        """``int8``: (q, scale) or, block-scaled, (q, scale, offset); ``int4``: see Int4Weight; ``super_blocks``:
+        a K-quant's scales in the file's factors (the same values as ``scale`` and ``offset``)."""
         super().__init__()
         if (int8 is None) == (int4 is None):
             raise ValueError("give exactly one of int8= or int4=")
@@ -111,6 +137,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("kernel_scale_zero", torch.stack([int4.scale, zero], -1).transpose(0, 1).to(dtype)
                                  .contiguous())
             self.group = int4.group
+        self.super_blocks = super_blocks
         self.kernel_rows = 0 if self.block_scales else 4  # quantize_model measures it per shape
         self.native: Callable[[torch.Tensor], torch.Tensor] | None = None  # the native step's product, where it runs
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.kernels.cpu_quant import QuantLinear, int4_weight
+from radixserve.kernels.cpu_quant import QuantLinear, SuperBlocks, int4_weight
 from radixserve.model.config import ModelConfig
 
 SPLIT = {  # GGUF tensor (blk.N.<name>.weight) -> (our module, its shard of a fused projection), shards in order
@@ -93,6 +93,7 @@ class Blocks:
     scale: np.ndarray  # float32 [N, K / group]
     offset: np.ndarray | None  # float32 [N, K / group], or None for 0
     bits: int  # 4: q fits a nibble (an int4 layer), else 8
+    factors: SuperBlocks | None = None  # Q4_K / Q6_K: scale (and offset) as the file factors them
 
     @property
     def group(self) -> int:
@@ -100,7 +101,7 @@ class Blocks:
 
     def rows(self, index: np.ndarray) -> Blocks:
         return Blocks(self.q[index], self.scale[index], None if self.offset is None else self.offset[index],
-                      self.bits)
+                      self.bits, None if self.factors is None else self.factors.rows(torch.from_numpy(index)))
 
     def regrouped(self, group: int) -> Blocks:
         """The same weights as 8-bit blocks of ``group`` (a divisor of this group), each with a scale and an offset."""
@@ -133,7 +134,7 @@ def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a, b, c = raw[..., 0:4], raw[..., 4:8], raw[..., 8:12]
     scales = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
     mins = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    return scales, mins
 
 
 def decode_blocks(data: np.ndarray, kind: str) -> Blocks:
@@ -162,15 +163,19 @@ def decode_blocks(data: np.ndarray, kind: str) -> Blocks:
         if kind == "Q5_K":
             high = b[..., 16:48]  # [n, super, 32]: bit i of byte j for sub-block i
             q = q | (((high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
-        return Blocks(q.reshape(n, -1).astype(np.int8), (d[..., None] * sc).reshape(n, -1),
-                      -(dmin[..., None] * mn).reshape(n, -1), 4 if kind == "Q4_K" else 8)
+        factors = None if kind == "Q5_K" else SuperBlocks(
+            kind, torch.from_numpy(d), torch.from_numpy(sc.reshape(n, -1)), torch.from_numpy(dmin),
+            torch.from_numpy(mn.reshape(n, -1)))
+        return Blocks(q.reshape(n, -1).astype(np.int8), (d[..., None] * sc.astype(np.float32)).reshape(n, -1),
+                      -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1), 4 if kind == "Q4_K" else 8, factors)
     if kind == "Q6_K":
         b = data.reshape(n, -1, 210)
         low = _nibbles(b[..., 0:128].reshape(n, -1, 2, 64)).reshape(n, -1, 2, 4, 32)  # [n, super, half, s, 32]
         high = (b[..., 128:192].reshape(n, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
         q = (low | (high << 4)).astype(np.int8) - 32
-        sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)
-        return Blocks(q.reshape(n, -1), (_f16(b[..., 208:210])[..., None] * sc).reshape(n, -1), None, 8)
+        sc, d = b[..., 192:208].copy().view(np.int8), _f16(b[..., 208:210])
+        factors = SuperBlocks(kind, torch.from_numpy(d), torch.from_numpy(sc.reshape(n, -1)))
+        return Blocks(q.reshape(n, -1), (d[..., None] * sc.astype(np.float32)).reshape(n, -1), None, 8, factors)
     raise ValueError(f"no decoder for {kind} blocks")
 
 
@@ -202,9 +207,10 @@ def _as_layer(shards: list[Blocks], dtype: torch.dtype) -> QuantLinear:
     scale = torch.from_numpy(np.concatenate([s.scale for s in shards]))
     offset = None if shards[0].offset is None else torch.from_numpy(np.concatenate([s.offset for s in shards]))
     n, k = q.shape
+    factors = SuperBlocks.stacked([s.factors for s in shards])
     if shards[0].bits == 4:
-        return QuantLinear(n, k, None, dtype, int4=int4_weight(q, scale, offset))
-    return QuantLinear(n, k, None, dtype, int8=(q, scale, offset))
+        return QuantLinear(n, k, None, dtype, int4=int4_weight(q, scale, offset), super_blocks=factors)
+    return QuantLinear(n, k, None, dtype, int8=(q, scale, offset), super_blocks=factors)
 
 
 def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> dict[str, QuantLinear]:

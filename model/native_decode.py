@@ -26,7 +26,7 @@ from torch import nn
 from radixserve.kernels import cpu_native as native
 from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.bounds import check_indices, check_ranges
-from radixserve.kernels.cpu_quant import QuantLinear
+from radixserve.kernels.cpu_quant import QuantLinear, SuperBlocks
 from radixserve.model.forward_batch import ForwardBatch, KVPool
 from radixserve.model.kv_codes import KV_CODES, code_values
 from radixserve.model.causal_lm import CausalLM
@@ -73,16 +73,47 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return u.view(n16 // 16, 16, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous(), _blocks(scale, n16)
 
 
+def _nibble_groups(u: torch.Tensor, n16: int) -> torch.Tensor:
+    """u [N, K] (bytes) -> [N/16, K/32, 4, 16, 4, 2]: per block of 16 rows and 32 k, groups of 8 k, each lane's
+    byte b holding k0 + b (low) and k0 + 4 + b (high), as the q4 layout reads them; N padded with zeros."""
+    n, k = u.shape
+    v = torch.zeros(n16, k, dtype=torch.uint8)
+    v[:n] = u.to(torch.uint8)
+    return v.view(n16 // 16, 16, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [.., group, lane, b, half]
+
+
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] in 0..15 with w = d q + m per 32 k -> (nibbles in groups of 8 k: [N/16, K/32, 4, 16, 4], byte b of
     a lane holding k0 + b low and k0 + 4 + b high; fp16 d and m [N/16, K/32, 16])."""
-    n, k = q.shape
-    n16 = (n + 15) // 16 * 16
-    v = torch.zeros(n16, k, dtype=torch.uint8)
-    v[:n] = q.to(torch.uint8)
-    v = v.view(n16 // 16, 16, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [.., group, lane, b, half]
-    nibbles = (v[..., 0] | (v[..., 1] << 4)).contiguous()
-    return nibbles, _blocks(d, n16).half(), _blocks(m, n16).half()
+    n16 = (q.shape[0] + 15) // 16 * 16
+    return _q4_bytes(q, n16), _blocks(d, n16).half(), _blocks(m, n16).half()
+
+
+def _q4_bytes(q: torch.Tensor, n16: int) -> torch.Tensor:
+    v = _nibble_groups(q, n16)
+    return (v[..., 0] | (v[..., 1] << 4)).contiguous()
+
+
+def pack_q4k(q: torch.Tensor, sb: SuperBlocks) -> tuple[torch.Tensor, ...]:
+    """A Q4_K layer in its own bits: (q4's nibbles, u8 sc and mn [N/16, K/32, 16], float32 d and -dmin
+    [N/16, K/256, 16]) -- w = d sc q - dmin mn."""
+    n16 = (q.shape[0] + 15) // 16 * 16
+    as_u8 = lambda t: _blocks(t.float(), n16).to(torch.uint8)  # noqa: E731 (0..63: exact through float)
+    return _q4_bytes(q, n16), as_u8(sb.sc), as_u8(sb.mn), _blocks(sb.d, n16), _blocks(-sb.dmin, n16)
+
+
+def pack_q6k(q: torch.Tensor, sb: SuperBlocks) -> tuple[torch.Tensor, ...]:
+    """A Q6_K layer (q in -32..31) in its own bits: (per 16 rows and 32 k, q4's nibbles of u = q + 32 then its top
+    two bits, two groups of 8 k to 64 bytes (products.h): [N/16, K/32, 384]; i8 sc [N/16, K/16, 16]; float32 d
+    [N/16, K/256, 16]) -- w = d sc (u - 32)."""
+    n16 = (q.shape[0] + 15) // 16 * 16
+    v = _nibble_groups(q.to(torch.int16) + 32, n16)
+    low = (v[..., 0] & 15) | ((v[..., 1] & 15) << 4)  # [.., group, lane, b]
+    top = (v >> 4).reshape(*v.shape[:2], 2, 2, 16, 4, 2)  # [.., p, s, lane, b, half]
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[None, None, None, :, None, None, :]  # 4s + 2 half
+    bits = (top << shifts).sum(dim=(3, 6), dtype=torch.uint8)  # [.., p, lane, b]: no two share a bit
+    data = torch.cat([low.reshape(*v.shape[:2], 256), bits.reshape(*v.shape[:2], 128)], dim=-1).contiguous()
+    return data, _blocks(sb.sc.float(), n16).to(torch.int8), _blocks(sb.d, n16)
 
 
 def shared_prefix(attn: AttentionBatch, first: np.ndarray, length: np.ndarray) -> int:
@@ -181,6 +212,12 @@ class NativeDecode:
         if k % BLOCK:
             raise native.NativeUnavailable(f"a quantized layer's input dimension ({k}) is not a multiple of {BLOCK}")
         bias = None if layer.bias is None else self._dense(layer.bias)
+        if layer.bits == 8 and layer.super_blocks is not None:  # Q6_K
+            data, sc, d = packed = pack_q6k(layer.q, layer.super_blocks)
+            self._keep += list(packed)
+            lin = native.Linear(native.Q6K, n, k, 0, data.data_ptr(), sc.data_ptr(), None, bias, d.data_ptr(), None)
+            self._quantized_layers.append((layer, lin))
+            return lin
         if layer.bits == 8:
             scale = layer.scale.float() if layer.block_scales else layer.scale.float()[:, None].expand(n, k // BLOCK)
             group = k // scale.shape[1]
@@ -197,9 +234,14 @@ class NativeDecode:
         if layer.group != BLOCK:
             raise native.NativeUnavailable(f"int4 groups of {layer.group}; the native step reads groups of {BLOCK}")
         q = torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1).view(n, k)
-        data, d, m = pack_q4(q, layer.scale, layer.offset)
-        self._keep += [data, d, m]
-        lin = native.Linear(native.Q4, n, k, 0, data.data_ptr(), d.data_ptr(), m.data_ptr(), bias)
+        if layer.super_blocks is not None and layer.super_blocks.kind == "Q4_K":
+            packed = pack_q4k(q, layer.super_blocks)
+            lin = native.Linear(native.Q4K, n, k, 0, *(t.data_ptr() for t in packed[:3]), bias,
+                                *(t.data_ptr() for t in packed[3:]))
+        else:
+            packed = pack_q4(q, layer.scale, layer.offset)
+            lin = native.Linear(native.Q4, n, k, 0, *(t.data_ptr() for t in packed), bias)
+        self._keep += list(packed)
         self._quantized_layers.append((layer, lin))
         return lin
 

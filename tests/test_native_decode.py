@@ -267,6 +267,49 @@ def test_each_product_format_computes_what_it_promises(n, k):
         torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,k", [(40, 256), (200, 768)])
+def test_k_quant_formats_compute_what_they_promise(n, k):
+    """GGUF's Q4_K and Q6_K in their own bits (a 6- or 8-bit scale per 32 or 16 weights times the super-block's
+    float; Q6_K's top two bits beside the nibbles), against the formula: the same sums as int8 blocks whose scale
+    is d sc, exact in float32."""
+    from radixserve.kernels.cpu_quant import SuperBlocks
+    from radixserve.model.native_decode import pack_q4k, pack_q6k
+
+    lib = cpu_native.load(cpu_native.default_cache_dir())
+    g = torch.Generator().manual_seed(n + k)
+    supers = k // 256
+    for rows in (1, 3, 16, 19):
+        x = torch.randn(rows, k, generator=g)
+        xq, dx = _quantize_rows(x)
+        dx = dx.double()
+        # Q4_K: w = d sc q - dmin mn per 32, q 0..15, sc and mn 0..63
+        q = torch.randint(0, 16, (n, k), generator=g)
+        sb = SuperBlocks("Q4_K", torch.rand(n, supers, generator=g) * 1e-3,
+                         torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
+                         torch.rand(n, supers, generator=g) * 1e-3,
+                         torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
+        packed = pack_q4k(q, sb)
+        lin = cpu_native.Linear(cpu_native.Q4K, n, k, 0, *(t.data_ptr() for t in packed[:3]), None,
+                                *(t.data_ptr() for t in packed[3:]))
+        scale = sb.d.double().repeat_interleave(8, dim=1) * sb.sc.double()
+        offset = -sb.dmin.double().repeat_interleave(8, dim=1) * sb.mn.double()
+        dots = torch.einsum("rbk,nbk->rnb", xq.double().view(rows, -1, 32), q.double().view(n, -1, 32))
+        sums = xq.double().view(rows, -1, 32).sum(-1)[:, None, :]
+        want = ((dots * scale[None] + offset[None] * sums) * dx[:, None]).sum(-1)
+        torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+        # Q6_K: w = d sc q per 16, q -32..31, sc int8
+        q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+        sb = SuperBlocks("Q6_K", torch.rand(n, supers, generator=g) * 1e-3,
+                         torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8))
+        data, sc, d = packed = pack_q6k(q, sb)
+        lin = cpu_native.Linear(cpu_native.Q6K, n, k, 0, data.data_ptr(), sc.data_ptr(), None, None, d.data_ptr(),
+                                None)
+        scale = sb.d.double().repeat_interleave(16, dim=1) * sb.sc.double()
+        dots = torch.einsum("rbk,nbk->rnb", xq.double().view(rows, -1, 16), q.double().view(n, -1, 16))
+        want = (dots * scale[None] * dx.repeat_interleave(2, dim=1)[:, None]).sum(-1)
+        torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv", ["plain", *KV_CODES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (64, 4, 4), (16, 4, 2), (96, 6, 2)])

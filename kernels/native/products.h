@@ -201,6 +201,12 @@ inline void release_tiles() {}
 //   q4: 4 groups of 8 k, each 16 lanes x 4 bytes: low nibble q[k0 + b], high nibble q[k0 + 4 + b]  256 bytes
 //   scale: q8 fp32, q4 fp16 [n/16][k/32][16] (d); zero: q4 fp16, q8 fp32 or null, the same layout (m)
 //   q8g16: q8's bytes with a scale (and, where ``zero`` is given, an offset) per 16 k: fp32 [n/16][k/16][16]
+// and GGUF's K-quants in their own bits (a scale per 32 or 16 k as an integer times its super-block's float):
+//   q4k: q4's nibbles; scale, zero: u8 [n/16][k/32][16] (sc, mn); super_scale, super_zero: fp32
+//        [n/16][k/256][16] (d, -dmin): w = d sc q - dmin mn                                      256 bytes
+//   q6k: q4's nibbles of u = q + 32 (0..63), then 2 x 16 lanes x 4 bytes of u's top two bits for groups 2p, 2p + 1
+//        (byte b of a lane: bits 4s + 2h, 4s + 2h + 1 the top of group 2p + s's k0 + 4h + b); scale: i8
+//        [n/16][k/16][16] (sc); super_scale: fp32 [n/16][k/256][16] (d): w = d sc (u - 32)            384 bytes
 // The activations are quantized per row and 32 k to int8 (xq = round(x / dx), dx = max|x| / 127, and the sums of
 // xq over each 16), as llama.cpp does for its quantized CPU products, so a block's dot product is integer (VNNI's
 // u8 x s8 dpbusd; AVX2's maddubs, simd.h):
@@ -231,11 +237,12 @@ constexpr int kQRowTile = 4, kQColTile = 2;  // integer and float accumulators: 
 
 template <int Format, int MR, int NB>
 void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc) {
-  constexpr bool q8 = Format != kQ4;
-  constexpr int halves = Format == kQ8G16 ? 2 : 1;  // dot products (and scales) per 32 k
+  constexpr bool q8 = Format == kQ8 || Format == kQ8G16;
+  constexpr int halves = Format == kQ8G16 || Format == kQ6K ? 2 : 1;  // dot products (and scales) per 32 k
   const int blocks = k / kBlock;
-  const int64_t wbytes = q8 ? 512 : 256;  // per 16 rows x 32 k
+  const int64_t wbytes = q8 ? 512 : Format == kQ6K ? 384 : 256;  // per 16 rows x 32 k
   const uint8_t* w = static_cast<const uint8_t*>(lin.w) + int64_t(b) * blocks * wbytes;
+  const float* super_d = static_cast<const float*>(lin.super_scale);
   V16 a[MR][NB];
   zero<MR, NB>(a);
   for (int blk = 0; blk < blocks; ++blk) {
@@ -267,7 +274,14 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
       for (int g = 0; g < 4; ++g) {
         I16 lo[NB], hi[NB];
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) split_nibbles(load_i16(wb + j * blocks * wbytes + g * 64), &lo[j], &hi[j]);
+        for (int j = 0; j < NB; ++j) {
+          split_nibbles(load_i16(wb + j * blocks * wbytes + g * 64), &lo[j], &hi[j]);
+          if constexpr (Format == kQ6K) {
+            const I16 top = load_i16(wb + j * blocks * wbytes + 256 + g / 2 * 64);
+            if (g % 2) add_top_bits<1>(top, &lo[j], &hi[j]);
+            else add_top_bits<0>(top, &lo[j], &hi[j]);
+          }
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           int32_t q0, q1;
@@ -275,7 +289,10 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
           std::memcpy(&q0, xq, 4);
           std::memcpy(&q1, xq + 4, 4);
 #pragma GCC unroll 4
-          for (int j = 0; j < NB; ++j) dot[0][r][j] = dot_u4(dot_u4(dot[0][r][j], lo[j], q0), hi[j], q1);
+          for (int j = 0; j < NB; ++j) {
+            I16& into = dot[g * halves / 4][r][j];  // q6k: groups 0-1 make the first 16 k, 2-3 the second
+            into = dot_u4(dot_u4(into, lo[j], q0), hi[j], q1);
+          }
         }
       }
     }
@@ -285,9 +302,17 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
       for (int h = 0; h < halves; ++h) {
         const int64_t at = ((int64_t(b + j) * blocks + blk) * halves + h) * 16;
         V16 d, c;
+        const int64_t sb = (int64_t(b + j) * (blocks / 8) + blk / 8) * 16;  // K-quants: the super-block's lanes
         if constexpr (Format == kQ4) {
           d = load_halves(static_cast<const uint16_t*>(lin.scale) + at);
           c = load_halves(static_cast<const uint16_t*>(lin.zero) + at);
+        } else if constexpr (Format == kQ4K) {  // d sc and -dmin mn: products of 11 and 6 bits, exact in fp32
+          d = loadu(super_d + sb) * bytes_float(static_cast<const uint8_t*>(lin.scale) + at);
+          c = loadu(static_cast<const float*>(lin.super_zero) + sb) *
+              bytes_float(static_cast<const uint8_t*>(lin.zero) + at);
+        } else if constexpr (Format == kQ6K) {
+          d = loadu(super_d + sb) * bytes_float(static_cast<const int8_t*>(lin.scale) + at);
+          c = d * set1(-32.0f);
         } else {
           d = loadu(static_cast<const float*>(lin.scale) + at);
           c = d * set1(-kQ8Offset);
@@ -336,9 +361,11 @@ inline void product(const T* x, const QuantRows& qx, int rows, const Linear& lin
       const int nb = std::min(kQColTile, b1 - b);
       for (int m = 0; m < rows; m += kQRowTile) {
         const int mr = std::min(kQRowTile, rows - m);
-        const QuantTileFn tile = lin.format == kQ8    ? quant_tile_for<kQ8>(mr, nb)
-                                 : lin.format == kQ4  ? quant_tile_for<kQ4>(mr, nb)
-                                                      : quant_tile_for<kQ8G16>(mr, nb);
+        const QuantTileFn tile = lin.format == kQ8     ? quant_tile_for<kQ8>(mr, nb)
+                                 : lin.format == kQ4   ? quant_tile_for<kQ4>(mr, nb)
+                                 : lin.format == kQ4K  ? quant_tile_for<kQ4K>(mr, nb)
+                                 : lin.format == kQ6K  ? quant_tile_for<kQ6K>(mr, nb)
+                                                       : quant_tile_for<kQ8G16>(mr, nb);
         tile(qx, m, lin.k, lin, b, acc);
         for (int j = 0; j < nb; ++j)
           for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, acc[r][j]);

@@ -130,6 +130,22 @@ inline void split_nibbles(I16 v, I16* lo, I16* hi) {
   *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 }
 inline V16 to_float(I16 v) { return _mm512_cvtepi32_ps(v); }
+// Q6_K's top two bits, two groups of 8 k to a vector (products.h): bits 4s .. 4s + 1 of each byte become bits 4-5
+// of lo's byte, bits 4s + 2 .. 4s + 3 those of hi's (16-bit shifts: the mask drops what crosses a byte)
+template <int S>
+inline void add_top_bits(I16 bits, I16* lo, I16* hi) {
+  const __m512i m = _mm512_set1_epi8(0x30);
+  const __m512i l = S == 0 ? _mm512_slli_epi16(bits, 4) : bits;
+  const __m512i h = S == 0 ? _mm512_slli_epi16(bits, 2) : _mm512_srli_epi16(bits, 2);
+  *lo = _mm512_or_si512(*lo, _mm512_and_si512(l, m));
+  *hi = _mm512_or_si512(*hi, _mm512_and_si512(h, m));
+}
+inline V16 bytes_float(const uint8_t* p) {  // 16 bytes as floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline V16 bytes_float(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline V16 load_halves(const uint16_t* p) {  // 16 fp16 values as fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -330,6 +346,26 @@ inline void split_nibbles(I16 v, I16* lo, I16* hi) {
   *hi = {_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), low), _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), low)};
 }
 inline V16 to_float(I16 v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+template <int S>
+inline void add_top_bits(I16 bits, I16* lo, I16* hi) {
+  const __m256i m = _mm256_set1_epi8(0x30);
+  auto part = [&](__m256i v, __m256i* l, __m256i* h) {
+    const __m256i a = S == 0 ? _mm256_slli_epi16(v, 4) : v;
+    const __m256i b = S == 0 ? _mm256_slli_epi16(v, 2) : _mm256_srli_epi16(v, 2);
+    *l = _mm256_or_si256(*l, _mm256_and_si256(a, m));
+    *h = _mm256_or_si256(*h, _mm256_and_si256(b, m));
+  };
+  part(bits.lo, &lo->lo, &hi->lo);
+  part(bits.hi, &lo->hi, &hi->hi);
+}
+inline V16 bytes_float(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline V16 bytes_float(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
 inline V16 load_halves(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
