@@ -33,12 +33,12 @@ CPU_FEATURES = ("avx2", "fma", "f16c")  # what the kernel needs at least (x86-64
 NATIVE_DTYPES = ("bfloat16", "float32")
 ABI_VERSION = 7
 
-DENSE, Q8, Q4, Q8G16, Q4K, Q6K = 0, 1, 2, 3, 4, 5  # Linear.format
+DENSE, Q8, Q4, Q8G16, Q4K, Q6K, PARTS = 0, 1, 2, 3, 4, 5, 6  # Linear.format
 KV_FORMAT = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # --kv-cache-dtype -> Model.kv_codes (0: the pools hold T)
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("format", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad", ctypes.c_int32),
+    _fields_ = [("format", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("parts", ctypes.c_int32),
                 ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("super_scale", ctypes.c_void_p), ("super_zero", ctypes.c_void_p)]
 

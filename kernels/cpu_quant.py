@@ -60,12 +60,19 @@ class SuperBlocks:
         return SuperBlocks(self.kind, *(None if t is None else t[index] for t in (self.d, self.sc, self.dmin, self.mn)))
 
     @staticmethod
-    def stacked(parts: list[SuperBlocks | None]) -> SuperBlocks | None:
-        """The parts' rows one after another (a fused layer's shards), or None unless all are of one kind."""
-        if any(p is None for p in parts) or len({p.kind for p in parts}) > 1:
+    def runs(shards: list[SuperBlocks | None]) -> tuple[SuperBlocks, ...] | None:
+        """A fused layer's shards (rows one after another) as runs of one kind each (q and k of Q4_K, then v of
+        Q6_K: two), or None unless every shard is a K-quant's."""
+        if not shards or any(s is None for s in shards):
             return None
-        cat = [None if t[0] is None else torch.cat(t) for t in zip(*((p.d, p.sc, p.dmin, p.mn) for p in parts))]
-        return SuperBlocks(parts[0].kind, *cat)
+        out: list[SuperBlocks] = []
+        for s in shards:
+            if out and out[-1].kind == s.kind:
+                a = out.pop()
+                s = SuperBlocks(s.kind, *(None if x is None else torch.cat([x, y])
+                                          for x, y in zip((a.d, a.sc, a.dmin, a.mn), (s.d, s.sc, s.dmin, s.mn))))
+            out.append(s)
+        return tuple(out)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,9 +115,10 @@ class QuantLinear(nn.Module):
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype, *,
                  int8: tuple[torch.Tensor, ...] | None = None, int4: Int4Weight | None = None,
-                 super_blocks: SuperBlocks | None = None) -> None:
+                 super_blocks: tuple[SuperBlocks, ...] | None = None) -> None:
         """``int8``: (q, scale) or, block-scaled, (q, scale, offset); ``int4``: see Int4Weight; ``super_blocks``:
-        a K-quant's scales in the file's factors (the same values as ``scale`` and ``offset``)."""
+        a K-quant's scales in the file's factors (the same values as ``scale`` and ``offset``), per run of rows of
+        one kind (a fused layer may mix Q4_K and Q6_K shards)."""
         super().__init__()
         if (int8 is None) == (int4 is None):
             raise ValueError("give exactly one of int8= or int4=")

@@ -199,7 +199,9 @@ def _layer_name(tensor: str, cfg: ModelConfig, layout: Layout) -> tuple[str, str
 def _as_layer(shards: list[Blocks], dtype: torch.dtype) -> QuantLinear:
     """One QuantLinear from the blocks of its shards, rows stacked (q, k and v; gate and up). Shards in different
     formats (a Q4_K_M file's Q6_K v beside Q4_K q and k) share the finer one: 8-bit blocks of the smaller group,
-    each with an offset -- the same weights, in more bytes."""
+    each with an offset -- the same weights, in more bytes; the native step reads K-quant shards in their own
+    bits still, a part per run of one kind (``super_blocks``)."""
+    factors = SuperBlocks.runs([s.factors for s in shards])
     groups = {s.group for s in shards}
     if len(groups) > 1 or len({s.bits for s in shards}) > 1 or len({s.offset is None for s in shards}) > 1:
         shards = [s.regrouped(min(groups)) for s in shards]
@@ -207,7 +209,6 @@ def _as_layer(shards: list[Blocks], dtype: torch.dtype) -> QuantLinear:
     scale = torch.from_numpy(np.concatenate([s.scale for s in shards]))
     offset = None if shards[0].offset is None else torch.from_numpy(np.concatenate([s.offset for s in shards]))
     n, k = q.shape
-    factors = SuperBlocks.stacked([s.factors for s in shards])
     if shards[0].bits == 4:
         return QuantLinear(n, k, None, dtype, int4=int4_weight(q, scale, offset), super_blocks=factors)
     return QuantLinear(n, k, None, dtype, int8=(q, scale, offset), super_blocks=factors)

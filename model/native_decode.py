@@ -145,7 +145,7 @@ class NativeDecode:
         self.lib = native.load(cache_dir)
         self.model, self.dtype = model, dtype
         self.pool_slots = kv.k.shape[1]
-        self._keep: list[torch.Tensor] = []  # every tensor a structure points into
+        self._keep: list = []  # every tensor (and ctypes array) a structure points into
         self._quantized_layers: list[tuple[QuantLinear, native.Linear]] = []
         layers = (native.Layer * cfg.num_layers)()
         for i, layer in enumerate(model.model.layers):
@@ -212,37 +212,50 @@ class NativeDecode:
         if k % BLOCK:
             raise native.NativeUnavailable(f"a quantized layer's input dimension ({k}) is not a multiple of {BLOCK}")
         bias = None if layer.bias is None else self._dense(layer.bias)
-        if layer.bits == 8 and layer.super_blocks is not None:  # Q6_K
-            data, sc, d = packed = pack_q6k(layer.q, layer.super_blocks)
-            self._keep += list(packed)
-            lin = native.Linear(native.Q6K, n, k, 0, data.data_ptr(), sc.data_ptr(), None, bias, d.data_ptr(), None)
-            self._quantized_layers.append((layer, lin))
-            return lin
-        if layer.bits == 8:
+        q = layer.q if layer.bits == 8 else torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1).view(n, k)
+        if layer.super_blocks:  # GGUF K-quants in their own bits: one part, or a part per run of one kind
+            lins, row = [], 0
+            for sb in layer.super_blocks:
+                rows = sb.d.shape[0]
+                part_bias = None if bias is None else bias + row * layer.bias.element_size()
+                lins.append(self._k_quant(q[row : row + rows], sb, part_bias))
+                row += rows
+            lin = lins[0]
+            if len(lins) > 1:
+                parts = (native.Linear * len(lins))(*lins)
+                self._keep.append(parts)
+                lin = native.Linear(native.PARTS, n, k, len(lins), ctypes.addressof(parts), None, None, None)
+        elif layer.bits == 8:
             scale = layer.scale.float() if layer.block_scales else layer.scale.float()[:, None].expand(n, k // BLOCK)
             group = k // scale.shape[1]
             if group not in (BLOCK, BLOCK // 2):
                 raise native.NativeUnavailable(f"int8 scales per {group} weights; the native step reads one per "
                                                f"{BLOCK} or {BLOCK // 2}, or one per row")
-            data, scale = pack_q8(layer.q, scale)
+            data, scale = pack_q8(q, scale)
             zero = None if layer.offset is None else _blocks(layer.offset, scale.shape[0] * 16)
             self._keep += [t for t in (data, scale, zero) if t is not None]
             lin = native.Linear(native.Q8 if group == BLOCK else native.Q8G16, n, k, 0, data.data_ptr(),
                                 scale.data_ptr(), None if zero is None else zero.data_ptr(), bias)
-            self._quantized_layers.append((layer, lin))
-            return lin
-        if layer.group != BLOCK:
-            raise native.NativeUnavailable(f"int4 groups of {layer.group}; the native step reads groups of {BLOCK}")
-        q = torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1).view(n, k)
-        if layer.super_blocks is not None and layer.super_blocks.kind == "Q4_K":
-            packed = pack_q4k(q, layer.super_blocks)
-            lin = native.Linear(native.Q4K, n, k, 0, *(t.data_ptr() for t in packed[:3]), bias,
-                                *(t.data_ptr() for t in packed[3:]))
         else:
+            if layer.group != BLOCK:
+                raise native.NativeUnavailable(f"int4 groups of {layer.group}; the native step reads groups of {BLOCK}")
             packed = pack_q4(q, layer.scale, layer.offset)
+            self._keep += list(packed)
             lin = native.Linear(native.Q4, n, k, 0, *(t.data_ptr() for t in packed), bias)
-        self._keep += list(packed)
         self._quantized_layers.append((layer, lin))
+        return lin
+
+    def _k_quant(self, q: torch.Tensor, sb: SuperBlocks, bias: int | None) -> native.Linear:
+        """Rows of a Q4_K or Q6_K layer (q [rows, K]) as the kernel's q4k / q6k."""
+        if sb.kind == "Q4_K":
+            packed = pack_q4k(q, sb)
+            ptrs = [t.data_ptr() for t in packed]
+            lin = native.Linear(native.Q4K, q.shape[0], q.shape[1], 0, *ptrs[:3], bias, *ptrs[3:])
+        else:
+            data, sc, d = packed = pack_q6k(q, sb)
+            lin = native.Linear(native.Q6K, q.shape[0], q.shape[1], 0, data.data_ptr(), sc.data_ptr(), None, bias,
+                                d.data_ptr(), None)
+        self._keep += list(packed)
         return lin
 
     @staticmethod

@@ -5,6 +5,7 @@ from it, and greedy tokens those of the dequantized model; the native decode ste
 is not read is refused by tensor name and type, or by architecture."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def test_greedy_tokens_are_the_dequantized_models(engines):
 
 def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
     """The native step on the file's blocks (Q4_K and Q6_K in their own bits, the fused q/k/v -- Q4_K beside Q6_K
-    -- as q8 per 16 with offsets;
+    -- in two parts, one of each;
     activations quantized per 32 as llama.cpp does) prefills a prompt and decodes 8 tokens, and a prompt too long
     for it goes through torch's step with the same kernel's products; the eager path, fed the same tokens, gives
     each of them nearly the same log-probability (its activations stay float). Llama and Qwen2: the other files'
@@ -111,7 +112,12 @@ def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
     with Engine(str(q4_k_m), quantization="gguf", dtype="float32", decode_kernel="native") as native:
         layer = native.runner.native.desc.layer[0]
         assert (layer.qkv.format, layer.gate_up.format, layer.down.format) == (
-            cpu_native.Q8G16, cpu_native.Q4K, cpu_native.Q6K)
+            cpu_native.PARTS, cpu_native.Q4K, cpu_native.Q6K)
+        parts = ctypes.cast(layer.qkv.w, ctypes.POINTER(cpu_native.Linear))
+        cfg = native.runner.model.config
+        v_rows = cfg.num_kv_heads * cfg.head_dim
+        assert [(parts[i].format, parts[i].n) for i in range(layer.qkv.parts)] == [
+            (cpu_native.Q4K, layer.qkv.n - v_rows), (cpu_native.Q6K, v_rows)]
         out = native.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
         # a prompt too long for the native step's prefill: torch's step, its products through the same kernel
         assert all(m.native is not None for m in native.runner.model.modules() if isinstance(m, QuantLinear))

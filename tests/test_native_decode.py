@@ -297,6 +297,7 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
         sums = xq.double().view(rows, -1, 32).sum(-1)[:, None, :]
         want = ((dots * scale[None] + offset[None] * sums) * dx[:, None]).sum(-1)
         torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+        q4k, q4k_tensors, want_q4k = lin, packed, want  # (the tensors kept: the parts below point into them)
         # Q6_K: w = d sc q per 16, q -32..31, sc int8
         q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
         sb = SuperBlocks("Q6_K", torch.rand(n, supers, generator=g) * 1e-3,
@@ -308,6 +309,11 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
         dots = torch.einsum("rbk,nbk->rnb", xq.double().view(rows, -1, 16), q.double().view(n, -1, 16))
         want = (dots * scale[None] * dx.repeat_interleave(2, dim=1)[:, None]).sum(-1)
         torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+        # one layer in two parts (a fused q/k/v: Q4_K rows, then Q6_K rows), each emitted where its rows sit
+        parts = (cpu_native.Linear * 2)(q4k, lin)
+        whole = cpu_native.Linear(cpu_native.PARTS, 2 * n, k, 2, ctypes.addressof(parts), None, None, None)
+        torch.testing.assert_close(_run_linear(lib, whole, x, False).double(), torch.cat([want_q4k, want], 1),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv", ["plain", *KV_CODES])

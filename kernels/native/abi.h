@@ -8,7 +8,8 @@
 
 extern "C" {
 struct Linear {
-  int32_t format, n, k, pad;
+  int32_t format, n, k;
+  int32_t parts;       // kParts: how many quantized Linear w points to, their rows one after another; else 0
   const void* w;       // dense: T, packed in blocks of 16 rows (see product)
   const void* scale;   // quantized formats: per-block scales; else null
   const void* zero;    // quantized formats: per-block offsets; else null
@@ -59,7 +60,7 @@ namespace rs {
 inline int64_t row_start(const Step& st, int m) { return st.starts[m]; }
 inline int row_len(const Step& st, int m) { return int(st.lens[m]); }
 
-constexpr int kDense = 0, kQ8 = 1, kQ4 = 2, kQ8G16 = 3, kQ4K = 4, kQ6K = 5;  // Linear.format
+constexpr int kDense = 0, kQ8 = 1, kQ4 = 2, kQ8G16 = 3, kQ4K = 4, kQ6K = 5, kParts = 6;  // Linear.format
 constexpr int kInt8Codes = 1, kE4M3Codes = 2, kE5M2Codes = 3;  // Model.kv_codes
 constexpr int kBlock = 32;                   // weights per quantization block (along k)
 constexpr int kSuper = 256;                  // weights per K-quant super-block (along k)

@@ -260,9 +260,19 @@ void attention_alone(const Model& md, const Layer& ly, const Step& st, const T* 
 // 0, or why a model cannot run here: 1 its heads, 2 a linear layer's format or shape
 int32_t check(const Model& md) {
   if (md.heads % md.kv_heads || md.heads / md.kv_heads > kMaxGroup || md.head_dim > kMaxHeadDim) return 1;
-  auto bad = [](const Linear& lin) {
+  auto bad_one = [](const Linear& lin) {
     return lin.format == kDense ? lin.k % 2 != 0 : (lin.format < kQ8 || lin.format > kQ6K) ||
            lin.k % (lin.format >= kQ4K ? kSuper : kBlock) != 0;
+  };
+  auto bad = [&](const Linear& lin) {  // parts: each quantized, of the whole's k, their rows adding up to n
+    if (lin.format != kParts) return bad_one(lin);
+    const Linear* part = static_cast<const Linear*>(lin.w);
+    int n = 0;
+    for (int i = 0; i < lin.parts; ++i) {
+      if (part[i].format == kDense || part[i].k != lin.k || bad_one(part[i])) return true;
+      n += part[i].n;
+    }
+    return lin.parts < 1 || n != lin.n;
   };
   for (int l = 0; l < md.layers; ++l) {
     const Layer& ly = md.layer[l];

@@ -345,7 +345,7 @@ QuantTileFn quant_tile_for(int mr, int nb) {
 // m (lanes past W's last row masked off), the bias added and rounded to T, as an eager linear layer returns them.
 // ``amx``: use the tile product (bf16, k a multiple of 32).
 template <class T, class F>
-inline void product(const T* x, const QuantRows& qx, int rows, const Linear& lin, bool amx, F&& emit) {
+inline void product_of(const T* x, const QuantRows& qx, int rows, const Linear& lin, bool amx, F&& emit) {
   const int blocks = (lin.n + 15) / 16, t = omp_get_thread_num(), nt = omp_get_num_threads();
   const int b0 = int(int64_t(blocks) * t / nt), b1 = int(int64_t(blocks) * (t + 1) / nt);
   const int64_t bstride = int64_t(lin.k) * 16;  // elements per block of 16 rows
@@ -388,6 +388,16 @@ inline void product(const T* x, const QuantRows& qx, int rows, const Linear& lin
         for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, acc[r][j]);
     }
   }
+}
+
+// The same for a layer whose rows come in parts of different formats (kParts: a fused q/k/v of a Q4_K_M file,
+// Q6_K v beside Q4_K q and k), each part's outputs emitted where its rows sit in the whole
+template <class T, class F>
+inline void product(const T* x, const QuantRows& qx, int rows, const Linear& lin, bool amx, F&& emit) {
+  if (lin.format != kParts) return product_of(x, qx, rows, lin, amx, emit);
+  const Linear* part = static_cast<const Linear*>(lin.w);
+  for (int i = 0, n0 = 0; i < lin.parts; n0 += part[i].n, ++i)
+    product_of(x, qx, rows, part[i], amx, [&](int m, int n, V16 v, M16 mk) { emit(m, n0 + n, v, mk); });
 }
 
 }  // namespace rs
