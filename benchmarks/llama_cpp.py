@@ -162,7 +162,8 @@ def converted(hf_folder: Path, out: Path, pre: str | None = None) -> Path:
         env["PYTHONPATH"] += os.pathsep + str(source_dir())
         lead = [sys.executable] if pre is None else [sys.executable, "-c", CONVERT_AS.format(pre=pre)]
         proc = subprocess.run([*lead, str(source_dir() / "convert_hf_to_gguf.py"), str(staged(hf_folder)),
-                               "--outtype", "bf16", "--outfile", str(tmp)], capture_output=True, text=True, env=env)
+                               "--outtype", "bf16", "--outfile", str(tmp)], capture_output=True, text=True, env=env,
+                              cwd=ROOT)  # not the repository: under -c its kernels/ would shadow HF's `kernels`
         if proc.returncode != 0:
             raise Unavailable(f"llama.cpp's converter failed: {proc.stderr.strip()[-1500:]}")
         tmp.rename(out)
