@@ -45,31 +45,39 @@ class Int4Weight:
 
 
 @dataclass
-class SuperBlocks:
-    """A GGUF K-quant layer's scales as the file factors them, kept for the native step (which reads them in those
-    bits): per 32 (Q4_K) or 16 (Q6_K) weights a 6- or 8-bit integer times its super-block's (256 weights) float;
-    ``scale = d * sc`` and, Q4_K, ``offset = -dmin * mn`` (both exact in float32)."""
+class FileBlocks:
+    """Rows of a GGUF layer in one block format, with its scales as the file factors them, kept for the native step
+    (which reads each format in its own bits): ``scale = d sc`` and ``offset = -dmin mn`` per block of 32 (Q6_K: 16)
+    weights, where
 
-    kind: str  # "Q4_K" or "Q6_K"
-    d: torch.Tensor  # float32 [N, K/256]
-    sc: torch.Tensor  # uint8 (Q4_K: 0..63) or int8 (Q6_K) [N, K/group]
-    dmin: torch.Tensor | None = None  # Q4_K: float32 [N, K/256]
-    mn: torch.Tensor | None = None  # Q4_K: uint8 [N, K/32]
+        Q4_K, Q5_K  d, dmin: float per super-block (256 weights); sc, mn: 6-bit integers per 32
+        Q6_K        d per super-block; sc: int8 per 16; no offset
+        Q4_0, Q5_0  d per 32 (the block's); dmin = 8 d, 16 d (sc, mn: 1)
+        Q4_1, Q5_1  d per 32; dmin = -m (the block's offset)
+        Q8_0        d per 32; no offset
 
-    def rows(self, index: torch.Tensor) -> SuperBlocks:
-        return SuperBlocks(self.kind, *(None if t is None else t[index] for t in (self.d, self.sc, self.dmin, self.mn)))
+    (every product exact in float32: ``scale`` and ``offset`` hold the same values)."""
+
+    kind: str  # the GGUF type
+    d: torch.Tensor  # float32 [N, K/256] (K-quants) or [N, K/32]
+    sc: torch.Tensor | None = None  # K-quants: uint8 (0..63) or int8 (Q6_K) [N, K/group]
+    dmin: torch.Tensor | None = None  # float32, d's shape; None: no offset
+    mn: torch.Tensor | None = None  # Q4_K, Q5_K: uint8 [N, K/32]
+
+    def rows(self, index: torch.Tensor) -> FileBlocks:
+        return FileBlocks(self.kind, *(None if t is None else t[index] for t in (self.d, self.sc, self.dmin, self.mn)))
 
     @staticmethod
-    def runs(shards: list[SuperBlocks | None]) -> tuple[SuperBlocks, ...] | None:
+    def runs(shards: list[FileBlocks | None]) -> tuple[FileBlocks, ...] | None:
         """A fused layer's shards (rows one after another) as runs of one kind each (q and k of Q4_K, then v of
-        Q6_K: two), or None unless every shard is a K-quant's."""
+        Q6_K: two), or None unless every shard is a GGUF file's."""
         if not shards or any(s is None for s in shards):
             return None
-        out: list[SuperBlocks] = []
+        out: list[FileBlocks] = []
         for s in shards:
             if out and out[-1].kind == s.kind:
                 a = out.pop()
-                s = SuperBlocks(s.kind, *(None if x is None else torch.cat([x, y])
+                s = FileBlocks(s.kind, *(None if x is None else torch.cat([x, y])
                                           for x, y in zip((a.d, a.sc, a.dmin, a.mn), (s.d, s.sc, s.dmin, s.mn))))
             out.append(s)
         return tuple(out)
@@ -115,10 +123,10 @@ class QuantLinear(nn.Module):
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype, *,
                  int8: tuple[torch.Tensor, ...] | None = None, int4: Int4Weight | None = None,
-                 super_blocks: tuple[SuperBlocks, ...] | None = None) -> None:
-        """``int8``: (q, scale) or, block-scaled, (q, scale, offset); ``int4``: see Int4Weight; ``super_blocks``:
-        a K-quant's scales in the file's factors (the same values as ``scale`` and ``offset``), per run of rows of
-        one kind (a fused layer may mix Q4_K and Q6_K shards)."""
+                 file_blocks: tuple[FileBlocks, ...] | None = None) -> None:
+        """``int8``: (q, scale) or, block-scaled, (q, scale, offset); ``int4``: see Int4Weight; ``file_blocks``:
+        a GGUF layer's formats and scales in the file's factors (the same values as ``scale`` and ``offset``), per
+        run of rows of one format (a fused layer may mix Q4_K and Q6_K shards)."""
         super().__init__()
         if (int8 is None) == (int4 is None):
             raise ValueError("give exactly one of int8= or int4=")
@@ -145,7 +153,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("kernel_scale_zero", torch.stack([int4.scale, zero], -1).transpose(0, 1).to(dtype)
                                  .contiguous())
             self.group = int4.group
-        self.super_blocks = super_blocks
+        self.file_blocks = file_blocks
         self.kernel_rows = 0 if self.block_scales else 4  # quantize_model measures it per shape
         self.native: Callable[[torch.Tensor], torch.Tensor] | None = None  # the native step's product, where it runs
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.kernels.cpu_quant import QuantLinear, SuperBlocks, int4_weight
+from radixserve.kernels.cpu_quant import FileBlocks, QuantLinear, int4_weight
 from radixserve.model.config import ModelConfig
 
 SPLIT = {  # GGUF tensor (blk.N.<name>.weight) -> (our module, its shard of a fused projection), shards in order
@@ -93,7 +93,7 @@ class Blocks:
     scale: np.ndarray  # float32 [N, K / group]
     offset: np.ndarray | None  # float32 [N, K / group], or None for 0
     bits: int  # 4: q fits a nibble (an int4 layer), else 8
-    factors: SuperBlocks | None = None  # Q4_K / Q6_K: scale (and offset) as the file factors them
+    factors: FileBlocks | None = None  # the format, and scale and offset as the file factors them
 
     @property
     def group(self) -> int:
@@ -140,21 +140,24 @@ def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def decode_blocks(data: np.ndarray, kind: str) -> Blocks:
     """Raw rows of one GGUF tensor (uint8 [N, bytes per row]) in format ``kind`` -> its Blocks."""
     n = data.shape[0]
+    t = torch.from_numpy
     if kind == "Q8_0":
         b = data.reshape(n, -1, 34)
-        return Blocks(b[..., 2:].copy().view(np.int8).reshape(n, -1), _f16(b[..., 0:2]), None, 8)
+        d = _f16(b[..., 0:2])
+        return Blocks(b[..., 2:].copy().view(np.int8).reshape(n, -1), d, None, 8, FileBlocks(kind, t(d)))
     if kind in ("Q4_0", "Q4_1"):
         b = data.reshape(n, -1, 18 if kind == "Q4_0" else 20)
         d = _f16(b[..., 0:2])
         offset = -8 * d if kind == "Q4_0" else _f16(b[..., 2:4])
-        return Blocks(_nibbles(b[..., -16:]).reshape(n, -1).astype(np.int8), d, offset, 4)
+        return Blocks(_nibbles(b[..., -16:]).reshape(n, -1).astype(np.int8), d, offset, 4,
+                      FileBlocks(kind, t(d), dmin=t(-offset)))
     if kind in ("Q5_0", "Q5_1"):
         b = data.reshape(n, -1, 22 if kind == "Q5_0" else 24)
         d = _f16(b[..., 0:2])
         high = b[..., -20:-16].copy().view("<u4")  # bit j: the fifth bit of weight j
         q = _nibbles(b[..., -16:]) | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
         offset = -16 * d if kind == "Q5_0" else _f16(b[..., 2:4])
-        return Blocks(q.reshape(n, -1).astype(np.int8), d, offset, 8)
+        return Blocks(q.reshape(n, -1).astype(np.int8), d, offset, 8, FileBlocks(kind, t(d), dmin=t(-offset)))
     if kind in ("Q4_K", "Q5_K"):
         b = data.reshape(n, -1, 144 if kind == "Q4_K" else 176)
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
@@ -163,9 +166,7 @@ def decode_blocks(data: np.ndarray, kind: str) -> Blocks:
         if kind == "Q5_K":
             high = b[..., 16:48]  # [n, super, 32]: bit i of byte j for sub-block i
             q = q | (((high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
-        factors = None if kind == "Q5_K" else SuperBlocks(
-            kind, torch.from_numpy(d), torch.from_numpy(sc.reshape(n, -1)), torch.from_numpy(dmin),
-            torch.from_numpy(mn.reshape(n, -1)))
+        factors = FileBlocks(kind, t(d), t(sc.reshape(n, -1)), t(dmin), t(mn.reshape(n, -1)))
         return Blocks(q.reshape(n, -1).astype(np.int8), (d[..., None] * sc.astype(np.float32)).reshape(n, -1),
                       -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1), 4 if kind == "Q4_K" else 8, factors)
     if kind == "Q6_K":
@@ -174,7 +175,7 @@ def decode_blocks(data: np.ndarray, kind: str) -> Blocks:
         high = (b[..., 128:192].reshape(n, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
         q = (low | (high << 4)).astype(np.int8) - 32
         sc, d = b[..., 192:208].copy().view(np.int8), _f16(b[..., 208:210])
-        factors = SuperBlocks(kind, torch.from_numpy(d), torch.from_numpy(sc.reshape(n, -1)))
+        factors = FileBlocks(kind, t(d), t(sc.reshape(n, -1)))
         return Blocks(q.reshape(n, -1), (d[..., None] * sc.astype(np.float32)).reshape(n, -1), None, 8, factors)
     raise ValueError(f"no decoder for {kind} blocks")
 
@@ -199,9 +200,9 @@ def _layer_name(tensor: str, cfg: ModelConfig, layout: Layout) -> tuple[str, str
 def _as_layer(shards: list[Blocks], dtype: torch.dtype) -> QuantLinear:
     """One QuantLinear from the blocks of its shards, rows stacked (q, k and v; gate and up). Shards in different
     formats (a Q4_K_M file's Q6_K v beside Q4_K q and k) share the finer one: 8-bit blocks of the smaller group,
-    each with an offset -- the same weights, in more bytes; the native step reads K-quant shards in their own
-    bits still, a part per run of one kind (``super_blocks``)."""
-    factors = SuperBlocks.runs([s.factors for s in shards])
+    each with an offset -- the same weights, in more bytes; the native step reads every shard in its own bits
+    still, a part per run of one format (``file_blocks``)."""
+    factors = FileBlocks.runs([s.factors for s in shards])
     groups = {s.group for s in shards}
     if len(groups) > 1 or len({s.bits for s in shards}) > 1 or len({s.offset is None for s in shards}) > 1:
         shards = [s.regrouped(min(groups)) for s in shards]
@@ -210,8 +211,8 @@ def _as_layer(shards: list[Blocks], dtype: torch.dtype) -> QuantLinear:
     offset = None if shards[0].offset is None else torch.from_numpy(np.concatenate([s.offset for s in shards]))
     n, k = q.shape
     if shards[0].bits == 4:
-        return QuantLinear(n, k, None, dtype, int4=int4_weight(q, scale, offset), super_blocks=factors)
-    return QuantLinear(n, k, None, dtype, int8=(q, scale, offset), super_blocks=factors)
+        return QuantLinear(n, k, None, dtype, int4=int4_weight(q, scale, offset), file_blocks=factors)
+    return QuantLinear(n, k, None, dtype, int8=(q, scale, offset), file_blocks=factors)
 
 
 def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> dict[str, QuantLinear]:

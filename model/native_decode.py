@@ -26,7 +26,7 @@ from torch import nn
 from radixserve.kernels import cpu_native as native
 from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.bounds import check_indices, check_ranges
-from radixserve.kernels.cpu_quant import QuantLinear, SuperBlocks
+from radixserve.kernels.cpu_quant import FileBlocks, QuantLinear
 from radixserve.model.forward_batch import ForwardBatch, KVPool
 from radixserve.model.kv_codes import KV_CODES, code_values
 from radixserve.model.causal_lm import CausalLM
@@ -94,15 +94,26 @@ def _q4_bytes(q: torch.Tensor, n16: int) -> torch.Tensor:
     return (v[..., 0] | (v[..., 1] << 4)).contiguous()
 
 
-def pack_q4k(q: torch.Tensor, sb: SuperBlocks) -> tuple[torch.Tensor, ...]:
-    """A Q4_K layer in its own bits: (q4's nibbles, u8 sc and mn [N/16, K/32, 16], float32 d and -dmin
-    [N/16, K/256, 16]) -- w = d sc q - dmin mn."""
+def _q5_bytes(q: torch.Tensor, n16: int) -> torch.Tensor:
+    """q [N, K] in 0..31 -> per 16 rows and 32 k, q4's nibbles of its low four bits, then its fifth bits: 16 lanes x
+    4 bytes, byte b of a lane holding in bit 2g + h the fifth bit of group g's k0 + 4h + b: [N/16, K/32, 320]."""
+    low = _q4_bytes(q & 15, n16)
+    v = _nibble_groups(q >> 4, n16)  # [.., group, lane, b, half]: 0 or 1
+    shifts = (2 * torch.arange(4)[:, None] + torch.arange(2)).to(torch.uint8).view(4, 1, 1, 2)
+    bits = (v << shifts).sum(dim=(2, 5), dtype=torch.uint8)  # [.., lane, b]: no two share a bit
+    return torch.cat([low.flatten(2), bits.flatten(2)], dim=-1).contiguous()
+
+
+def pack_q4k(q: torch.Tensor, fb: FileBlocks) -> tuple[torch.Tensor, ...]:
+    """A Q4_K or Q5_K layer in its own bits: (q4's nibbles, Q5_K's with its fifth bits (``_q5_bytes``); u8 sc and
+    mn [N/16, K/32, 16]; float32 d and -dmin [N/16, K/256, 16]) -- w = d sc q - dmin mn."""
     n16 = (q.shape[0] + 15) // 16 * 16
     as_u8 = lambda t: _blocks(t.float(), n16).to(torch.uint8)  # noqa: E731 (0..63: exact through float)
-    return _q4_bytes(q, n16), as_u8(sb.sc), as_u8(sb.mn), _blocks(sb.d, n16), _blocks(-sb.dmin, n16)
+    data = _q4_bytes(q, n16) if fb.kind == "Q4_K" else _q5_bytes(q, n16)
+    return data, as_u8(fb.sc), as_u8(fb.mn), _blocks(fb.d, n16), _blocks(-fb.dmin, n16)
 
 
-def pack_q6k(q: torch.Tensor, sb: SuperBlocks) -> tuple[torch.Tensor, ...]:
+def pack_q6k(q: torch.Tensor, fb: FileBlocks) -> tuple[torch.Tensor, ...]:
     """A Q6_K layer (q in -32..31) in its own bits: (per 16 rows and 32 k, q4's nibbles of u = q + 32 then its top
     two bits, two groups of 8 k to 64 bytes (products.h): [N/16, K/32, 384]; i8 sc [N/16, K/16, 16]; float32 d
     [N/16, K/256, 16]) -- w = d sc (u - 32)."""
@@ -113,7 +124,29 @@ def pack_q6k(q: torch.Tensor, sb: SuperBlocks) -> tuple[torch.Tensor, ...]:
     shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[None, None, None, :, None, None, :]  # 4s + 2 half
     bits = (top << shifts).sum(dim=(3, 6), dtype=torch.uint8)  # [.., p, lane, b]: no two share a bit
     data = torch.cat([low.reshape(*v.shape[:2], 256), bits.reshape(*v.shape[:2], 128)], dim=-1).contiguous()
-    return data, _blocks(sb.sc.float(), n16).to(torch.int8), _blocks(sb.d, n16)
+    return data, _blocks(fb.sc.float(), n16).to(torch.int8), _blocks(fb.d, n16)
+
+
+def pack_gguf(q: torch.Tensor, fb: FileBlocks) -> tuple[int, tuple[torch.Tensor | None, ...]]:
+    """Rows of a GGUF layer in one format (q [rows, K] as model/gguf_quant.py decodes it) in the kernel's layout of
+    that format, in the file's own bits: (Linear.format, its (w, scale, zero, super_scale, super_zero))."""
+    if fb.kind in ("Q4_K", "Q5_K"):
+        return native.Q4K if fb.kind == "Q4_K" else native.Q5K, pack_q4k(q, fb)
+    if fb.kind == "Q6_K":
+        data, sc, d = pack_q6k(q, fb)
+        return native.Q6K, (data, sc, None, d, None)
+    n16 = (q.shape[0] + 15) // 16 * 16
+    if fb.kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # fp16 d and m: the file's, or 8 d / 16 d of one (exact)
+        m = -fb.dmin
+        if torch.equal(m.half().float(), m):
+            data = _q4_bytes(q, n16) if fb.kind[1] == "4" else _q5_bytes(q, n16)
+            return native.Q4 if fb.kind[1] == "4" else native.Q5, (
+                data, _blocks(fb.d, n16).half(), _blocks(m, n16).half(), None, None)
+        data, scale = pack_q8(q, fb.d)  # (a d so large that 16 d overflows fp16: as 8-bit blocks, float offsets)
+        return native.Q8, (data, scale, _blocks(m, n16), None, None)
+    if fb.kind == "Q8_0":
+        return native.Q8, (*pack_q8(q, fb.d), None, None, None)
+    raise native.NativeUnavailable(f"no native layout for {fb.kind} blocks")
 
 
 def shared_prefix(attn: AttentionBatch, first: np.ndarray, length: np.ndarray) -> int:
@@ -213,12 +246,15 @@ class NativeDecode:
             raise native.NativeUnavailable(f"a quantized layer's input dimension ({k}) is not a multiple of {BLOCK}")
         bias = None if layer.bias is None else self._dense(layer.bias)
         q = layer.q if layer.bits == 8 else torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1).view(n, k)
-        if layer.super_blocks:  # GGUF K-quants in their own bits: one part, or a part per run of one kind
+        if layer.file_blocks:  # a GGUF layer in its file's own bits: one part, or a part per run of one format
             lins, row = [], 0
-            for sb in layer.super_blocks:
-                rows = sb.d.shape[0]
+            for fb in layer.file_blocks:
+                rows = fb.d.shape[0]
+                form, tensors = pack_gguf(q[row : row + rows], fb)
+                self._keep += [t for t in tensors if t is not None]
+                w, scale, zero, super_scale, super_zero = (None if t is None else t.data_ptr() for t in tensors)
                 part_bias = None if bias is None else bias + row * layer.bias.element_size()
-                lins.append(self._k_quant(q[row : row + rows], sb, part_bias))
+                lins.append(native.Linear(form, rows, k, 0, w, scale, zero, part_bias, super_scale, super_zero))
                 row += rows
             lin = lins[0]
             if len(lins) > 1:
@@ -243,19 +279,6 @@ class NativeDecode:
             self._keep += list(packed)
             lin = native.Linear(native.Q4, n, k, 0, *(t.data_ptr() for t in packed), bias)
         self._quantized_layers.append((layer, lin))
-        return lin
-
-    def _k_quant(self, q: torch.Tensor, sb: SuperBlocks, bias: int | None) -> native.Linear:
-        """Rows of a Q4_K or Q6_K layer (q [rows, K]) as the kernel's q4k / q6k."""
-        if sb.kind == "Q4_K":
-            packed = pack_q4k(q, sb)
-            ptrs = [t.data_ptr() for t in packed]
-            lin = native.Linear(native.Q4K, q.shape[0], q.shape[1], 0, *ptrs[:3], bias, *ptrs[3:])
-        else:
-            data, sc, d = packed = pack_q6k(q, sb)
-            lin = native.Linear(native.Q6K, q.shape[0], q.shape[1], 0, data.data_ptr(), sc.data_ptr(), None, bias,
-                                d.data_ptr(), None)
-        self._keep += list(packed)
         return lin
 
     @staticmethod

@@ -44,6 +44,52 @@ def test_every_format_decodes_to_ggufs_own_values(kind):
     assert torch.equal(layer.dequantized(), torch.from_numpy(want))
 
 
+NATIVE_FORMAT = {"Q8_0": "Q8", "Q4_0": "Q4", "Q4_1": "Q4", "Q5_0": "Q5", "Q5_1": "Q5", "Q4_K": "Q4K",
+                 "Q5_K": "Q5K", "Q6_K": "Q6K"}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_native_step_reads_every_format_in_its_own_bits(kind):
+    """Random blocks of each format, as a layer (40 rows: no whole 16-row block at the end) beside a Q6_K shard
+    (two parts), through the native kernel's product of 1, 3 and 5 rows: its layout for that format (the integers
+    in no more bytes than the file's blocks), equal to the formula on gguf's weights with the
+    activations quantized per 32 as the kernel does -- sum over blocks of dx sum_k xq w (float64)."""
+    if cpu_native.unavailable_reason("float32"):
+        pytest.skip(cpu_native.unavailable_reason("float32"))
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from radixserve.model.native_decode import pack_gguf
+
+    lib = cpu_native.load(cpu_native.default_cache_dir())
+    k = 512
+    shards = [decode_blocks(random_blocks(kind, 40, k, seed=3), kind),
+              decode_blocks(random_blocks("Q6_K", 16, k, seed=4), "Q6_K")]
+    layer = _as_layer(shards, torch.float32)
+    q = layer.q if layer.bits == 8 else torch.stack([layer.nibbles & 15, layer.nibbles >> 4], -1).view(56, k)
+    lins, keep, row = [], [], 0
+    for fb in layer.file_blocks:
+        rows = fb.d.shape[0]
+        form, tensors = pack_gguf(q[row : row + rows], fb)
+        keep += tensors
+        lins.append(cpu_native.Linear(form, rows, k, 0, *(None if t is None else t.data_ptr() for t in tensors[:3]),
+                                      None, *(None if t is None else t.data_ptr() for t in tensors[3:])))
+        row += rows
+    assert lins[0].format == getattr(cpu_native, NATIVE_FORMAT[kind])
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]  # the integers in no more bytes than the file's
+    assert keep[0].numel() / ((lins[0].n + 15) // 16 * 16 * k) <= size / block  # blocks (rows padded to 16s)
+    parts = (cpu_native.Linear * len(lins))(*lins)
+    whole = cpu_native.Linear(cpu_native.PARTS, 56, k, len(lins), ctypes.addressof(parts), None, None, None)
+    w = torch.from_numpy(np.concatenate([s.dequantized() for s in shards])).double()
+    g = torch.Generator().manual_seed(len(kind))
+    for m in (1, 3, 5):
+        x = torch.randn(m, k, generator=g)
+        xb = x.view(m, -1, 32)
+        amax = xb.abs().amax(-1)
+        xq = torch.round(xb * torch.where(amax > 0, 127 / amax, 0)[..., None]).double()  # nearest, ties to even
+        want = torch.einsum("mbk,nbk->mnb", xq, w.view(56, -1, 32)) @ (amax.double() / 127)[..., None]
+        got = cpu_native.product(lib, whole, x.contiguous()).double()
+        torch.testing.assert_close(got, want[..., 0], rtol=1e-5, atol=1e-6)
+
+
 def test_shards_in_different_formats_fuse_into_one_layer_holding_each_ones_weights():
     """A Q4_K_M file's q and k in Q4_K beside v in Q6_K: one 8-bit layer with a scale and offset per 16 weights."""
     shards = [decode_blocks(random_blocks(kind, rows, 256, seed=rows), kind)
@@ -101,23 +147,25 @@ def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
     -- in two parts, one of each;
     activations quantized per 32 as llama.cpp does) prefills a prompt and decodes 8 tokens, and a prompt too long
     for it goes through torch's step with the same kernel's products; the eager path, fed the same tokens, gives
-    each of them nearly the same log-probability (its activations stay float). Llama and Qwen2: the other files'
-    layers have what the native step refuses (q/k norms, Gemma's block; model/arch.py) or, Phi-3's, one format for
-    q/k/v that the Q4_K_M mix above does not have."""
+    each of them nearly the same log-probability (its activations stay float). Llama, Qwen2 and Phi-3 (its q/k/v
+    one Q5_K tensor): the other files' layers have what the native step refuses (q/k norms, Gemma's block;
+    model/arch.py)."""
     if cpu_native.unavailable_reason("float32"):
         pytest.skip(cpu_native.unavailable_reason("float32"))
-    if engines[0].runner.model.config.model_type not in ("llama", "qwen2"):
-        pytest.skip("checked on the Llama and Qwen2 files")
+    model_type = engines[0].runner.model.config.model_type
+    if model_type not in ("llama", "qwen2", "phi3"):
+        pytest.skip("checked on the Llama, Qwen2 and Phi-3 files")
     prompt = PROMPTS[0] + [400, 500, 600, 700, 800, 900]
     with Engine(str(q4_k_m), quantization="gguf", dtype="float32", decode_kernel="native") as native:
         layer = native.runner.native.desc.layer[0]
-        assert (layer.qkv.format, layer.gate_up.format, layer.down.format) == (
-            cpu_native.PARTS, cpu_native.Q4K, cpu_native.Q6K)
-        parts = ctypes.cast(layer.qkv.w, ctypes.POINTER(cpu_native.Linear))
-        cfg = native.runner.model.config
-        v_rows = cfg.num_kv_heads * cfg.head_dim
-        assert [(parts[i].format, parts[i].n) for i in range(layer.qkv.parts)] == [
-            (cpu_native.Q4K, layer.qkv.n - v_rows), (cpu_native.Q6K, v_rows)]
+        qkv = cpu_native.Q5K if model_type == "phi3" else cpu_native.PARTS
+        assert (layer.qkv.format, layer.gate_up.format, layer.down.format) == (qkv, cpu_native.Q4K, cpu_native.Q6K)
+        if qkv == cpu_native.PARTS:
+            parts = ctypes.cast(layer.qkv.w, ctypes.POINTER(cpu_native.Linear))
+            cfg = native.runner.model.config
+            v_rows = cfg.num_kv_heads * cfg.head_dim
+            assert [(parts[i].format, parts[i].n) for i in range(layer.qkv.parts)] == [
+                (cpu_native.Q4K, layer.qkv.n - v_rows), (cpu_native.Q6K, v_rows)]
         out = native.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
         # a prompt too long for the native step's prefill: torch's step, its products through the same kernel
         assert all(m.native is not None for m in native.runner.model.modules() if isinstance(m, QuantLinear))

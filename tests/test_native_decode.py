@@ -272,7 +272,7 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
     """GGUF's Q4_K and Q6_K in their own bits (a 6- or 8-bit scale per 32 or 16 weights times the super-block's
     float; Q6_K's top two bits beside the nibbles), against the formula: the same sums as int8 blocks whose scale
     is d sc, exact in float32."""
-    from radixserve.kernels.cpu_quant import SuperBlocks
+    from radixserve.kernels.cpu_quant import FileBlocks
     from radixserve.model.native_decode import pack_q4k, pack_q6k
 
     lib = cpu_native.load(cpu_native.default_cache_dir())
@@ -284,7 +284,7 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
         dx = dx.double()
         # Q4_K: w = d sc q - dmin mn per 32, q 0..15, sc and mn 0..63
         q = torch.randint(0, 16, (n, k), generator=g)
-        sb = SuperBlocks("Q4_K", torch.rand(n, supers, generator=g) * 1e-3,
+        sb = FileBlocks("Q4_K", torch.rand(n, supers, generator=g) * 1e-3,
                          torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
                          torch.rand(n, supers, generator=g) * 1e-3,
                          torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
@@ -300,7 +300,7 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
         q4k, q4k_tensors, want_q4k = lin, packed, want  # (the tensors kept: the parts below point into them)
         # Q6_K: w = d sc q per 16, q -32..31, sc int8
         q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
-        sb = SuperBlocks("Q6_K", torch.rand(n, supers, generator=g) * 1e-3,
+        sb = FileBlocks("Q6_K", torch.rand(n, supers, generator=g) * 1e-3,
                          torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8))
         data, sc, d = packed = pack_q6k(q, sb)
         lin = cpu_native.Linear(cpu_native.Q6K, n, k, 0, data.data_ptr(), sc.data_ptr(), None, None, d.data_ptr(),

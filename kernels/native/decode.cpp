@@ -261,8 +261,8 @@ void attention_alone(const Model& md, const Layer& ly, const Step& st, const T* 
 int32_t check(const Model& md) {
   if (md.heads % md.kv_heads || md.heads / md.kv_heads > kMaxGroup || md.head_dim > kMaxHeadDim) return 1;
   auto bad_one = [](const Linear& lin) {
-    return lin.format == kDense ? lin.k % 2 != 0 : (lin.format < kQ8 || lin.format > kQ6K) ||
-           lin.k % (lin.format >= kQ4K ? kSuper : kBlock) != 0;
+    return lin.format == kDense ? lin.k % 2 != 0 : (lin.format < kQ8 || lin.format > kQ5K || lin.format == kParts) ||
+           lin.k % (k_quant(lin.format) ? kSuper : kBlock) != 0;
   };
   auto bad = [&](const Linear& lin) {  // parts: each quantized, of the whole's k, their rows adding up to n
     if (lin.format != kParts) return bad_one(lin);
@@ -293,7 +293,7 @@ int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t shared) {
   return total;
 }
 
-int32_t rs_abi_version() { return 7; }
+int32_t rs_abi_version() { return 8; }
 
 // The vector instructions this build uses: "avx512" or "avx2" (simd.h)
 const char* rs_isa() { return kIsa; }

@@ -207,6 +207,9 @@ inline void release_tiles() {}
 //   q6k: q4's nibbles of u = q + 32 (0..63), then 2 x 16 lanes x 4 bytes of u's top two bits for groups 2p, 2p + 1
 //        (byte b of a lane: bits 4s + 2h, 4s + 2h + 1 the top of group 2p + s's k0 + 4h + b); scale: i8
 //        [n/16][k/16][16] (sc); super_scale: fp32 [n/16][k/256][16] (d): w = d sc (u - 32)            384 bytes
+//   q5k: q4k with q 0..31: q4's nibbles, then 16 lanes x 4 bytes of fifth bits (byte b of a lane: bit 2g + h the
+//        fifth bit of group g's k0 + 4h + b); scales as q4k                                           320 bytes
+//   q5: GGUF's Q5_0 / Q5_1 (q 0..31, w = d q + m per 32 k): q5k's bytes with q4's fp16 d and m        320 bytes
 // The activations are quantized per row and 32 k to int8 (xq = round(x / dx), dx = max|x| / 127, and the sums of
 // xq over each 16), as llama.cpp does for its quantized CPU products, so a block's dot product is integer (VNNI's
 // u8 x s8 dpbusd; AVX2's maddubs, simd.h):
@@ -238,9 +241,10 @@ constexpr int kQRowTile = 4, kQColTile = 2;  // integer and float accumulators: 
 template <int Format, int MR, int NB>
 void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc) {
   constexpr bool q8 = Format == kQ8 || Format == kQ8G16;
+  constexpr bool fifth = Format == kQ5 || Format == kQ5K;  // a fifth bit per weight after the nibbles
   constexpr int halves = Format == kQ8G16 || Format == kQ6K ? 2 : 1;  // dot products (and scales) per 32 k
   const int blocks = k / kBlock;
-  const int64_t wbytes = q8 ? 512 : Format == kQ6K ? 384 : 256;  // per 16 rows x 32 k
+  const int64_t wbytes = q8 ? 512 : Format == kQ6K ? 384 : fifth ? 320 : 256;  // per 16 rows x 32 k
   const uint8_t* w = static_cast<const uint8_t*>(lin.w) + int64_t(b) * blocks * wbytes;
   const float* super_d = static_cast<const float*>(lin.super_scale);
   V16 a[MR][NB];
@@ -280,6 +284,14 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
             const I16 top = load_i16(wb + j * blocks * wbytes + 256 + g / 2 * 64);
             if (g % 2) add_top_bits<1>(top, &lo[j], &hi[j]);
             else add_top_bits<0>(top, &lo[j], &hi[j]);
+          } else if constexpr (fifth) {
+            const I16 top = load_i16(wb + j * blocks * wbytes + 256);
+            switch (g) {  // (unrolled: one case each)
+              case 0: add_fifth_bit<0>(top, &lo[j], &hi[j]); break;
+              case 1: add_fifth_bit<1>(top, &lo[j], &hi[j]); break;
+              case 2: add_fifth_bit<2>(top, &lo[j], &hi[j]); break;
+              default: add_fifth_bit<3>(top, &lo[j], &hi[j]);
+            }
           }
         }
 #pragma GCC unroll 4
@@ -303,10 +315,10 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
         const int64_t at = ((int64_t(b + j) * blocks + blk) * halves + h) * 16;
         V16 d, c;
         const int64_t sb = (int64_t(b + j) * (blocks / 8) + blk / 8) * 16;  // K-quants: the super-block's lanes
-        if constexpr (Format == kQ4) {
+        if constexpr (Format == kQ4 || Format == kQ5) {
           d = load_halves(static_cast<const uint16_t*>(lin.scale) + at);
           c = load_halves(static_cast<const uint16_t*>(lin.zero) + at);
-        } else if constexpr (Format == kQ4K) {  // d sc and -dmin mn: products of 11 and 6 bits, exact in fp32
+        } else if constexpr (Format == kQ4K || Format == kQ5K) {  // d sc and -dmin mn: products of 11 and 6 bits, exact in fp32
           d = loadu(super_d + sb) * bytes_float(static_cast<const uint8_t*>(lin.scale) + at);
           c = loadu(static_cast<const float*>(lin.super_zero) + sb) *
               bytes_float(static_cast<const uint8_t*>(lin.zero) + at);
@@ -365,6 +377,8 @@ inline void product_of(const T* x, const QuantRows& qx, int rows, const Linear& 
                                  : lin.format == kQ4   ? quant_tile_for<kQ4>(mr, nb)
                                  : lin.format == kQ4K  ? quant_tile_for<kQ4K>(mr, nb)
                                  : lin.format == kQ6K  ? quant_tile_for<kQ6K>(mr, nb)
+                                 : lin.format == kQ5   ? quant_tile_for<kQ5>(mr, nb)
+                                 : lin.format == kQ5K  ? quant_tile_for<kQ5K>(mr, nb)
                                                        : quant_tile_for<kQ8G16>(mr, nb);
         tile(qx, m, lin.k, lin, b, acc);
         for (int j = 0; j < nb; ++j)

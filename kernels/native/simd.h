@@ -140,6 +140,19 @@ inline void add_top_bits(I16 bits, I16* lo, I16* hi) {
   *lo = _mm512_or_si512(*lo, _mm512_and_si512(l, m));
   *hi = _mm512_or_si512(*hi, _mm512_and_si512(h, m));
 }
+// q5 / q5k's fifth bits, four groups of 8 k to a vector (products.h): bit 2G of each byte becomes bit 4 of lo's
+// byte, bit 2G + 1 that of hi's (16-bit shifts: the mask drops what crosses a byte)
+template <int S>
+inline __m512i shift16(__m512i v) {
+  if constexpr (S >= 0) return _mm512_slli_epi16(v, S);
+  else return _mm512_srli_epi16(v, -S);
+}
+template <int G>
+inline void add_fifth_bit(I16 bits, I16* lo, I16* hi) {
+  const __m512i m = _mm512_set1_epi8(0x10);
+  *lo = _mm512_or_si512(*lo, _mm512_and_si512(shift16<4 - 2 * G>(bits), m));
+  *hi = _mm512_or_si512(*hi, _mm512_and_si512(shift16<3 - 2 * G>(bits), m));
+}
 inline V16 bytes_float(const uint8_t* p) {  // 16 bytes as floats
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -354,6 +367,21 @@ inline void add_top_bits(I16 bits, I16* lo, I16* hi) {
     const __m256i b = S == 0 ? _mm256_slli_epi16(v, 2) : _mm256_srli_epi16(v, 2);
     *l = _mm256_or_si256(*l, _mm256_and_si256(a, m));
     *h = _mm256_or_si256(*h, _mm256_and_si256(b, m));
+  };
+  part(bits.lo, &lo->lo, &hi->lo);
+  part(bits.hi, &lo->hi, &hi->hi);
+}
+template <int S>
+inline __m256i shift16(__m256i v) {
+  if constexpr (S >= 0) return _mm256_slli_epi16(v, S);
+  else return _mm256_srli_epi16(v, -S);
+}
+template <int G>
+inline void add_fifth_bit(I16 bits, I16* lo, I16* hi) {
+  const __m256i m = _mm256_set1_epi8(0x10);
+  auto part = [&](__m256i v, __m256i* l, __m256i* h) {
+    *l = _mm256_or_si256(*l, _mm256_and_si256(shift16<4 - 2 * G>(v), m));
+    *h = _mm256_or_si256(*h, _mm256_and_si256(shift16<3 - 2 * G>(v), m));
   };
   part(bits.lo, &lo->lo, &hi->lo);
   part(bits.hi, &lo->hi, &hi->hi);
