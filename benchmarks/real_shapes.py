@@ -12,7 +12,8 @@ Measured: decode tok/s at batch 1, 8 and 32 (that many different prompts at once
 and 2048 tokens (one prompt of that many token ids, one new token, no prompt cache); and the fraction of the
 machine's limits each reaches, measured in the same run (benchmarks/machine.py): decode at batch 1 against reading
 the file's linear weights once per token at the memory copy bandwidth (read + written bytes/s), prefill against the
-bf16 matmul peak.
+machine's matmul peak: the faster of torch's bf16 and float32 GEMMs (without AVX-512, oneDNN has no bf16 GEMM and
+a bf16 model's prefill multiplies in float32, kernels/cpu_linear.py).
 
     python benchmarks/real_shapes.py [--quick] [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b]
 
@@ -31,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import torch
 from tqdm import tqdm
 
 import llama_cpp
@@ -194,6 +196,12 @@ def fits(name: str) -> str | None:
     return None if need <= have else f"needs about {need / 2**30:.0f} GiB of memory, this machine has {have / 2**30:.0f}"
 
 
+def limits_now() -> dict:
+    """The machine's memory copy bandwidth and its matmul peak (the faster of bf16 and float32 GEMMs)."""
+    return {"copy_bandwidth_bytes_s": machine.copy_bandwidth(),
+            "matmul_peak_flops_s": max(machine.matmul_peak(torch.bfloat16), machine.matmul_peak(torch.float32))}
+
+
 def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repeats: int = 2) -> dict:
     try:
         llama_cpp.build()
@@ -201,7 +209,7 @@ def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repea
         return {"skipped": str(exc)}
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     info = machine_info()
-    limits = {"copy_bandwidth_bytes_s": machine.copy_bandwidth(), "matmul_peak_flops_s": machine.matmul_peak()}
+    limits = limits_now()
     res = {"started": started, "machine": info, "quick": quick, "repeats": 1 if quick else repeats,
            "limits": limits, "shapes": {}, "skipped_shapes": {}}
     for name in tqdm(shapes, desc="shapes"):
@@ -213,7 +221,7 @@ def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repea
             res["shapes"][name] = measure_shape(name, quick, res["repeats"])
         except llama_cpp.Unavailable as exc:
             res["skipped_shapes"][name] = str(exc)
-    again = {"copy_bandwidth_bytes_s": machine.copy_bandwidth(), "matmul_peak_flops_s": machine.matmul_peak()}
+    again = limits_now()
     res["limits"] = {k: max(limits[k], again[k]) for k in limits}  # the best of the run's start and end
     return res
 
@@ -291,19 +299,21 @@ def section(res: dict, targets: list[str], check) -> list[str]:
          "radixserve on the HF folder, llama.cpp on its converter's BF16 file; Q8_0 and Q4_K_M: both on the file "
          "llama-quantize makes (radixserve `--quantization gguf`). Decode: N prompts at once, the rate from the "
          "difference of two lengths; prefill: one prompt, no prompt cache. Limits measured in the run: memory copy "
-         f"{res['limits']['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, bf16 matmul "
-         f"{res['limits']['matmul_peak_flops_s'] / 1e9:.0f} GFLOP/s.", ""]
+         f"{res['limits']['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, matmul (the faster of torch's bf16 and float32 "
+         f"GEMMs) {res['limits']['matmul_peak_flops_s'] / 1e9:.0f} GFLOP/s.", ""]
     for name, why in res.get("skipped_shapes", {}).items():
         L.append(f"- {name}: not run: {why}")
     keys = [f"decode_{b}" for b in BATCHES] + [f"prefill_{n}" for n in PREFILLS]
     L += ["", "tok/s (and radixserve / llama.cpp):", "",
-          "| shape | precision | " + " | ".join(k.replace("_", " ") for k in keys) + " | batch 1 bandwidth (ours / theirs) |",
-          "|---|---|" + "---|" * (len(keys) + 1)]
+          "| shape | precision | " + " | ".join(k.replace("_", " ") for k in keys)
+          + " | batch 1 share of the bandwidth (ours / theirs) | best prefill share of the matmul peak (ours / theirs) |",
+          "|---|---|" + "---|" * (len(keys) + 2)]
     for r in ratios(res):
         pair = {x["system"]: x for x in res["shapes"][r["shape"]]["rows"] if x["precision"] == r["precision"]}
         cells = [f"{pair['radixserve'][k]:.1f} / {pair['llama.cpp'][k]:.1f} ({r[k]:.2f}x)" for k in keys]
         L.append(f"| {r['shape']} | {r['precision']} | " + " | ".join(cells)
-                 + f" | {r['radixserve bandwidth']:.0%} / {r['llama.cpp bandwidth']:.0%} |")
+                 + f" | {r['radixserve bandwidth']:.0%} / {r['llama.cpp bandwidth']:.0%}"
+                 + f" | {r['radixserve matmul']:.0%} / {r['llama.cpp matmul']:.0%} |")
         what = f"shapes, {r['shape']} {r['precision']}"
         targets.append(check(f"{what}: batch 1 vs llama.cpp", r["decode_1"], r["decode_1"] >= TARGETS["decode_1"],
                              ">= 1.0x"))
