@@ -3,6 +3,7 @@
 large products widened to float32 where that is faster here."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -29,11 +30,14 @@ def test_packing_happens_only_where_onednn_multiplies_bf16_and_never_changes_a_s
     assert not can_pack(torch.float32, torch.device("cpu"))
 
 
-def test_a_widened_product_is_the_float32_product_of_the_same_weights():
-    from radixserve.kernels.cpu_linear import F32_MIN_ROWS, WidenedLinear
+@pytest.mark.parametrize("outputs", [80, 2 * 512 + 36])
+def test_a_widened_product_is_the_float32_product_of_the_same_weights(outputs):
+    """One block of output rows, and several (the weight widened WIDEN_ROWS rows at a time, the last one short)."""
+    from radixserve.kernels.cpu_linear import F32_MIN_ROWS, WIDEN_ROWS, WidenedLinear
 
+    assert WIDEN_ROWS == 512
     torch.manual_seed(1)
-    layer = nn.Linear(48, 80).to(torch.bfloat16)
+    layer = nn.Linear(48, outputs).to(torch.bfloat16)
     wide = WidenedLinear(layer)
     x = torch.randn(F32_MIN_ROWS, 48, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
