@@ -211,6 +211,9 @@ class NativeDecode:
         self.steps = 0  # steps that ran native
         self.prefill_steps = 0  # of which prefill steps
         self.shared_steps = 0  # of which decode steps that scored a shared prefix once for all rows
+        # the kernel's shared-prefix path (attention_shared.h): AMX tiles or vector registers, head dims that are
+        # multiples of 16, a pool in the model's dtype; False: every row scores its whole context itself
+        self.shares = cfg.head_dim % 16 == 0 and not self.desc.kv_codes
         self._head_dim = cfg.head_dim
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
         for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
@@ -294,10 +297,7 @@ class NativeDecode:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
         slots, first, length = batch.attn.tree_contexts(self.window)  # a draft tree's rows: lists of their own
-        # the kernel's shared-prefix path takes AMX tiles, bf16 and head dim 64, a pool in the model's dtype
-        # (attention_shared.h's shared_path)
-        shares = self.desc.amx and self._head_dim == 64 and not self.desc.kv_codes
-        shared = shared_prefix(batch.attn, first, length) if shares else 0
+        shared = shared_prefix(batch.attn, first, length) if self.shares else 0
         need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, shared)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)

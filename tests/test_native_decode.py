@@ -116,17 +116,30 @@ def test_bfloat16_step_agrees_with_eager(amx, tiny_models):
     engine.shutdown()
 
 
-def test_a_shared_prefix_is_scored_once_for_all_rows(smollm2_path):
-    """SmolLM2 (head dim 64), bf16: rows that share a 200-slot prefix (not a whole number of 16- or 32-key blocks)
-    take the shared-prefix path -- the prefix's keys scored for all rows' queries as tile products -- and agree
-    with eager as the per-row path does; rows with too short a common prefix take the per-row path."""
-    engine = _engine(smollm2_path, "bfloat16")
+@pytest.mark.parametrize("path", ["amx", "vector"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_shared_prefix_is_scored_once_for_all_rows(smollm2_path, dtype, path):
+    """SmolLM2 (head dim 64): rows that share a 200-slot prefix (not a whole number of 16- or 32-key blocks) take
+    the shared-prefix path -- the prefix's keys scored for all rows' queries at once, as AMX tile products (bf16,
+    where granted) or in vector registers (every CPU) -- and give the logits of the per-row path (float32: to
+    float32 rounding, the same tokens; bf16: to bf16 rounding noise) and of eager; rows with too short a common
+    prefix take the per-row path."""
+    engine = _engine(smollm2_path, dtype)
     native = engine.runner.native
-    if not native.amx:
-        pytest.skip("this CPU or kernel grants no AMX tiles")
+    if path == "amx" and not (native.amx and dtype == "bfloat16"):
+        pytest.skip("AMX tiles score bf16 only, where the CPU and kernel grant them")
+    native.desc.amx = int(path == "amx")
     for shared, takes in ((200, True), (100, False)):
         before, agree, total = native.shared_steps, 0, 0
-        for eager, out, kv_e, kv_n in _compare_steps(engine, _rows(5, seed=shared, shared=shared), steps=3):
+        rows = _rows(5, seed=shared, shared=shared)
+        native.shares = False
+        per_row = [out for _, out, _, _ in _compare_steps(engine, rows, steps=3)]
+        assert native.shared_steps == before
+        native.shares = True
+        for (eager, out, _, _), alone in zip(_compare_steps(engine, rows, steps=3), per_row):
+            if dtype == "float32":
+                torch.testing.assert_close(out, alone, rtol=1e-4, atol=1e-4)
+                assert torch.equal(out.argmax(-1), alone.argmax(-1))
             assert (out - eager).abs().max() <= 0.05 * eager.abs().max(), "beyond bf16 rounding noise"
             agree += int((out.argmax(-1) == eager.argmax(-1)).sum())
             total += len(eager)

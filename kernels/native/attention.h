@@ -315,14 +315,43 @@ inline int attention_split(int rows, int nkv, int max_len, int threads) {
   return std::max(1, std::min({want, kMaxSplit, (max_len + 63) / 64}));
 }
 
+inline void reset(SoftmaxState& s, int group, int hd) {  // no keys yet
+  for (int h = 0; h < group; ++h) {
+    s.best[h] = -INFINITY;
+    s.total[h] = 0.0f;
+    for (int i = 0; i < hd; ++i) s.acc[h][i] = 0.0f;
+  }
+}
+
+// The query heads of kv head g (q: the group's first head) over len keys of a row's slots, into s: the path for
+// this pool and head dim
+template <class T>
+inline void attend_row(const Model& md, const Layer& ly, const T* q, int g, const int64_t* row, int len,
+                       SoftmaxState& s) {
+  const int hd = md.head_dim, nkv = md.kv_heads, group = md.heads / md.kv_heads;
+  const T* kp = static_cast<const T*>(ly.k_pool);
+  const T* vp = static_cast<const T*>(ly.v_pool);
+  if (md.kv_codes == kInt8Codes) {
+    attend_keys_codes<kInt8Codes>(ly, q, nkv, g, row, len, hd, group, md.scale, s);
+  } else if (md.kv_codes == kE4M3Codes) {
+    attend_keys_codes<kE4M3Codes>(ly, q, nkv, g, row, len, hd, group, md.scale, s);
+  } else if (md.kv_codes == kE5M2Codes) {
+    attend_keys_codes<kE5M2Codes>(ly, q, nkv, g, row, len, hd, group, md.scale, s);
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    if (hd == 64) attend_keys_bf16<64>(q, kp, vp, nkv, g, row, len, group, md.scale, s);
+    else if (hd == 128) attend_keys_bf16<128>(q, kp, vp, nkv, g, row, len, group, md.scale, s);
+    else attend_keys(q, PlainKV<T>{kp, vp, hd}, nkv, g, row, len, hd, group, md.scale, s);
+  } else {
+    attend_keys(q, PlainKV<T>{kp, vp, hd}, nkv, g, row, len, hd, group, md.scale, s);
+  }
+}
+
 template <class T>
 inline void attention(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out, int split,
                       float* partials) {
   const int hd = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv;
   const int width = (nq + 2 * nkv) * hd;
   const int64_t part = int64_t(group) * (hd + 2);  // floats of one task's partial: best, total, acc per head
-  const T* kp = static_cast<const T*>(ly.k_pool);
-  const T* vp = static_cast<const T*>(ly.v_pool);
 #pragma omp for schedule(dynamic, 1)
   for (int t = 0; t < st.rows * nkv * split; ++t) {
     const int m = t / (nkv * split), g = t / split % nkv, c = t % split;
@@ -331,24 +360,8 @@ inline void attention(const Model& md, const Layer& ly, const Step& st, const T*
     const int64_t* row = st.slots + row_start(st, m) + j0;
     const T* q = qkv + int64_t(m) * width + g * group * hd;
     SoftmaxState s;
-    for (int h = 0; h < group; ++h) {
-      s.best[h] = -INFINITY;
-      s.total[h] = 0.0f;
-      for (int i = 0; i < hd; ++i) s.acc[h][i] = 0.0f;
-    }
-    if (md.kv_codes == kInt8Codes) {
-      attend_keys_codes<kInt8Codes>(ly, q, nkv, g, row, j1 - j0, hd, group, md.scale, s);
-    } else if (md.kv_codes == kE4M3Codes) {
-      attend_keys_codes<kE4M3Codes>(ly, q, nkv, g, row, j1 - j0, hd, group, md.scale, s);
-    } else if (md.kv_codes == kE5M2Codes) {
-      attend_keys_codes<kE5M2Codes>(ly, q, nkv, g, row, j1 - j0, hd, group, md.scale, s);
-    } else if constexpr (std::is_same_v<T, bf16>) {
-      if (hd == 64) attend_keys_bf16<64>(q, kp, vp, nkv, g, row, j1 - j0, group, md.scale, s);
-      else if (hd == 128) attend_keys_bf16<128>(q, kp, vp, nkv, g, row, j1 - j0, group, md.scale, s);
-      else attend_keys(q, PlainKV<T>{kp, vp, hd}, nkv, g, row, j1 - j0, hd, group, md.scale, s);
-    } else {
-      attend_keys(q, PlainKV<T>{kp, vp, hd}, nkv, g, row, j1 - j0, hd, group, md.scale, s);
-    }
+    reset(s, group, hd);
+    attend_row(md, ly, q, g, row, j1 - j0, s);
     if (split == 1) {
       for (int h = 0; h < group; ++h) {
         T* o = out + int64_t(m) * nq * hd + (g * group + h) * hd;

@@ -1,15 +1,25 @@
 // Decode attention when every row of the batch starts with the same run of slots (a shared system prompt, few-shot
-// examples): the shared keys are scored for all rows' queries at once, as matrix products on AMX tiles, and only
-// each row's own keys the usual way; the two softmax states are then merged (log-sum-exp). Scoring the shared
-// keys row by row costs every row the whole prefix; here a block of shared keys, transposed once, serves 16
-// queries per tile product.
+// examples): the shared keys are scored for all rows' queries at once, and only each row's own keys the usual way;
+// the two softmax states are then merged (log-sum-exp). Scoring the shared keys row by row costs every row the
+// whole prefix; here each shared key and value, prepared once per step, serves many queries from registers.
 //
-//   per kv head:  Q  [rows x group queries, 64]  (padded to tiles of 16)
-//                 Kt [shared keys / 16][2 halves of the head dim][16 dim pairs][16 keys]   (B tiles of S = Q K^T)
-//                 Vp [shared keys / 32][4 groups of 16 dims][16 key pairs][16 dims]       (B tiles of O = P V)
-//
-// Two passes over the shared keys per query tile -- the rows' maxima first, then exp and the value sums -- so the
-// value sums can stay in tiles (an online softmax would rescale them after every block). bf16, head dim 64.
+// Two ways to score them, by what the CPU has:
+//  - AMX tiles (bf16, head dim 64), as matrix products:
+//      per kv head:  Q  [rows x group queries, 64]  (padded to tiles of 16)
+//                    Kt [shared keys / 16][2 halves of the head dim][16 dim pairs][16 keys]   (B tiles of S = Q K^T)
+//                    Vp [shared keys / 32][4 groups of 16 dims][16 key pairs][16 dims]       (B tiles of O = P V)
+//    two passes over the shared keys per query tile -- the rows' maxima first, then exp and the value sums -- so
+//    the value sums can stay in tiles (an online softmax would rescale them after every block);
+//  - vector registers (AVX-512 or AVX2; any model dtype, head dims that are multiples of 16, a pool in the model's
+//    dtype), an online softmax per tile of kVecQueries queries over blocks of 16 shared keys:
+//      per kv head:  Kt [shared keys / 16][head dim][16 keys] float: a block's scores, 16 keys to a vector, are
+//                       sum over dims of a query's value (broadcast) times a row of Kt
+//                    V  [shared keys][head dim] float: the value sums, 16 dims to a vector
+//                    Q  [query tiles][kVecQueries][head dim] float, times the softmax scale
+//    every key and value widened to float once per step, then read from cache by each query tile, each load
+//    serving the tile's queries (the per-row path loads every key once per row, and on AVX2 sums each key's dot
+//    product across lanes). Sums in float32 in another order than the per-row path: the same values to float32
+//    rounding, and bf16 outputs rounded once from them (tests/test_native_decode.py).
 #pragma once
 
 #include <omp.h>
@@ -26,29 +36,190 @@
 namespace rs {
 
 constexpr int kSharedMin = 128;  // fewer shared keys: the per-row path is as fast
-constexpr int kSharedDim = 64;   // the head dim this path takes
+constexpr int kSharedDim = 64;   // the head dim the AMX path takes
+constexpr int kVecQueries = 4;   // queries a vector-path task scores together (AVX2: 8 of 16 registers)
 
+inline bool amx_shared(const Model& md) {
+  return kHaveAmx && md.amx && md.bf16 && !md.kv_codes && md.head_dim == kSharedDim;
+}
+inline bool vector_shared(const Model& md) { return !md.kv_codes && md.head_dim % 16 == 0; }
 inline bool shared_path(const Model& md, const Step& st) {
-  return kHaveAmx && md.amx && md.bf16 && !md.kv_codes && md.head_dim == kSharedDim && st.shared >= kSharedMin && st.rows >= 2;
+  return st.shared >= kSharedMin && st.rows >= 2 && (amx_shared(md) || vector_shared(md));
 }
 
 struct SharedScratch {
-  uint32_t* kt;  // [nkv][blocks16][2][16][16]
-  uint32_t* vp;  // [nkv][blocks32][4][16][16]
-  bf16* q;       // [nkv][qtiles][16][64]
-  float* part;   // [2][nkv][rows * group][2 + 64]: max, sum, value sums -- of the shared keys, of each row's own
+  void* kt;     // AMX: uint32_t [nkv][blocks32][2][2][16][16]; vector: float [nkv][blocks16][head dim][16]
+  void* v;      // AMX: uint32_t [nkv][blocks32][4][16][16];     vector: float [nkv][blocks16 x 16][head dim]
+  void* q;      // AMX: bf16 [nkv][qtiles of 16][16][64];        vector: float [nkv][qtiles][kVecQueries][head dim]
+  float* part;  // [2][nkv][rows * group][2 + head dim]: max, sum, value sums -- of the shared keys, of each row's own
 };
 
 inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t shared, void* base, int64_t* total) {
-  const int64_t nkv = md.kv_heads, group = md.heads / std::max(1, md.kv_heads);
-  const int64_t b32 = (shared + 31) / 32, qtiles = (rows * group + 15) / 16;
-  const int64_t sizes[4] = {nkv * b32 * 2 * 2 * 1024, nkv * b32 * 4 * 1024, nkv * qtiles * 16 * kSharedDim * 2,
-                            2 * nkv * rows * group * (2 + kSharedDim) * 4};  // the shared part's, then each row's own
+  const int64_t nkv = md.kv_heads, group = md.heads / std::max(1, md.kv_heads), D = md.head_dim;
+  const int64_t b32 = (shared + 31) / 32, b16 = (shared + 15) / 16, queries = rows * group;
+  const int64_t part = 2 * nkv * queries * (2 + D) * 4;  // the shared part's, then each row's own
+  const int64_t vec_tiles = (queries + kVecQueries - 1) / kVecQueries, amx_tiles = (queries + 15) / 16;
+  int64_t sizes[4] = {nkv * b16 * 16 * D * 4, nkv * b16 * 16 * D * 4, nkv * vec_tiles * kVecQueries * D * 4, part};
+  if (amx_shared(md)) {
+    sizes[0] = nkv * b32 * 2 * 2 * 1024;
+    sizes[1] = nkv * b32 * 4 * 1024;
+    sizes[2] = nkv * amx_tiles * 16 * kSharedDim * 2;
+  }
   void* parts[4];
   const int64_t off = lay_out(sizes, 4, base, parts);
   if (total) *total = off;
-  return {static_cast<uint32_t*>(parts[0]), static_cast<uint32_t*>(parts[1]), static_cast<bf16*>(parts[2]),
-          static_cast<float*>(parts[3])};
+  return {parts[0], parts[1], parts[2], static_cast<float*>(parts[3])};
+}
+
+// ---- the vector path: steps 1 and 2 ----
+template <class T>
+inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
+                                 const SharedScratch& sc) {
+  const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
+  const int shared = st.shared, b16 = (shared + 15) / 16, queries = st.rows * group;
+  const int qtiles = (queries + kVecQueries - 1) / kVecQueries;
+  const int64_t* head = st.slots + row_start(st, 0);  // the shared slots: every row's first `shared`
+  const T* kp = static_cast<const T*>(ly.k_pool);
+  const T* vp = static_cast<const T*>(ly.v_pool);
+  float* kt = static_cast<float*>(sc.kt);
+  float* vf = static_cast<float*>(sc.v);
+  float* qf = static_cast<float*>(sc.q);
+  // 1. the shared keys transposed and the values widened, 16 keys a task; the queries gathered, scaled
+#pragma omp for schedule(static) nowait
+  for (int t = 0; t < nkv * b16; ++t) {
+    const int g = t / b16, blk = t % b16;
+    float* kb = kt + int64_t(t) * D * 16;
+    float* vb = vf + int64_t(t) * 16 * D;
+    alignas(64) float key[16];
+    for (int n = 0; n < 16; ++n) {
+      const int j = blk * 16 + n;
+      for (int d = 0; d < D; d += 16) {
+        if (j < shared) {
+          storeu(key, load16(kp + (head[j] * nkv + g) * D + d, 0xffff));
+          storeu(vb + n * D + d, load16(vp + (head[j] * nkv + g) * D + d, 0xffff));
+        } else {
+          storeu(key, zero16());
+          storeu(vb + n * D + d, zero16());
+        }
+        for (int i = 0; i < 16; ++i) kb[(d + i) * 16 + n] = key[i];
+      }
+    }
+  }
+#pragma omp for schedule(static)
+  for (int t = 0; t < nkv * qtiles; ++t) {
+    const int g = t / qtiles, qt = t % qtiles;
+    for (int r = 0; r < kVecQueries; ++r) {
+      const int qi = qt * kVecQueries + r;
+      float* q = qf + (int64_t(t) * kVecQueries + r) * D;
+      const T* from = qkv + int64_t(qi / group) * width + (g * group + qi % group) * D;
+      for (int d = 0; d < D; d += 16)
+        storeu(q + d, qi < queries ? load16(from + d, 0xffff) * set1(md.scale) : zero16());
+    }
+  }
+  // 2. per tile of queries, an online softmax over the shared keys' blocks (no barrier after: step 3's tasks run
+  //    beside these)
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int t = 0; t < nkv * qtiles; ++t) {
+    const int g = t / qtiles, qt = t % qtiles;
+    const float* q = qf + int64_t(t) * kVecQueries * D;
+    const float* kg = kt + int64_t(g) * b16 * D * 16;
+    const float* vg = vf + int64_t(g) * b16 * 16 * D;
+    float best[kVecQueries], total[kVecQueries];
+    alignas(64) float acc[kVecQueries][kMaxHeadDim];
+    alignas(64) float p[kVecQueries][16];
+    for (int r = 0; r < kVecQueries; ++r) {
+      best[r] = -INFINITY;
+      total[r] = 0.0f;
+      for (int d = 0; d < D; ++d) acc[r][d] = 0.0f;
+    }
+    for (int b = 0; b < b16; ++b) {
+      const float* kb = kg + int64_t(b) * D * 16;
+      V16 s[kVecQueries];
+#pragma GCC unroll 4
+      for (int r = 0; r < kVecQueries; ++r) s[r] = zero16();
+      for (int d = 0; d < D; ++d) {
+        const V16 k = loadu(kb + d * 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < kVecQueries; ++r) s[r] = fmadd(set1(q[r * D + d]), k, s[r]);
+      }
+      const int nj = std::min(16, shared - b * 16);
+      const M16 real = mask16(nj);
+      for (int r = 0; r < kVecQueries; ++r) {
+        const V16 sr = blend(set1(-INFINITY), real, s[r]);
+        const float top = std::max(best[r], reduce_max(sr));
+        const float fix = std::exp(best[r] - top);  // 0 on the first block
+        best[r] = top;
+        const V16 w = select(real, exp16(sr - set1(top)));
+        total[r] = total[r] * fix + reduce_add(w);
+        storeu(p[r], w);
+        if (fix != 1.0f)
+          for (int d = 0; d < D; d += 16) storeu(&acc[r][d], loadu(&acc[r][d]) * set1(fix));
+      }
+      const float* vb = vg + int64_t(b) * 16 * D;
+      for (int d = 0; d < D; d += 16) {
+        V16 o[kVecQueries];
+#pragma GCC unroll 4
+        for (int r = 0; r < kVecQueries; ++r) o[r] = loadu(&acc[r][d]);
+        for (int j = 0; j < nj; ++j) {
+          const V16 v = loadu(vb + j * D + d);
+#pragma GCC unroll 4
+          for (int r = 0; r < kVecQueries; ++r) o[r] = fmadd(set1(p[r][j]), v, o[r]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < kVecQueries; ++r) storeu(&acc[r][d], o[r]);
+      }
+    }
+    for (int r = 0; r < kVecQueries && qt * kVecQueries + r < queries; ++r) {
+      float* part = sc.part + (int64_t(g) * queries + qt * kVecQueries + r) * (2 + D);
+      part[0] = best[r];
+      part[1] = total[r];
+      std::memcpy(part + 2, acc[r], D * 4);
+    }
+  }
+}
+
+// ---- steps 3 and 4, both paths: each row's own keys, then the merge ----
+template <class T>
+inline void own_keys_and_merge(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out,
+                               const SharedScratch& sc) {
+  const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
+  const int rows = st.rows, shared = st.shared, queries = rows * group;
+  // 3. each row's own keys the usual way (tasks beside step 2's: neither reads the other), their states kept in
+  //    the second half of the partials; this loop's barrier is the first after step 2, so the merge follows both
+  float* own = sc.part + int64_t(nkv) * queries * (2 + D);
+#pragma omp for schedule(dynamic, 1)
+  for (int t = 0; t < rows * nkv; ++t) {
+    const int m = t / nkv, g = t % nkv, len = row_len(st, m);
+    SoftmaxState s;
+    reset(s, group, D);
+    if (len > shared)
+      attend_row(md, ly, qkv + int64_t(m) * width + g * group * D, g, st.slots + row_start(st, m) + shared,
+                 len - shared, s);
+    float* keep = own + (int64_t(g) * queries + int64_t(m) * group) * (2 + D);
+    for (int h = 0; h < group; ++h) {
+      keep[h * (2 + D)] = s.best[h];
+      keep[h * (2 + D) + 1] = s.total[h];
+      std::memcpy(keep + h * (2 + D) + 2, s.acc[h], D * 4);
+    }
+  }
+  // 4. the merge: both states rescaled to the larger maximum, added, normalized
+#pragma omp for schedule(static)
+  for (int t = 0; t < rows * nkv; ++t) {
+    const int m = t / nkv, g = t % nkv;
+    for (int h = 0; h < group; ++h) {
+      const int64_t qi = int64_t(m) * group + h;
+      const float* a = sc.part + (int64_t(g) * queries + qi) * (2 + D);
+      const float* b = own + (int64_t(g) * queries + qi) * (2 + D);
+      const float top = std::max(a[0], b[0]);
+      const float wa = a[1] > 0 ? std::exp(a[0] - top) : 0.0f, wb = b[1] > 0 ? std::exp(b[0] - top) : 0.0f;
+      const V16 inv = set1(1.0f / (wa * a[1] + wb * b[1]));
+      T* o = out + int64_t(m) * nq * D + (g * group + h) * D;
+      for (int i = 0; i < D; i += 16) {
+        const V16 v = fmadd(set1(wa), loadu(a + 2 + i), set1(wb) * loadu(b + 2 + i));
+        store16(o + i, rnd16<T>(v * inv), 0xffff);
+      }
+    }
+  }
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -66,8 +237,8 @@ inline void shared_scores(const bf16* qt, const uint32_t* kt_block, float (*s)[1
 }
 
 template <class T>
-inline void attention_shared(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out,
-                             const SharedScratch& sc) {
+inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
+                              const SharedScratch& sc) {
   constexpr int D = kSharedDim;
   const int nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D, rows = st.rows;
   const int shared = st.shared, b16 = (shared + 15) / 16, b32 = (shared + 31) / 32;
@@ -80,14 +251,14 @@ inline void attention_shared(const Model& md, const Layer& ly, const Step& st, c
   for (int t = 0; t < nkv * b32; ++t) {
     const int g = t / b32, blk = t % b32;
     for (int sub = 0; sub < 2; ++sub) {
-      uint32_t* kt = sc.kt + ((int64_t(g) * b32 + blk) * 2 + sub) * 2 * 256;
+      uint32_t* kt = static_cast<uint32_t*>(sc.kt) + ((int64_t(g) * b32 + blk) * 2 + sub) * 2 * 256;
       for (int n = 0; n < 16; ++n) {
         const int j = blk * 32 + sub * 16 + n;
         const uint32_t* key = j < shared ? reinterpret_cast<const uint32_t*>(kp + (head[j] * nkv + g) * D) : nullptr;
         for (int p = 0; p < D / 2; ++p) kt[(p / 16) * 256 + (p % 16) * 16 + n] = key ? key[p] : 0u;
       }
     }
-    uint32_t* v = sc.vp + (int64_t(g) * b32 + blk) * 4 * 256;
+    uint32_t* v = static_cast<uint32_t*>(sc.v) + (int64_t(g) * b32 + blk) * 4 * 256;
     for (int kpair = 0; kpair < 16; ++kpair) {
       const int j0 = blk * 32 + 2 * kpair, j1 = j0 + 1;
       const bf16* v0 = j0 < shared ? vp + (head[j0] * nkv + g) * D : nullptr;
@@ -99,7 +270,7 @@ inline void attention_shared(const Model& md, const Layer& ly, const Step& st, c
 #pragma omp for schedule(static)
   for (int t = 0; t < nkv * qtiles; ++t) {
     const int g = t / qtiles, qt = t % qtiles;
-    bf16* q = sc.q + int64_t(t) * 16 * D;
+    bf16* q = static_cast<bf16*>(sc.q) + int64_t(t) * 16 * D;
     for (int r = 0; r < 16; ++r) {
       const int qi = qt * 16 + r;
       if (qi < queries)
@@ -113,9 +284,9 @@ inline void attention_shared(const Model& md, const Layer& ly, const Step& st, c
 #pragma omp for schedule(dynamic, 1) nowait
   for (int t = 0; t < nkv * qtiles; ++t) {
     const int g = t / qtiles, qt = t % qtiles;
-    const bf16* q = sc.q + int64_t(t) * 16 * D;
-    const uint32_t* kt = sc.kt + int64_t(g) * b32 * 2 * 2 * 256;
-    const uint32_t* vg = sc.vp + int64_t(g) * b32 * 4 * 256;
+    const bf16* q = static_cast<bf16*>(sc.q) + int64_t(t) * 16 * D;
+    const uint32_t* kt = static_cast<uint32_t*>(sc.kt) + int64_t(g) * b32 * 2 * 2 * 256;
+    const uint32_t* vg = static_cast<uint32_t*>(sc.v) + int64_t(g) * b32 * 4 * 256;
     configure_tiles(16);
     alignas(64) float s[2][16][16];
     alignas(64) float top[16], sum[16] = {};
@@ -167,54 +338,21 @@ inline void attention_shared(const Model& md, const Layer& ly, const Step& st, c
       std::memcpy(part + 2, o[r], D * 4);
     }
   }
-  // 3. each row's own keys the usual way (tasks beside step 2's: neither reads the other), their states kept in
-  //    the second half of the partials; this loop's barrier is the first after step 2, so the merge follows both
-  float* own = sc.part + int64_t(nkv) * queries * (2 + D);
-#pragma omp for schedule(dynamic, 1)
-  for (int t = 0; t < rows * nkv; ++t) {
-    const int m = t / nkv, g = t % nkv, len = row_len(st, m);
-    SoftmaxState s;
-    for (int h = 0; h < group; ++h) {
-      s.best[h] = -INFINITY;
-      s.total[h] = 0.0f;
-      for (int i = 0; i < D; ++i) s.acc[h][i] = 0.0f;
-    }
-    if (len > shared)
-      attend_keys_bf16<kSharedDim>(reinterpret_cast<const bf16*>(qkv) + int64_t(m) * width + g * group * D, kp, vp,
-                                   nkv, g, st.slots + row_start(st, m) + shared, len - shared, group, md.scale, s);
-    float* keep = own + (int64_t(g) * queries + int64_t(m) * group) * (2 + D);
-    for (int h = 0; h < group; ++h) {
-      keep[h * (2 + D)] = s.best[h];
-      keep[h * (2 + D) + 1] = s.total[h];
-      std::memcpy(keep + h * (2 + D) + 2, s.acc[h], D * 4);
-    }
-  }
-  // 4. the merge: both states rescaled to the larger maximum, added, normalized
-#pragma omp for schedule(static)
-  for (int t = 0; t < rows * nkv; ++t) {
-    const int m = t / nkv, g = t % nkv;
-    for (int h = 0; h < group; ++h) {
-      const int64_t qi = int64_t(m) * group + h;
-      const float* a = sc.part + (int64_t(g) * queries + qi) * (2 + D);
-      const float* b = own + (int64_t(g) * queries + qi) * (2 + D);
-      const float top = std::max(a[0], b[0]);
-      const float wa = a[1] > 0 ? std::exp(a[0] - top) : 0.0f, wb = b[1] > 0 ? std::exp(b[0] - top) : 0.0f;
-      const __m512 inv = _mm512_set1_ps(1.0f / (wa * a[1] + wb * b[1]));
-      T* o = out + int64_t(m) * nq * D + (g * group + h) * D;
-      for (int i = 0; i < D; i += 16) {
-        const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(wa), _mm512_loadu_ps(a + 2 + i),
-                                         _mm512_mul_ps(_mm512_set1_ps(wb), _mm512_loadu_ps(b + 2 + i)));
-        store16(o + i, rnd16<T>(_mm512_mul_ps(v, inv)), 0xffff);
-      }
-    }
-  }
 }
 
 #else
 
 template <class T>
-inline void attention_shared(const Model&, const Layer&, const Step&, const T*, T*, const SharedScratch&) {}
+inline void amx_shared_scores(const Model&, const Layer&, const Step&, const T*, const SharedScratch&) {}
 
 #endif
+
+template <class T>
+inline void attention_shared(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out,
+                             const SharedScratch& sc) {
+  if (amx_shared(md)) amx_shared_scores(md, ly, st, qkv, sc);
+  else vector_shared_scores(md, ly, st, qkv, sc);
+  own_keys_and_merge(md, ly, st, qkv, out, sc);
+}
 
 }  // namespace rs
