@@ -131,6 +131,11 @@ def load(cache_dir: Path) -> ctypes.CDLL:
     return lib
 
 
+def linear_scratch_bytes(rows: int, k: int) -> int:
+    """rs_linear's scratch: x widened to float32 (AVX2's bf16 products), then x quantized with its scales and sums."""
+    return rows * (5 * k + k // 32 * 12) + 64
+
+
 def product(lib: ctypes.CDLL, lin: Linear, x: torch.Tensor) -> torch.Tensor:
     """``x W^T (+ b)`` of one packed linear layer (``lin``), x [rows, k] contiguous in the layer's dtype: the
     native step's own product, its activations quantized per 32 values for a quantized W (as llama.cpp's)."""
@@ -138,7 +143,7 @@ def product(lib: ctypes.CDLL, lin: Linear, x: torch.Tensor) -> torch.Tensor:
 
     rows = x.shape[0]
     y = torch.empty(rows, lin.n, dtype=x.dtype)
-    scratch = torch.empty(rows * (lin.k + lin.k // 32 * 12) + 64, dtype=torch.uint8)
+    scratch = torch.empty(linear_scratch_bytes(rows, lin.k), dtype=torch.uint8)
     lib.rs_linear(ctypes.byref(lin), int(x.dtype == torch.bfloat16), x.data_ptr(), rows, y.data_ptr(), 0,
                   scratch.data_ptr())
     return y

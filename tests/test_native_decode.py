@@ -220,7 +220,7 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _run_linear(lib, lin, x: torch.Tensor, amx: bool) -> torch.Tensor:
     rows = x.shape[0]
     y = torch.empty(rows, lin.n, dtype=x.dtype)
-    scratch = torch.empty(rows * (lin.k + lin.k // 32 * 12) + 64, dtype=torch.uint8)
+    scratch = torch.empty(cpu_native.linear_scratch_bytes(rows, lin.k), dtype=torch.uint8)
     lib.rs_linear(ctypes.byref(lin), int(x.dtype == torch.bfloat16), x.data_ptr(), rows, y.data_ptr(), int(amx),
                   scratch.data_ptr())
     return y

@@ -138,6 +138,7 @@ struct Scratch {
   void* gu;    // T [rows, 2 inter]
   void* act;   // T [rows, inter]
   QuantRows qx;  // a quantized product's input: [rows, widest k]
+  float* wide;   // a dense product's input as fp32 where widens_x: [rows, widest k]
   float* partials;  // attention's split shares: [tasks, group, head_dim + 2]
   SharedScratch shared;  // attention over a prefix all rows share (attention_shared.h)
 };
@@ -147,18 +148,18 @@ Scratch carve(const Model& md, int64_t rows, int64_t shared, void* base, int64_t
   const int64_t wide = std::max<int64_t>({md.hidden, md.inter, int64_t(md.heads) * md.head_dim});
   // a split happens only with fewer than 2 tasks per thread, so fewer than 2 x threads x kMaxSplit shares
   const int64_t shares = 2 * int64_t(omp_get_max_threads()) * kMaxSplit;
-  const int64_t sizes[9] = {rows * md.hidden * es, rows * qkv * es, rows * md.heads * md.head_dim * es,
-                            rows * 2 * md.inter * es, rows * md.inter * es, rows * wide,
-                            rows * (wide / kBlock) * 4, rows * (wide / kBlock) * 8,
-                            shares * (md.heads / md.kv_heads) * (md.head_dim + 2) * 4};
-  void* parts[9];
-  const int64_t off = lay_out(sizes, 9, base, parts);
+  const int64_t sizes[10] = {rows * md.hidden * es, rows * qkv * es, rows * md.heads * md.head_dim * es,
+                             rows * 2 * md.inter * es, rows * md.inter * es, rows * wide,
+                             rows * (wide / kBlock) * 4, rows * (wide / kBlock) * 8,
+                             shares * (md.heads / md.kv_heads) * (md.head_dim + 2) * 4, rows * wide * 4};
+  void* parts[10];
+  const int64_t off = lay_out(sizes, 10, base, parts);
   int64_t tail = 0;
   const SharedScratch sh = carve_shared(md, rows, shared, base ? static_cast<char*>(base) + off : nullptr, &tail);
   if (total) *total = off + tail;
   return {parts[0], parts[1], parts[2], parts[3], parts[4],
           {static_cast<int8_t*>(parts[5]), static_cast<float*>(parts[6]), static_cast<int32_t*>(parts[7])},
-          static_cast<float*>(parts[8]), sh};
+          static_cast<float*>(parts[9]), static_cast<float*>(parts[8]), sh};
 }
 
 template <class T>
@@ -184,10 +185,11 @@ void step(const Model& md, const Step& st) {
     T* r = h + int64_t(m) * H + n;
     store16(r, rnd16<T>(load16(r, mk) + v), mk);
   };
-  // y = x W^T through emit: x quantized first where W is (every thread takes part in both phases)
+  // y = x W^T through emit: x quantized or widened first where it must be (every thread takes part in both phases)
   auto linear = [&](const T* x, int n_rows, const Linear& lin, auto&& emit) {
-    if (lin.format != kDense) quantize_rows(x, n_rows, lin.k, s.qx);
-    product(x, s.qx, n_rows, lin, amx, emit);
+    const Input<T> in{x, s.wide, s.qx};
+    prepare(in, n_rows, lin, amx);
+    product(in, n_rows, lin, amx, emit);
   };
 #pragma omp parallel
   {
@@ -226,12 +228,14 @@ template <class T>
 void linear_alone(const Linear& lin, const T* x, int rows, T* y, bool amx, void* scratch) {
   const int64_t blocks = lin.k / kBlock;
   char* p = static_cast<char*>(scratch);
-  const QuantRows qx{reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + rows * int64_t(lin.k)),
-                     reinterpret_cast<int32_t*>(p + rows * int64_t(lin.k) + rows * blocks * 4)};
+  const int64_t k = lin.k;
+  const Input<T> in{x, reinterpret_cast<float*>(p),
+                    {reinterpret_cast<int8_t*>(p + rows * k * 4), reinterpret_cast<float*>(p + rows * k * 5),
+                     reinterpret_cast<int32_t*>(p + rows * k * 5 + rows * blocks * 4)}};
 #pragma omp parallel
   {
-    if (lin.format != kDense) quantize_rows(x, rows, lin.k, qx);
-    product(x, qx, rows, lin, amx, [&](int m, int n, V16 v, M16 mk) {
+    prepare(in, rows, lin, amx);
+    product(in, rows, lin, amx, [&](int m, int n, V16 v, M16 mk) {
       store16(y + int64_t(m) * lin.n + n, v, mk);
     });
     release_tiles();
@@ -318,7 +322,7 @@ void rs_store_codes(const Model* md, const float* x, int32_t heads, uint8_t* cod
     store_codes(*md, x + int64_t(h) * md->head_dim, md->head_dim, codes + int64_t(h) * md->head_dim, scales + h);
 }
 
-// One product (tests): scratch of rows * (k + k / 32 * 12) bytes for a quantized W
+// One product (tests, and torch's steps over quantized layers): scratch of linear_scratch_bytes(rows, k)
 void rs_linear(const Linear* lin, int32_t bf16, const void* x, int32_t rows, void* y, int32_t amx, void* scratch) {
   if (bf16) {
     linear_alone(*lin, static_cast<const uint16_t*>(x), rows, static_cast<uint16_t*>(y), amx != 0, scratch);

@@ -6,6 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <type_traits>
+#include <utility>
 
 #include "abi.h"
 #include "simd.h"
@@ -19,15 +22,33 @@ namespace rs {
 // tile of up to kRowTile rows of x. A thread owns a contiguous share of the blocks. The same layout serves AVX2
 // (lane i of a V16 is output i there too).
 
-// a register tile: rows of x x blocks of 16 outputs (AVX2 has half the registers, each half as wide)
-constexpr int kRowTile = 4, kColTile = RS_AVX512 ? 4 : 2;
-using Acc = V16[kRowTile][kColTile];
+// A register tile: up to kRowTile rows of x x kColTile blocks of 16 outputs. AVX-512 holds 4 x 4 accumulators in
+// its 32 registers. AVX2 has 16, each half as wide: a tile there is one block of up to 5 rows (10 accumulators,
+// the weights' 4 registers and one broadcast) or, for a few rows, two blocks (more weight loads in flight, where
+// they stream from memory; fp32's unwidened weights keep 4 rows x 2 blocks busy, measured). The quantized tiles
+// (kQRowTile x kQColTile) share Acc.
+constexpr int kRowTile = RS_AVX512 ? 4 : 5, kColTile = RS_AVX512 ? 4 : 2;
+constexpr int kQRowTile = 4, kQColTile = 2;
+using Acc = V16[std::max(kRowTile, kQRowTile)][std::max(kColTile, kQColTile)];
+
+struct TileShape {
+  int rows, cols;  // rows of x per tile (the last tile may have fewer), blocks of W per tile
+};
+
+// The tiles for a product of ``rows`` rows of T: as few row tiles as the shape allows, of nearly equal size (8
+// rows on AVX2: 4 + 4, not 5 + 3)
+template <class T>
+inline TileShape tile_shape(int rows) {
+  const bool two = RS_AVX512 || rows == 1 || (std::is_same_v<T, float> && rows <= 8);
+  const int most = two ? std::min(kRowTile, 4) : kRowTile, tiles = (rows + most - 1) / most;
+  return {(rows + tiles - 1) / tiles, two ? kColTile : 1};
+}
 
 // A tile sums into local registers (a[MR][NB]: the vector types alias anything, so sums kept in the caller's
 // Acc would go through memory on every step) and hands them over at the end.
 template <int MR, int NB>
 inline void zero(V16 (&a)[MR][NB]) {
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) a[r][j] = zero16();
@@ -35,12 +56,13 @@ inline void zero(V16 (&a)[MR][NB]) {
 
 template <int MR, int NB>
 inline void hand_over(const V16 (&a)[MR][NB], Acc& acc) {
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) acc[r][j] = a[r][j];
 }
 
+// AVX-512 BF16: one vdpbf16ps per block, row and k-pair of x (x read as bf16 pairs)
 template <int MR, int NB>
 void tile_bf16(const bf16* x, int64_t ldx, int k, const bf16* w, int64_t bstride, Acc& acc) {
   V16 a[MR][NB];
@@ -50,13 +72,41 @@ void tile_bf16(const bf16* x, int64_t ldx, int k, const bf16* w, int64_t bstride
     BF32 wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) wv[j] = load_bf32(w + j * bstride + p * 32);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * ldx + 2 * p, 4);
       const BF32 xb = pair_bf32(pair);
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) a[r][j] = dot_bf16(a[r][j], wv[j], xb);
+    }
+  }
+  hand_over<MR, NB>(a, acc);
+}
+
+// AVX2 has no bf16 dot product: x comes widened to fp32 (widen_rows, once per product), each weight pair is widened
+// once per tile and each x value is one broadcast load -- where a bf16 pair of x cost a scalar shift and two
+// broadcasts per row. The odd value first, then the even one, as dot_bf16 sums them.
+template <int MR, int NB>
+void tile_wide(const float* x, int64_t ldx, int k, const bf16* w, int64_t bstride, Acc& acc) {
+  V16 a[MR][NB];
+  zero<MR, NB>(a);
+  const int pairs = k / 2;
+  for (int p = 0; p < pairs; ++p) {
+    BF32 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = load_bf32(w + j * bstride + p * 32);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const V16 xo = set1(x[r * ldx + 2 * p + 1]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) a[r][j] = fmadd(odds(wv[j]), xo, a[r][j]);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const V16 xe = set1(x[r * ldx + 2 * p]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) a[r][j] = fmadd(evens(wv[j]), xe, a[r][j]);
     }
   }
   hand_over<MR, NB>(a, acc);
@@ -70,7 +120,7 @@ void tile_f32(const float* x, int64_t ldx, int k, const float* w, int64_t bstrid
     V16 wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) wv[j] = loadu(w + j * bstride + i * 16);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
       const V16 xb = set1(x[r * ldx + i]);
 #pragma GCC unroll 4
@@ -80,29 +130,41 @@ void tile_f32(const float* x, int64_t ldx, int k, const float* w, int64_t bstrid
   hand_over<MR, NB>(a, acc);
 }
 
+// x's rows as fp32 (exact), every thread taking its share
 template <class T>
-using TileFn = void (*)(const T*, int64_t, int, const T*, int64_t, Acc&);
-
-template <class T, int MR, int NB>
-constexpr TileFn<T> tile_fn() {
-  if constexpr (std::is_same_v<T, bf16>) return &tile_bf16<MR, NB>;
-  else return &tile_f32<MR, NB>;
+inline void widen_rows(const T* x, int rows, int k, float* out) {
+#pragma omp for schedule(static)
+  for (int m = 0; m < rows; ++m)
+    for (int i = 0; i < k; i += 16) {
+      const M16 mk = mask16(k - i);
+      store16(out + int64_t(m) * k + i, load16(x + int64_t(m) * k + i, mk), mk);
+    }
 }
 
-template <class T>
-TileFn<T> tile_for(int mr, int nb) {  // every (rows, blocks) shape a tile can have
-#if RS_AVX512
-  static const TileFn<T> table[kRowTile][kColTile] = {
-      {tile_fn<T, 1, 1>(), tile_fn<T, 1, 2>(), tile_fn<T, 1, 3>(), tile_fn<T, 1, 4>()},
-      {tile_fn<T, 2, 1>(), tile_fn<T, 2, 2>(), tile_fn<T, 2, 3>(), tile_fn<T, 2, 4>()},
-      {tile_fn<T, 3, 1>(), tile_fn<T, 3, 2>(), tile_fn<T, 3, 3>(), tile_fn<T, 3, 4>()},
-      {tile_fn<T, 4, 1>(), tile_fn<T, 4, 2>(), tile_fn<T, 4, 3>(), tile_fn<T, 4, 4>()}};
-#else
-  static const TileFn<T> table[kRowTile][kColTile] = {{tile_fn<T, 1, 1>(), tile_fn<T, 1, 2>()},
-                                                      {tile_fn<T, 2, 1>(), tile_fn<T, 2, 2>()},
-                                                      {tile_fn<T, 3, 1>(), tile_fn<T, 3, 2>()},
-                                                      {tile_fn<T, 4, 1>(), tile_fn<T, 4, 2>()}};
-#endif
+// The tile for x's type (X: what the tile reads of x) and W's, for every (rows, blocks) shape a tile can have
+template <class X, class W>
+using TileFn = void (*)(const X*, int64_t, int, const W*, int64_t, Acc&);
+
+template <class X, class W, int MR, int NB>
+constexpr TileFn<X, W> tile_fn() {
+  if constexpr (std::is_same_v<W, float>) return &tile_f32<MR, NB>;
+  else if constexpr (std::is_same_v<X, float>) return &tile_wide<MR, NB>;
+  else return &tile_bf16<MR, NB>;
+}
+
+template <class X, class W, int MR, int... NB>
+constexpr std::array<TileFn<X, W>, kColTile> tile_row(std::integer_sequence<int, NB...>) {
+  return {tile_fn<X, W, MR, NB + 1>()...};
+}
+
+template <class X, class W, int... MR>
+constexpr std::array<std::array<TileFn<X, W>, kColTile>, kRowTile> tile_table(std::integer_sequence<int, MR...>) {
+  return {tile_row<X, W, MR + 1>(std::make_integer_sequence<int, kColTile>())...};
+}
+
+template <class X, class W>
+TileFn<X, W> tile_for(int mr, int nb) {
+  static constexpr auto table = tile_table<X, W>(std::make_integer_sequence<int, kRowTile>());
   return table[mr - 1][nb - 1];
 }
 
@@ -194,6 +256,14 @@ bool request_amx() { return false; }
 inline void release_tiles() {}
 #endif
 
+// Whether x is widened before a dense product: bf16 without AVX-512's bf16 dot, off the AMX path, two rows or more
+// (a single row's product streams the weights from memory: its pairs of x cost nothing there)
+template <class T>
+inline bool widens_x(int rows, const Linear& lin, bool amx) {
+  return std::is_same_v<T, bf16> && !RS_AVX512 && rows > 1 && lin.format == kDense &&
+         !(amx && kHaveAmx && lin.k % 32 == 0);
+}
+
 // ---- quantized products ----
 // Weights in blocks of 16 output rows x 32 k (packed by model/native_decode.py), each 32 k of a row with a scale d
 // (and for q4, and q8 where ``zero`` is given, an offset m): w = d q + m.
@@ -235,8 +305,6 @@ inline void quantize_rows(const T* x, int rows, int k, const QuantRows& out) {
       out.d[int64_t(m) * blocks + b] = d;
     }
 }
-
-constexpr int kQRowTile = 4, kQColTile = 2;  // integer and float accumulators: 2 x 8 registers
 
 template <int Format, int MR, int NB>
 void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc) {
@@ -355,9 +423,17 @@ QuantTileFn quant_tile_for(int mr, int nb) {
 
 // y = x W^T (+ b) for this thread's share of W's blocks. ``emit(m, n, v, mask)`` gets outputs n .. n + 15 of row
 // m (lanes past W's last row masked off), the bias added and rounded to T, as an eager linear layer returns them.
+// ``in``: x, and what was made of it just before (prepare);
 // ``amx``: use the tile product (bf16, k a multiple of 32).
+template <class T>
+struct Input {
+  const T* x;      // [rows, k]
+  float* wide;     // x as fp32 (where widens_x)
+  QuantRows q;     // x quantized (a quantized W)
+};
+
 template <class T, class F>
-inline void product_of(const T* x, const QuantRows& qx, int rows, const Linear& lin, bool amx, F&& emit) {
+inline void product_of(const Input<T>& in, int rows, const Linear& lin, bool amx, F&& emit) {
   const int blocks = (lin.n + 15) / 16, t = omp_get_thread_num(), nt = omp_get_num_threads();
   const int b0 = int(int64_t(blocks) * t / nt), b1 = int(int64_t(blocks) * (t + 1) / nt);
   const int64_t bstride = int64_t(lin.k) * 16;  // elements per block of 16 rows
@@ -368,7 +444,7 @@ inline void product_of(const T* x, const QuantRows& qx, int rows, const Linear& 
     emit(m, n, rnd16<T>(bias ? acc + load16(bias + n, mk) : acc), mk);
   };
   Acc acc;
-  if (lin.format != kDense) {  // qx: x quantized (quantize_rows) just before
+  if (lin.format != kDense) {
     for (int b = b0; b < b1; b += kQColTile) {
       const int nb = std::min(kQColTile, b1 - b);
       for (int m = 0; m < rows; m += kQRowTile) {
@@ -380,7 +456,7 @@ inline void product_of(const T* x, const QuantRows& qx, int rows, const Linear& 
                                  : lin.format == kQ5   ? quant_tile_for<kQ5>(mr, nb)
                                  : lin.format == kQ5K  ? quant_tile_for<kQ5K>(mr, nb)
                                                        : quant_tile_for<kQ8G16>(mr, nb);
-        tile(qx, m, lin.k, lin, b, acc);
+        tile(in.q, m, lin.k, lin, b, acc);
         for (int j = 0; j < nb; ++j)
           for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, acc[r][j]);
       }
@@ -389,29 +465,44 @@ inline void product_of(const T* x, const QuantRows& qx, int rows, const Linear& 
   }
   if constexpr (std::is_same_v<T, bf16> && kHaveAmx) {
     if (amx && lin.k % 32 == 0) {
-      product_amx(x, rows, lin, w, b0, b1, out);
+      product_amx(in.x, rows, lin, w, b0, b1, out);
       return;
     }
   }
-  for (int b = b0; b < b1; b += kColTile) {
-    const int nb = std::min(kColTile, b1 - b);
-    for (int m = 0; m < rows; m += kRowTile) {
-      const int mr = std::min(kRowTile, rows - m);
-      tile_for<T>(mr, nb)(x + int64_t(m) * lin.k, lin.k, lin.k, w + b * bstride, bstride, acc);
+  const TileShape shape = tile_shape<T>(rows);
+  const bool wide = widens_x<T>(rows, lin, amx);
+  for (int b = b0; b < b1; b += shape.cols) {
+    const int nb = std::min(shape.cols, b1 - b);
+    for (int m = 0; m < rows; m += shape.rows) {
+      const int mr = std::min(shape.rows, rows - m);
+      if (wide)
+        tile_for<float, T>(mr, nb)(in.wide + int64_t(m) * lin.k, lin.k, lin.k, w + b * bstride, bstride, acc);
+      else
+        tile_for<T, T>(mr, nb)(in.x + int64_t(m) * lin.k, lin.k, lin.k, w + b * bstride, bstride, acc);
       for (int j = 0; j < nb; ++j)
         for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, acc[r][j]);
     }
   }
 }
 
+// What a product needs made of x first, every thread taking part (the implicit barrier ends it): x quantized for a
+// quantized W (every part of a kParts one is), widened for a dense one where widens_x
+template <class T>
+inline void prepare(const Input<T>& in, int rows, const Linear& lin, bool amx) {
+  if (lin.format != kDense)
+    quantize_rows(in.x, rows, lin.k, in.q);
+  else if (widens_x<T>(rows, lin, amx))
+    widen_rows(in.x, rows, lin.k, in.wide);
+}
+
 // The same for a layer whose rows come in parts of different formats (kParts: a fused q/k/v of a Q4_K_M file,
 // Q6_K v beside Q4_K q and k), each part's outputs emitted where its rows sit in the whole
 template <class T, class F>
-inline void product(const T* x, const QuantRows& qx, int rows, const Linear& lin, bool amx, F&& emit) {
-  if (lin.format != kParts) return product_of(x, qx, rows, lin, amx, emit);
+inline void product(const Input<T>& in, int rows, const Linear& lin, bool amx, F&& emit) {
+  if (lin.format != kParts) return product_of(in, rows, lin, amx, emit);
   const Linear* part = static_cast<const Linear*>(lin.w);
   for (int i = 0, n0 = 0; i < lin.parts; n0 += part[i].n, ++i)
-    product_of(x, qx, rows, part[i], amx, [&](int m, int n, V16 v, M16 mk) { emit(m, n0 + n, v, mk); });
+    product_of(in, rows, part[i], amx, [&](int m, int n, V16 v, M16 mk) { emit(m, n0 + n, v, mk); });
 }
 
 }  // namespace rs

@@ -114,6 +114,10 @@ inline BF32 load_bf32(const bf16* p, int n) {  // the first n values (up to 32),
 }
 inline BF32 pair_bf32(int32_t pair) { return (BF32)_mm512_set1_epi32(pair); }  // one pair in every lane
 inline V16 dot_bf16(V16 acc, BF32 a, BF32 b) { return _mm512_dpbf16_ps(acc, a, b); }
+inline V16 evens(BF32 b) { return _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)b, 16)); }  // values 2i, widened
+inline V16 odds(BF32 b) {  // values 2i + 1
+  return _mm512_castsi512_ps(_mm512_and_si512((__m512i)b, _mm512_set1_epi32(int(0xffff0000u))));
+}
 
 // Integer lanes for the quantized products: I16 is sixteen int32 lanes, each the dot product of 4 weight bytes
 // of one output with 4 int8 activations.
@@ -324,6 +328,8 @@ inline BF32 pair_bf32(int32_t pair) {  // one pair in every lane
   const __m256 ev = _mm256_set1_ps(bf2f(bf16(pair & 0xffff))), od = _mm256_set1_ps(bf2f(bf16(uint32_t(pair) >> 16)));
   return {ev, od, ev, od};
 }
+inline V16 evens(const BF32& b) { return {b.ev_lo, b.ev_hi}; }  // values 2i of the 16 pairs
+inline V16 odds(const BF32& b) { return {b.od_lo, b.od_hi}; }    // values 2i + 1
 inline V16 dot_bf16(V16 acc, BF32 a, BF32 b) {  // products of bf16 are exact in fp32: the odd one first, as vdpbf16ps
   return {_mm256_fmadd_ps(a.ev_lo, b.ev_lo, _mm256_fmadd_ps(a.od_lo, b.od_lo, acc.lo)),
           _mm256_fmadd_ps(a.ev_hi, b.ev_hi, _mm256_fmadd_ps(a.od_hi, b.od_hi, acc.hi))};
