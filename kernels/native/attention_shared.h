@@ -37,7 +37,7 @@ namespace rs {
 
 constexpr int kSharedMin = 128;  // fewer shared keys: the per-row path is as fast
 constexpr int kSharedDim = 64;   // the head dim the AMX path takes
-constexpr int kVecQueries = 4;   // queries a vector-path task scores together (AVX2: 8 of 16 registers)
+constexpr int kVecQueries = RS_AVX512 ? 4 : 6;  // queries a vector-path task scores together
 
 inline bool amx_shared(const Model& md) {
   return kHaveAmx && md.amx && md.bf16 && !md.kv_codes && md.head_dim == kSharedDim;
@@ -135,11 +135,11 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
     for (int b = 0; b < b16; ++b) {
       const float* kb = kg + int64_t(b) * D * 16;
       V16 s[kVecQueries];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < kVecQueries; ++r) s[r] = zero16();
       for (int d = 0; d < D; ++d) {
         const V16 k = loadu(kb + d * 16);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < kVecQueries; ++r) s[r] = fmadd(set1(q[r * D + d]), k, s[r]);
       }
       const int nj = std::min(16, shared - b * 16);
@@ -158,14 +158,14 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
       const float* vb = vg + int64_t(b) * 16 * D;
       for (int d = 0; d < D; d += 16) {
         V16 o[kVecQueries];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < kVecQueries; ++r) o[r] = loadu(&acc[r][d]);
         for (int j = 0; j < nj; ++j) {
           const V16 v = loadu(vb + j * D + d);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < kVecQueries; ++r) o[r] = fmadd(set1(p[r][j]), v, o[r]);
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < kVecQueries; ++r) storeu(&acc[r][d], o[r]);
       }
     }

@@ -141,31 +141,39 @@ inline void widen_rows(const T* x, int rows, int k, float* out) {
     }
 }
 
-// The tile for x's type (X: what the tile reads of x) and W's, for every (rows, blocks) shape a tile can have
+// A function per tile shape, table[mr - 1][nb - 1] = Tiles::fn<mr, nb>() for every shape up to R x C
+template <class Tiles, int R, int C>
+struct TileTable {
+  using Fn = typename Tiles::Fn;
+  template <int MR, int... NB>
+  static constexpr std::array<Fn, C> row(std::integer_sequence<int, NB...>) {
+    return {Tiles::template fn<MR, NB + 1>()...};
+  }
+  template <int... MR>
+  static constexpr std::array<std::array<Fn, C>, R> rows(std::integer_sequence<int, MR...>) {
+    return {row<MR + 1>(std::make_integer_sequence<int, C>())...};
+  }
+  static Fn at(int mr, int nb) {
+    static constexpr auto table = rows(std::make_integer_sequence<int, R>());
+    return table[mr - 1][nb - 1];
+  }
+};
+
+// The dense tiles for x's type (X: what the tile reads of x) and W's
 template <class X, class W>
-using TileFn = void (*)(const X*, int64_t, int, const W*, int64_t, Acc&);
-
-template <class X, class W, int MR, int NB>
-constexpr TileFn<X, W> tile_fn() {
-  if constexpr (std::is_same_v<W, float>) return &tile_f32<MR, NB>;
-  else if constexpr (std::is_same_v<X, float>) return &tile_wide<MR, NB>;
-  else return &tile_bf16<MR, NB>;
-}
-
-template <class X, class W, int MR, int... NB>
-constexpr std::array<TileFn<X, W>, kColTile> tile_row(std::integer_sequence<int, NB...>) {
-  return {tile_fn<X, W, MR, NB + 1>()...};
-}
-
-template <class X, class W, int... MR>
-constexpr std::array<std::array<TileFn<X, W>, kColTile>, kRowTile> tile_table(std::integer_sequence<int, MR...>) {
-  return {tile_row<X, W, MR + 1>(std::make_integer_sequence<int, kColTile>())...};
-}
+struct DenseTiles {
+  using Fn = void (*)(const X*, int64_t, int, const W*, int64_t, Acc&);
+  template <int MR, int NB>
+  static constexpr Fn fn() {
+    if constexpr (std::is_same_v<W, float>) return &tile_f32<MR, NB>;
+    else if constexpr (std::is_same_v<X, float>) return &tile_wide<MR, NB>;
+    else return &tile_bf16<MR, NB>;
+  }
+};
 
 template <class X, class W>
-TileFn<X, W> tile_for(int mr, int nb) {
-  static constexpr auto table = tile_table<X, W>(std::make_integer_sequence<int, kRowTile>());
-  return table[mr - 1][nb - 1];
+typename DenseTiles<X, W>::Fn tile_for(int mr, int nb) {
+  return TileTable<DenseTiles<X, W>, kRowTile, kColTile>::at(mr, nb);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -414,11 +422,17 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
 using QuantTileFn = void (*)(const QuantRows&, int, int, const Linear&, int, Acc&);
 
 template <int Format>
+struct QuantTiles {
+  using Fn = QuantTileFn;
+  template <int MR, int NB>
+  static constexpr Fn fn() {
+    return &tile_quant<Format, MR, NB>;
+  }
+};
+
+template <int Format>
 QuantTileFn quant_tile_for(int mr, int nb) {
-  static const QuantTileFn table[kQRowTile][kQColTile] = {
-      {&tile_quant<Format, 1, 1>, &tile_quant<Format, 1, 2>}, {&tile_quant<Format, 2, 1>, &tile_quant<Format, 2, 2>},
-      {&tile_quant<Format, 3, 1>, &tile_quant<Format, 3, 2>}, {&tile_quant<Format, 4, 1>, &tile_quant<Format, 4, 2>}};
-  return table[mr - 1][nb - 1];
+  return TileTable<QuantTiles<Format>, kQRowTile, kQColTile>::at(mr, nb);
 }
 
 // y = x W^T (+ b) for this thread's share of W's blocks. ``emit(m, n, v, mask)`` gets outputs n .. n + 15 of row
