@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 from radixserve.kernels.cpp_build import (NativeUnavailable, build_library, compiler, default_cache_dir,  # noqa: F401
@@ -31,7 +32,7 @@ SOURCE = SOURCES / "decode.cpp"
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")  # + -march (cpp_build)
 CPU_FEATURES = ("avx2", "fma", "f16c")  # what the kernel needs at least (x86-64-v3); AVX-512 BF16/VNNI if present
 NATIVE_DTYPES = ("bfloat16", "float32")
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 DENSE, Q8, Q4, Q8G16, Q4K, Q6K, PARTS, Q5, Q5K = 0, 1, 2, 3, 4, 5, 6, 7, 8  # Linear.format
 KV_FORMAT = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # --kv-cache-dtype -> Model.kv_codes (0: the pools hold T)
@@ -60,12 +61,46 @@ class Model(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("rows", ctypes.c_int32), ("logit_rows", ctypes.c_int32), ("shared", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("h", ctypes.c_void_p),
+    _fields_ = [("rows", ctypes.c_int32), ("logit_rows", ctypes.c_int32), ("groups", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("group_rows", ctypes.c_void_p), ("group_start", ctypes.c_void_p),
+                ("group_shared", ctypes.c_void_p), ("row_shared", ctypes.c_void_p), ("h", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("out_slot", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("lens", ctypes.c_void_p),
                 ("logit_row", ctypes.c_void_p),
                 ("logits", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+
+
+class PrefixGroups:
+    """Rows of a decode step whose contexts start with the same slots, as the kernel takes them (Step.groups):
+    ``members`` the rows of each group (each row in at most one), ``shared`` how many leading slots each group's
+    rows have in common (at most every member's context length; the kernel reads the first member's)."""
+
+    def __init__(self, rows: int, members: Sequence[Sequence[int]] = (), shared: Sequence[int] = ()) -> None:
+        import numpy as np
+
+        if len(members) != len(shared):
+            raise ValueError(f"{len(members)} groups with {len(shared)} shared lengths")
+        self.rows = np.array([m for group in members for m in group], dtype=np.int32)
+        self.start = np.cumsum([0, *map(len, members)], dtype=np.int32)
+        self.shared = np.array(shared, dtype=np.int32)
+        self.row_shared = np.zeros(rows, dtype=np.int32)
+        for group, n in zip(members, shared):
+            self.row_shared[list(group)] = n
+        listed = self.rows.tolist()
+        if len(set(listed)) != len(listed) or any(not 0 <= m < rows for m in listed):
+            raise ValueError(f"group rows {self.rows.tolist()}: each of rows 0..{rows - 1} in one group at most")
+
+    def __len__(self) -> int:
+        return len(self.shared)
+
+    def slots(self) -> int:
+        """The shared slots of every group together (rs_scratch_bytes)."""
+        return int(self.shared.sum())
+
+    def fields(self) -> dict:
+        """Step's group fields (pointers into this object's arrays: keep it alive through the call)."""
+        return dict(groups=len(self), group_rows=self.rows.ctypes.data, group_start=self.start.ctypes.data,
+                    group_shared=self.shared.ctypes.data, row_shared=self.row_shared.ctypes.data)
 
 
 def cpu_features() -> set[str]:
@@ -114,7 +149,7 @@ def load(cache_dir: Path) -> ctypes.CDLL:
     lib.rs_isa.restype = ctypes.c_char_p
     lib.rs_request_amx.restype = ctypes.c_int32
     lib.rs_scratch_bytes.restype = ctypes.c_int64
-    lib.rs_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int32, ctypes.c_int32]
+    lib.rs_scratch_bytes.argtypes = [ctypes.POINTER(Model), ctypes.c_int32, ctypes.c_int32, ctypes.c_int64]
     lib.rs_linear.restype = None
     lib.rs_linear.argtypes = [ctypes.POINTER(Linear), ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
                               ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]

@@ -39,7 +39,8 @@ MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds (kMaxGroup, kMaxHeadDim
 # short continuations of cached ones, and loses for long prompts; the bound sits below the crossover timed on
 # SmolLM2 (bf16, 2 cores) when it was set.
 EXTEND_KEYS = 40_000
-SHARED_MIN = 128  # shared context slots from which a decode batch scores them once for all rows (kSharedMin)
+SHARED_MIN = 128  # shared context slots from which a group of decode rows scores them once for all (fewer: the
+# per-row path is as fast)
 BLOCK = 32  # weights per quantization block (kBlock)
 
 
@@ -149,16 +150,33 @@ def pack_gguf(q: torch.Tensor, fb: FileBlocks) -> tuple[int, tuple[torch.Tensor 
     raise native.NativeUnavailable(f"no native layout for {fb.kind} blocks")
 
 
-def shared_prefix(attn: AttentionBatch, first: np.ndarray, length: np.ndarray) -> int:
-    """Decode: how many leading context slots every row has in common -- a shared system prompt's, which the
-    kernel then scores for all rows at once (0 when there is one row or the rows share less than SHARED_MIN)."""
-    if attn.mode != "decode" or len(length) < 2 or int(length.min()) < SHARED_MIN:
-        return 0
+def prefix_groups(attn: AttentionBatch, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
+    """Decode: the rows whose contexts start with the same run of at least SHARED_MIN slots (a system prompt, a
+    document, few-shot examples), one group per run, which the kernel scores once for all the group's rows. Rows
+    are grouped by their first slot; a group's shared run is the shortest its members have in common with its
+    first row, members sharing less than SHARED_MIN with it left out (they take the per-row path)."""
+    rows = len(length)
+    if attn.mode != "decode" or rows < 2:
+        return native.PrefixGroups(rows)
     slots = attn.slots.numpy()
-    runs = slots[first[:, None] + np.arange(int(length.min()))]  # [rows, shortest row]
-    same = (runs == runs[0]).all(axis=0)
-    n = len(same) if same.all() else int(np.argmin(same))
-    return n if n >= SHARED_MIN else 0
+    long = np.flatnonzero(length >= SHARED_MIN)
+    heads = slots[first[long]]
+    order = np.argsort(heads, kind="stable")
+    cuts = np.flatnonzero(np.diff(heads[order])) + 1
+    members, shared = [], []
+    for same_head in np.split(long[order], cuts):
+        if len(same_head) < 2:
+            continue
+        span = np.arange(int(length[same_head[0]]))  # the first member's context
+        at = first[same_head, None] + span  # [members, span]: past a member's own context, not its slots
+        inside = span < length[same_head, None]
+        same = inside & (slots[np.minimum(at, len(slots) - 1)] == slots[at[0]])
+        common = np.where(same.all(axis=1), len(span), same.argmin(axis=1))  # each one's run in common with it
+        keep = common >= SHARED_MIN
+        if keep.sum() >= 2:
+            members.append(same_head[keep].tolist())
+            shared.append(int(common[keep].min()))
+    return native.PrefixGroups(rows, members, shared)
 
 
 class NativeDecode:
@@ -210,7 +228,9 @@ class NativeDecode:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.steps = 0  # steps that ran native
         self.prefill_steps = 0  # of which prefill steps
-        self.shared_steps = 0  # of which decode steps that scored a shared prefix once for all rows
+        self.shared_steps = 0  # of which decode steps that scored shared prefixes once for all their rows
+        self.shared_groups = 0  # the groups of rows those steps scored a prefix for (prefix_groups)
+        self.last_groups = 0  # of which in the last step
         # the kernel's shared-prefix path (attention_shared.h): AMX tiles or vector registers, head dims that are
         # multiples of 16, a pool in the model's dtype; False: every row scores its whole context itself
         self.shares = cfg.head_dim % 16 == 0 and not self.desc.kv_codes
@@ -297,8 +317,8 @@ class NativeDecode:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
         slots, first, length = batch.attn.tree_contexts(self.window)  # a draft tree's rows: lists of their own
-        shared = shared_prefix(batch.attn, first, length) if self.shares else 0
-        need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, shared)
+        groups = prefix_groups(batch.attn, first, length) if self.shares else native.PrefixGroups(rows)
+        need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, len(groups), groups.slots())
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
         h = self.model.model.embed_tokens(batch.input_ids).contiguous()
@@ -314,7 +334,7 @@ class NativeDecode:
         if out_slot.shape != (rows,) or cos.shape != (rows, self._head_dim) or sin.shape != cos.shape:
             raise IndexError(f"{rows} rows with {tuple(out_slot.shape)} new slots and {tuple(cos.shape)} RoPE rows")
         logits = torch.empty(logit_rows, self.model.config.vocab_size, dtype=torch.float32)
-        step = native.Step(rows=rows, logit_rows=logit_rows, shared=shared, h=h.data_ptr(), cos=cos.data_ptr(),
+        step = native.Step(rows=rows, logit_rows=logit_rows, **groups.fields(), h=h.data_ptr(), cos=cos.data_ptr(),
                            sin=sin.data_ptr(), out_slot=out_slot.data_ptr(), slots=slots.data_ptr(),
                            starts=starts.data_ptr(), lens=lens.data_ptr(), logit_row=logit_row.data_ptr(),
                            logits=logits.data_ptr(), scratch=self._scratch.data_ptr())
@@ -323,5 +343,7 @@ class NativeDecode:
             raise RuntimeError(f"native decode step refused its input (code {code})")
         self.steps += 1
         self.prefill_steps += batch.attn.mode != "decode"
-        self.shared_steps += shared > 0
+        self.shared_steps += len(groups) > 0
+        self.shared_groups += len(groups)
+        self.last_groups = len(groups)
         return logits

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,27 +117,37 @@ def test_bfloat16_step_agrees_with_eager(amx, tiny_models):
     engine.shutdown()
 
 
+def _grouped_rows(prefixes: list[int], per_group: int, loners: int, seed: int) -> list[list[int]]:
+    """``per_group`` prompts on each prefix of the given lengths and ``loners`` on none, interleaved."""
+    rng = random.Random(seed)
+    tail = lambda: [rng.randrange(1000, 40000) for _ in range(rng.randrange(2, 60))]  # noqa: E731
+    heads = [[rng.randrange(1000, 40000) for _ in range(n)] for n in prefixes]
+    rows = [head + tail() for head in heads for _ in range(per_group)] + [tail() for _ in range(loners)]
+    rng.shuffle(rows)
+    return rows
+
+
 @pytest.mark.parametrize("path", ["amx", "vector"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_shared_prefix_is_scored_once_for_all_rows(smollm2_path, dtype, path):
-    """SmolLM2 (head dim 64): rows that share a 200-slot prefix (not a whole number of 16- or 32-key blocks) take
-    the shared-prefix path -- the prefix's keys scored for all rows' queries at once, as AMX tile products (bf16,
-    where granted) or in vector registers (every CPU) -- and give the logits of the per-row path (float32: to
-    float32 rounding, the same tokens; bf16: to bf16 rounding noise) and of eager; rows with too short a common
-    prefix take the per-row path."""
+def test_shared_prefixes_are_scored_once_per_group(smollm2_path, dtype, path):
+    """SmolLM2 (head dim 64): decode rows in one, two or three groups sharing prefixes (lengths that fill no whole
+    16- or 32-key block) beside rows in none take the shared-prefix path -- each group's prefix keys scored for
+    its rows' queries at once, as AMX tile products (bf16, where granted) or in vector registers (every CPU) --
+    and give the logits of the per-row path (float32: to float32 rounding, the same tokens; bf16: to bf16
+    rounding noise) and of eager; rows with too short a common prefix take the per-row path."""
     engine = _engine(smollm2_path, dtype)
     native = engine.runner.native
     if path == "amx" and not (native.amx and dtype == "bfloat16"):
         pytest.skip("AMX tiles score bf16 only, where the CPU and kernel grant them")
     native.desc.amx = int(path == "amx")
-    for shared, takes in ((200, True), (100, False)):
-        before, agree, total = native.shared_steps, 0, 0
-        rows = _rows(5, seed=shared, shared=shared)
+    for prefixes, loners, groups in (([200], 0, 1), ([200, 150], 1, 2), ([130, 260, 200], 2, 3), ([100], 0, 0)):
+        agree = total = 0
+        rows = _grouped_rows(prefixes, per_group=2, loners=loners, seed=sum(prefixes))
         native.shares = False
         per_row = [out for _, out, _, _ in _compare_steps(engine, rows, steps=3)]
-        assert native.shared_steps == before
         native.shares = True
         for (eager, out, _, _), alone in zip(_compare_steps(engine, rows, steps=3), per_row):
+            assert native.last_groups == groups
             if dtype == "float32":
                 torch.testing.assert_close(out, alone, rtol=1e-4, atol=1e-4)
                 assert torch.equal(out.argmax(-1), alone.argmax(-1))
@@ -144,8 +155,31 @@ def test_a_shared_prefix_is_scored_once_for_all_rows(smollm2_path, dtype, path):
             agree += int((out.argmax(-1) == eager.argmax(-1)).sum())
             total += len(eager)
         assert agree >= 0.8 * total
-        assert (native.shared_steps > before) == takes
     engine.shutdown()
+
+
+def test_prefix_groups_are_the_runs_rows_share():
+    """prefix_groups: rows grouped by the slots their contexts start with, each group's shared run the shortest
+    any member has in common with its first row; members sharing under SHARED_MIN slots with it, rows alone on
+    their prefix and steps that are not decode get no group."""
+    from radixserve.kernels.base import AttentionBatch
+    from radixserve.model.native_decode import SHARED_MIN, prefix_groups
+
+    a, b = list(range(1000, 1000 + 300)), list(range(5000, 5000 + 200))
+    contexts = [a + [1], b + [2], a[:250] + [3], [9] * 10, b + [4, 5], a[:SHARED_MIN - 1] + [6], a + [7], [8] * 400]
+    flat = torch.tensor([s for c in contexts for s in c])
+    length = np.array([len(c) for c in contexts])
+    first = np.concatenate([[0], np.cumsum(length)[:-1]])
+    def attn(mode: str) -> AttentionBatch:
+        return AttentionBatch(mode=mode, prefix_lens=(length - 1).tolist(), extend_lens=[1] * len(contexts),
+                              slots=flat, out_slots=flat[np.cumsum(length) - 1])
+
+    groups = prefix_groups(attn("decode"), first, length)
+    found = {tuple(groups.rows[groups.start[i]: groups.start[i + 1]].tolist()): int(groups.shared[i])
+             for i in range(len(groups))}
+    assert found == {(0, 2, 6): 250, (1, 4): 200}
+    assert groups.row_shared.tolist() == [250, 200, 250, 0, 200, 0, 250, 0]
+    assert len(prefix_groups(attn("extend"), first, length)) == 0
 
 
 def test_shapes_that_fill_no_tile_evenly(odd_model):
@@ -335,23 +369,33 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
 def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_heads, kv):
     """The attention phase alone against float64 softmax(q k^T / sqrt(d)) v over each row's slots: head dims
     with their own paths (64, 128) and the generic one, one row of 700 keys and three rows (a row's keys
-    split among threads), twenty rows sharing a 160-key prefix (scored for all rows at once on AMX tiles where
-    bf16 head dim 64 has them, else row by row), slots scattered over the pool; the pool in the model's dtype or
-    in 8-bit codes (model/kv_codes.py: the reference reads the values the codes stand for)."""
+    split among threads), twenty rows sharing a 160-key prefix, and fourteen rows in three groups sharing
+    prefixes of 160, 200 and 144 keys with two rows in none, interleaved (each group's prefix scored for its rows
+    at once: AMX tiles where bf16 head dim 64 has them, else vector registers where the head dim is a multiple of
+    16 and the pool holds the model's dtype, else row by row), slots scattered over the pool; the pool in the
+    model's dtype or in 8-bit codes (model/kv_codes.py: the reference reads the values the codes stand for)."""
     lib = cpu_native.load(cpu_native.default_cache_dir())
     g = torch.Generator().manual_seed(head_dim + heads)
-    shapes = [[700], [5, 300, 129], [160 + int(x) for x in torch.randint(1, 120, (20,), generator=g)]]
-    for lens in shapes:
-        total = sum(lens) + 1
+    prefixes = [160, 200, 144]
+    # (each row's own slots, or random; each row's group, -1: none)
+    cases = [([700], [-1]), ([5, 300, 129], [-1] * 3), (None, [0] * 20),
+             (None, [0, 1, 2, -1, 0, 1, 2, 2, 1, 0, -1, 0, 1, 2])]
+    for own, member in cases:
+        own = own or [int(x) for x in torch.randint(1, 120, (len(member),), generator=g)]
+        total = sum(own) + sum(prefixes) + 1
         k_pool = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(dtype)
         v_pool = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(dtype)
         order = torch.randperm(total, generator=g) + 1  # slot 0: the dummy
-        shared = order[:160] if len(lens) > 3 else order[:0]
-        rows, at = [], len(shared)
-        for n in lens:
-            own = n - len(shared)
-            rows.append(torch.cat([shared, order[at : at + own]]))
-            at += own
+        starts_at = torch.tensor([0, *prefixes]).cumsum(0)
+        prefix = [order[starts_at[i]: starts_at[i + 1]] for i in range(len(prefixes))]
+        rows, at = [], int(starts_at[-1])
+        for n, grp in zip(own, member):
+            rows.append(torch.cat([prefix[grp] if grp >= 0 else order[:0], order[at: at + n]]))
+            at += n
+        lens = [len(r) for r in rows]
+        used = sorted({x for x in member if x >= 0})
+        groups = cpu_native.PrefixGroups(len(rows), [[m for m, x in enumerate(member) if x == i] for i in used],
+                                         [prefixes[i] for i in used])
         slots = torch.cat(rows).to(torch.int64)
         lengths = torch.tensor(lens, dtype=torch.int64)
         starts = lengths.cumsum(0) - lengths
@@ -372,8 +416,9 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
                                  kv_heads=kv_heads, head_dim=head_dim, inter=32, vocab=16, eps=1e-6,
                                  scale=head_dim**-0.5, layer=layers, **codes)
         model.amx = lib.rs_request_amx()
-        scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), len(lens), len(shared)), dtype=torch.uint8)
-        step = cpu_native.Step(rows=len(lens), shared=len(shared), slots=slots.data_ptr(), starts=starts.data_ptr(),
+        scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), len(lens), len(groups), groups.slots()),
+                              dtype=torch.uint8)
+        step = cpu_native.Step(rows=len(lens), **groups.fields(), slots=slots.data_ptr(), starts=starts.data_ptr(),
                                lens=lengths.data_ptr(), scratch=scratch.data_ptr())
         out = torch.empty(len(lens), heads * head_dim, dtype=dtype)
         lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr())

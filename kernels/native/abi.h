@@ -41,7 +41,11 @@ struct Model {
 };
 struct Step {
   int32_t rows, logit_rows;
-  int32_t shared, pad;      // decode: every row's first `shared` context slots are the same (a shared prefix)
+  int32_t groups, pad;      // decode: sets of rows whose contexts start with the same slots (shared prefixes)
+  const int32_t* group_rows;    // [rows]: the rows of group 0, then of group 1, ... (rows in no group: not listed)
+  const int32_t* group_start;   // [groups + 1]: group g's rows are group_rows[group_start[g] .. group_start[g + 1])
+  const int32_t* group_shared;  // [groups]: how many leading context slots group g's rows have in common
+  const int32_t* row_shared;    // [rows]: its group's group_shared for a row in a group, else 0
   void* h;                  // T [rows, hidden]: the embeddings in, the last layer's output out
   const void* cos;          // T [rows, head_dim]
   const void* sin;          // T [rows, head_dim] (the rotate-half sign folded in, as RopeTable keeps it)
@@ -51,7 +55,7 @@ struct Step {
   const int64_t* lens;      // [rows]   row in decode; in a prefill each token's prefix of its request's row
   const int64_t* logit_row; // [logit_rows]
   float* logits;            // [logit_rows, vocab]
-  void* scratch;            // rs_scratch_bytes(model, rows)
+  void* scratch;            // rs_scratch_bytes(model, rows, groups, sum of group_shared)
 };
 }
 

@@ -1,15 +1,18 @@
-// Decode attention when every row of the batch starts with the same run of slots (a shared system prompt, few-shot
-// examples): the shared keys are scored for all rows' queries at once, and only each row's own keys the usual way;
-// the two softmax states are then merged (log-sum-exp). Scoring the shared keys row by row costs every row the
-// whole prefix; here each shared key and value, prepared once per step, serves many queries from registers.
+// Decode attention when rows of the batch start with the same run of slots (a shared system prompt, few-shot
+// examples, a document): each group of such rows (Step.groups: one per prefix, as the radix tree yields them under
+// mixed traffic) has its shared keys scored for all its rows' queries at once, and only each row's own keys the
+// usual way; the two softmax states are then merged (log-sum-exp). Rows in no group take the per-row path for their
+// whole context. Scoring the shared keys row by row costs every row the whole prefix; here each shared key and
+// value, prepared once per step, serves many queries from registers.
 //
 // Two ways to score them, by what the CPU has:
 //  - AMX tiles (bf16, head dim 64), as matrix products:
 //      per kv head:  Q  [rows x group queries, 64]  (padded to tiles of 16)
 //                    Kt [shared keys / 16][2 halves of the head dim][16 dim pairs][16 keys]   (B tiles of S = Q K^T)
 //                    Vp [shared keys / 32][4 groups of 16 dims][16 key pairs][16 dims]       (B tiles of O = P V)
-//    two passes over the shared keys per query tile -- the rows' maxima first, then exp and the value sums -- so
-//    the value sums can stay in tiles (an online softmax would rescale them after every block);
+//    (each group's blocks and query tiles one after another), two passes over the shared keys per query tile --
+//    the rows' maxima first, then exp and the value sums -- so the value sums can stay in tiles (an online softmax
+//    would rescale them after every block);
 //  - vector registers (AVX-512 or AVX2; any model dtype, head dims that are multiples of 16, a pool in the model's
 //    dtype), an online softmax per tile of kVecQueries queries over blocks of 16 shared keys:
 //      per kv head:  Kt [shared keys / 16][head dim][16 keys] float: a block's scores, 16 keys to a vector, are
@@ -35,7 +38,6 @@
 
 namespace rs {
 
-constexpr int kSharedMin = 128;  // fewer shared keys: the per-row path is as fast
 constexpr int kSharedDim = 64;   // the head dim the AMX path takes
 constexpr int kVecQueries = RS_AVX512 ? 4 : 6;  // queries a vector-path task scores together
 
@@ -44,7 +46,7 @@ inline bool amx_shared(const Model& md) {
 }
 inline bool vector_shared(const Model& md) { return !md.kv_codes && md.head_dim % 16 == 0; }
 inline bool shared_path(const Model& md, const Step& st) {
-  return st.shared >= kSharedMin && st.rows >= 2 && (amx_shared(md) || vector_shared(md));
+  return st.groups > 0 && (amx_shared(md) || vector_shared(md));
 }
 
 struct SharedScratch {
@@ -52,23 +54,57 @@ struct SharedScratch {
   void* v;      // AMX: uint32_t [nkv][blocks32][4][16][16];     vector: float [nkv][blocks16 x 16][head dim]
   void* q;      // AMX: bf16 [nkv][qtiles of 16][16][64];        vector: float [nkv][qtiles][kVecQueries][head dim]
   float* part;  // [2][nkv][rows * group][2 + head dim]: max, sum, value sums -- of the shared keys, of each row's own
+  int32_t* block_at;  // [groups + 1]: group g's key blocks (32 keys for AMX, else 16) are block_at[g] .. [g + 1]
+  int32_t* tile_at;   // [groups + 1]: its query tiles (16 queries for AMX, else kVecQueries), the same way
 };
 
-inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t shared, void* base, int64_t* total) {
+inline int shared_block(const Model& md) { return amx_shared(md) ? 32 : 16; }
+inline int query_tile(const Model& md) { return amx_shared(md) ? 16 : kVecQueries; }
+
+// The scratch of a step of ``rows`` rows in ``groups`` groups sharing ``shared`` slots in all: each group's blocks
+// and tiles rounded up, so at most one more of each per group than the totals need
+inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t groups, int64_t shared, void* base,
+                                  int64_t* total) {
   const int64_t nkv = md.kv_heads, group = md.heads / std::max(1, md.kv_heads), D = md.head_dim;
-  const int64_t b32 = (shared + 31) / 32, b16 = (shared + 15) / 16, queries = rows * group;
+  const int64_t queries = rows * group, blocks = shared / shared_block(md) + groups;
+  const int64_t tiles = queries / query_tile(md) + groups;
   const int64_t part = 2 * nkv * queries * (2 + D) * 4;  // the shared part's, then each row's own
-  const int64_t vec_tiles = (queries + kVecQueries - 1) / kVecQueries, amx_tiles = (queries + 15) / 16;
-  int64_t sizes[4] = {nkv * b16 * 16 * D * 4, nkv * b16 * 16 * D * 4, nkv * vec_tiles * kVecQueries * D * 4, part};
+  int64_t sizes[6] = {nkv * blocks * 16 * D * 4, nkv * blocks * 16 * D * 4, nkv * tiles * kVecQueries * D * 4, part,
+                      (groups + 1) * 4, (groups + 1) * 4};
   if (amx_shared(md)) {
-    sizes[0] = nkv * b32 * 2 * 2 * 1024;
-    sizes[1] = nkv * b32 * 4 * 1024;
-    sizes[2] = nkv * amx_tiles * 16 * kSharedDim * 2;
+    sizes[0] = nkv * blocks * 2 * 2 * 1024;
+    sizes[1] = nkv * blocks * 4 * 1024;
+    sizes[2] = nkv * tiles * 16 * kSharedDim * 2;
   }
-  void* parts[4];
-  const int64_t off = lay_out(sizes, 4, base, parts);
+  void* parts[6];
+  const int64_t off = lay_out(sizes, 6, base, parts);
   if (total) *total = off;
-  return {parts[0], parts[1], parts[2], static_cast<float*>(parts[3])};
+  return {parts[0], parts[1], parts[2], static_cast<float*>(parts[3]), static_cast<int32_t*>(parts[4]),
+          static_cast<int32_t*>(parts[5])};
+}
+
+// Where each group's blocks and tiles start (before the step's parallel region); 0 if the step has no groups
+inline void plan_groups(const Model& md, const Step& st, const SharedScratch& sc) {
+  if (!shared_path(md, st)) return;
+  const int unit = shared_block(md), per = query_tile(md), group = md.heads / md.kv_heads;
+  sc.block_at[0] = sc.tile_at[0] = 0;
+  for (int g = 0; g < st.groups; ++g) {
+    const int queries = (st.group_start[g + 1] - st.group_start[g]) * group;
+    sc.block_at[g + 1] = sc.block_at[g] + (st.group_shared[g] + unit - 1) / unit;
+    sc.tile_at[g + 1] = sc.tile_at[g] + (queries + per - 1) / per;
+  }
+}
+
+// The group whose range of ``at`` (block_at or tile_at) holds i
+inline int group_of(const int32_t* at, int groups, int i) {
+  int g = 0;
+  while (g + 1 < groups && at[g + 1] <= i) ++g;
+  return g;
+}
+
+// Query i of group g (its rows' heads in order): the row's query index, row * group + head
+inline int group_query(const Step& st, int g, int i, int group) {
+  return st.group_rows[st.group_start[g] + i / group] * group + i % group;
 }
 
 // ---- the vector path: steps 1 and 2 ----
@@ -76,23 +112,24 @@ template <class T>
 inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
                                  const SharedScratch& sc) {
   const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
-  const int shared = st.shared, b16 = (shared + 15) / 16, queries = st.rows * group;
-  const int qtiles = (queries + kVecQueries - 1) / kVecQueries;
-  const int64_t* head = st.slots + row_start(st, 0);  // the shared slots: every row's first `shared`
+  const int groups = st.groups, blocks = sc.block_at[groups], qtiles = sc.tile_at[groups];
+  const int queries = st.rows * group;
   const T* kp = static_cast<const T*>(ly.k_pool);
   const T* vp = static_cast<const T*>(ly.v_pool);
   float* kt = static_cast<float*>(sc.kt);
   float* vf = static_cast<float*>(sc.v);
   float* qf = static_cast<float*>(sc.q);
-  // 1. the shared keys transposed and the values widened, 16 keys a task; the queries gathered, scaled
+  // 1. each group's shared keys transposed and values widened, 16 keys a task; the queries gathered, scaled
 #pragma omp for schedule(static) nowait
-  for (int t = 0; t < nkv * b16; ++t) {
-    const int g = t / b16, blk = t % b16;
+  for (int t = 0; t < nkv * blocks; ++t) {
+    const int g = t / blocks, blk = t % blocks, grp = group_of(sc.block_at, groups, blk);
+    const int shared = st.group_shared[grp], j0 = (blk - sc.block_at[grp]) * 16;
+    const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
     float* kb = kt + int64_t(t) * D * 16;
     float* vb = vf + int64_t(t) * 16 * D;
     alignas(64) float key[16];
     for (int n = 0; n < 16; ++n) {
-      const int j = blk * 16 + n;
+      const int j = j0 + n;
       for (int d = 0; d < D; d += 16) {
         if (j < shared) {
           storeu(key, load16(kp + (head[j] * nkv + g) * D + d, 0xffff));
@@ -107,23 +144,26 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
   }
 #pragma omp for schedule(static)
   for (int t = 0; t < nkv * qtiles; ++t) {
-    const int g = t / qtiles, qt = t % qtiles;
+    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;  // the group's queries
     for (int r = 0; r < kVecQueries; ++r) {
-      const int qi = qt * kVecQueries + r;
+      const int i = (qt - sc.tile_at[grp]) * kVecQueries + r;
       float* q = qf + (int64_t(t) * kVecQueries + r) * D;
+      const int qi = i < mine ? group_query(st, grp, i, group) : 0;
       const T* from = qkv + int64_t(qi / group) * width + (g * group + qi % group) * D;
-      for (int d = 0; d < D; d += 16)
-        storeu(q + d, qi < queries ? load16(from + d, 0xffff) * set1(md.scale) : zero16());
+      for (int d = 0; d < D; d += 16) storeu(q + d, i < mine ? load16(from + d, 0xffff) * set1(md.scale) : zero16());
     }
   }
-  // 2. per tile of queries, an online softmax over the shared keys' blocks (no barrier after: step 3's tasks run
+  // 2. per tile of queries, an online softmax over its group's shared blocks (no barrier after: step 3's tasks run
   //    beside these)
 #pragma omp for schedule(dynamic, 1) nowait
   for (int t = 0; t < nkv * qtiles; ++t) {
-    const int g = t / qtiles, qt = t % qtiles;
+    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
+    const int shared = st.group_shared[grp], b16 = sc.block_at[grp + 1] - sc.block_at[grp];
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group, i0 = (qt - sc.tile_at[grp]) * kVecQueries;
     const float* q = qf + int64_t(t) * kVecQueries * D;
-    const float* kg = kt + int64_t(g) * b16 * D * 16;
-    const float* vg = vf + int64_t(g) * b16 * 16 * D;
+    const float* kg = kt + (int64_t(g) * blocks + sc.block_at[grp]) * D * 16;
+    const float* vg = vf + (int64_t(g) * blocks + sc.block_at[grp]) * 16 * D;
     float best[kVecQueries], total[kVecQueries];
     alignas(64) float acc[kVecQueries][kMaxHeadDim];
     alignas(64) float p[kVecQueries][16];
@@ -169,8 +209,8 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
         for (int r = 0; r < kVecQueries; ++r) storeu(&acc[r][d], o[r]);
       }
     }
-    for (int r = 0; r < kVecQueries && qt * kVecQueries + r < queries; ++r) {
-      float* part = sc.part + (int64_t(g) * queries + qt * kVecQueries + r) * (2 + D);
+    for (int r = 0; r < kVecQueries && i0 + r < mine; ++r) {
+      float* part = sc.part + (int64_t(g) * queries + group_query(st, grp, i0 + r, group)) * (2 + D);
       part[0] = best[r];
       part[1] = total[r];
       std::memcpy(part + 2, acc[r], D * 4);
@@ -183,13 +223,13 @@ template <class T>
 inline void own_keys_and_merge(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out,
                                const SharedScratch& sc) {
   const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
-  const int rows = st.rows, shared = st.shared, queries = rows * group;
+  const int rows = st.rows, queries = rows * group;
   // 3. each row's own keys the usual way (tasks beside step 2's: neither reads the other), their states kept in
   //    the second half of the partials; this loop's barrier is the first after step 2, so the merge follows both
   float* own = sc.part + int64_t(nkv) * queries * (2 + D);
 #pragma omp for schedule(dynamic, 1)
   for (int t = 0; t < rows * nkv; ++t) {
-    const int m = t / nkv, g = t % nkv, len = row_len(st, m);
+    const int m = t / nkv, g = t % nkv, len = row_len(st, m), shared = st.row_shared[m];
     SoftmaxState s;
     reset(s, group, D);
     if (len > shared)
@@ -202,16 +242,17 @@ inline void own_keys_and_merge(const Model& md, const Layer& ly, const Step& st,
       std::memcpy(keep + h * (2 + D) + 2, s.acc[h], D * 4);
     }
   }
-  // 4. the merge: both states rescaled to the larger maximum, added, normalized
+  // 4. the merge: both states rescaled to the larger maximum, added, normalized (a row in no group: its own alone)
 #pragma omp for schedule(static)
   for (int t = 0; t < rows * nkv; ++t) {
     const int m = t / nkv, g = t % nkv;
+    const bool grouped = st.row_shared[m] > 0;
     for (int h = 0; h < group; ++h) {
       const int64_t qi = int64_t(m) * group + h;
-      const float* a = sc.part + (int64_t(g) * queries + qi) * (2 + D);
       const float* b = own + (int64_t(g) * queries + qi) * (2 + D);
+      const float* a = grouped ? sc.part + (int64_t(g) * queries + qi) * (2 + D) : b;
       const float top = std::max(a[0], b[0]);
-      const float wa = a[1] > 0 ? std::exp(a[0] - top) : 0.0f, wb = b[1] > 0 ? std::exp(b[0] - top) : 0.0f;
+      const float wa = grouped && a[1] > 0 ? std::exp(a[0] - top) : 0.0f, wb = b[1] > 0 ? std::exp(b[0] - top) : 0.0f;
       const V16 inv = set1(1.0f / (wa * a[1] + wb * b[1]));
       T* o = out + int64_t(m) * nq * D + (g * group + h) * D;
       for (int i = 0; i < D; i += 16) {
@@ -241,52 +282,60 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
                               const SharedScratch& sc) {
   constexpr int D = kSharedDim;
   const int nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D, rows = st.rows;
-  const int shared = st.shared, b16 = (shared + 15) / 16, b32 = (shared + 31) / 32;
-  const int queries = rows * group, qtiles = (queries + 15) / 16;
-  const int64_t* head = st.slots + row_start(st, 0);  // the shared slots: every row's first `shared`
+  const int groups = st.groups, blocks = sc.block_at[groups], qtiles = sc.tile_at[groups];
+  const int queries = rows * group;
   const bf16* kp = static_cast<const bf16*>(ly.k_pool);
   const bf16* vp = static_cast<const bf16*>(ly.v_pool);
-  // 1. the shared keys transposed for S = Q K^T, the values paired for O = P V; the queries gathered into tiles
+  // 1. each group's shared keys transposed for S = Q K^T, the values paired for O = P V, 32 keys a task; the
+  //    queries gathered into tiles
 #pragma omp for schedule(static) nowait
-  for (int t = 0; t < nkv * b32; ++t) {
-    const int g = t / b32, blk = t % b32;
+  for (int t = 0; t < nkv * blocks; ++t) {
+    const int g = t / blocks, blk = t % blocks, grp = group_of(sc.block_at, groups, blk);
+    const int shared = st.group_shared[grp], j0 = (blk - sc.block_at[grp]) * 32;
+    const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
     for (int sub = 0; sub < 2; ++sub) {
-      uint32_t* kt = static_cast<uint32_t*>(sc.kt) + ((int64_t(g) * b32 + blk) * 2 + sub) * 2 * 256;
+      uint32_t* kt = static_cast<uint32_t*>(sc.kt) + (int64_t(t) * 2 + sub) * 2 * 256;
       for (int n = 0; n < 16; ++n) {
-        const int j = blk * 32 + sub * 16 + n;
+        const int j = j0 + sub * 16 + n;
         const uint32_t* key = j < shared ? reinterpret_cast<const uint32_t*>(kp + (head[j] * nkv + g) * D) : nullptr;
         for (int p = 0; p < D / 2; ++p) kt[(p / 16) * 256 + (p % 16) * 16 + n] = key ? key[p] : 0u;
       }
     }
-    uint32_t* v = static_cast<uint32_t*>(sc.v) + (int64_t(g) * b32 + blk) * 4 * 256;
+    uint32_t* v = static_cast<uint32_t*>(sc.v) + int64_t(t) * 4 * 256;
     for (int kpair = 0; kpair < 16; ++kpair) {
-      const int j0 = blk * 32 + 2 * kpair, j1 = j0 + 1;
-      const bf16* v0 = j0 < shared ? vp + (head[j0] * nkv + g) * D : nullptr;
-      const bf16* v1 = j1 < shared ? vp + (head[j1] * nkv + g) * D : nullptr;
+      const int ja = j0 + 2 * kpair, jb = ja + 1;
+      const bf16* v0 = ja < shared ? vp + (head[ja] * nkv + g) * D : nullptr;
+      const bf16* v1 = jb < shared ? vp + (head[jb] * nkv + g) * D : nullptr;
       for (int d = 0; d < D; ++d)
         v[(d / 16) * 256 + kpair * 16 + d % 16] = uint32_t(v0 ? v0[d] : 0) | uint32_t(v1 ? v1[d] : 0) << 16;
     }
   }
 #pragma omp for schedule(static)
   for (int t = 0; t < nkv * qtiles; ++t) {
-    const int g = t / qtiles, qt = t % qtiles;
+    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;  // the group's queries
     bf16* q = static_cast<bf16*>(sc.q) + int64_t(t) * 16 * D;
     for (int r = 0; r < 16; ++r) {
-      const int qi = qt * 16 + r;
-      if (qi < queries)
+      const int i = (qt - sc.tile_at[grp]) * 16 + r;
+      if (i < mine) {
+        const int qi = group_query(st, grp, i, group);
         std::memcpy(q + r * D, qkv + int64_t(qi / group) * width + (g * group + qi % group) * D, D * 2);
-      else
+      } else {
         std::memset(q + r * D, 0, D * 2);
+      }
     }
   }
   // 2. the shared keys for every query tile: the maxima, then exp, sums and value sums (tiles 3-6)
   const __m512 scale = _mm512_set1_ps(md.scale);
 #pragma omp for schedule(dynamic, 1) nowait
   for (int t = 0; t < nkv * qtiles; ++t) {
-    const int g = t / qtiles, qt = t % qtiles;
+    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
+    const int shared = st.group_shared[grp], b16 = (shared + 15) / 16, b32 = (shared + 31) / 32;
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group, i0 = (qt - sc.tile_at[grp]) * 16;
     const bf16* q = static_cast<bf16*>(sc.q) + int64_t(t) * 16 * D;
-    const uint32_t* kt = static_cast<uint32_t*>(sc.kt) + int64_t(g) * b32 * 2 * 2 * 256;
-    const uint32_t* vg = static_cast<uint32_t*>(sc.v) + int64_t(g) * b32 * 4 * 256;
+    const int64_t first = int64_t(g) * blocks + sc.block_at[grp];  // the group's first block of this kv head
+    const uint32_t* kt = static_cast<uint32_t*>(sc.kt) + first * 2 * 2 * 256;
+    const uint32_t* vg = static_cast<uint32_t*>(sc.v) + first * 4 * 256;
     configure_tiles(16);
     alignas(64) float s[2][16][16];
     alignas(64) float top[16], sum[16] = {};
@@ -331,8 +380,8 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
     _tile_stored(4, &o[0][16], D * 4);
     _tile_stored(5, &o[0][32], D * 4);
     _tile_stored(6, &o[0][48], D * 4);
-    for (int r = 0; r < 16 && qt * 16 + r < queries; ++r) {
-      float* part = sc.part + (int64_t(g) * queries + qt * 16 + r) * (2 + D);
+    for (int r = 0; r < 16 && i0 + r < mine; ++r) {
+      float* part = sc.part + (int64_t(g) * queries + group_query(st, grp, i0 + r, group)) * (2 + D);
       part[0] = top[r];
       part[1] = sum[r];
       std::memcpy(part + 2, o[r], D * 4);

@@ -140,10 +140,17 @@ struct Scratch {
   QuantRows qx;  // a quantized product's input: [rows, widest k]
   float* wide;   // a dense product's input as fp32 where widens_x: [rows, widest k]
   float* partials;  // attention's split shares: [tasks, group, head_dim + 2]
-  SharedScratch shared;  // attention over a prefix all rows share (attention_shared.h)
+  SharedScratch shared;  // attention over the prefixes groups of rows share (attention_shared.h)
 };
 
-Scratch carve(const Model& md, int64_t rows, int64_t shared, void* base, int64_t* total) {
+// The slots a step's groups share, all together
+inline int64_t shared_slots(const Step& st) {
+  int64_t n = 0;
+  for (int g = 0; g < st.groups; ++g) n += st.group_shared[g];
+  return n;
+}
+
+Scratch carve(const Model& md, int64_t rows, int64_t groups, int64_t shared, void* base, int64_t* total) {
   const int64_t es = md.bf16 ? 2 : 4, qkv = int64_t(md.heads + 2 * md.kv_heads) * md.head_dim;
   const int64_t wide = std::max<int64_t>({md.hidden, md.inter, int64_t(md.heads) * md.head_dim});
   // a split happens only with fewer than 2 tasks per thread, so fewer than 2 x threads x kMaxSplit shares
@@ -155,7 +162,8 @@ Scratch carve(const Model& md, int64_t rows, int64_t shared, void* base, int64_t
   void* parts[10];
   const int64_t off = lay_out(sizes, 10, base, parts);
   int64_t tail = 0;
-  const SharedScratch sh = carve_shared(md, rows, shared, base ? static_cast<char*>(base) + off : nullptr, &tail);
+  const SharedScratch sh =
+      carve_shared(md, rows, groups, shared, base ? static_cast<char*>(base) + off : nullptr, &tail);
   if (total) *total = off + tail;
   return {parts[0], parts[1], parts[2], parts[3], parts[4],
           {static_cast<int8_t*>(parts[5]), static_cast<float*>(parts[6]), static_cast<int32_t*>(parts[7])},
@@ -166,7 +174,8 @@ template <class T>
 void step(const Model& md, const Step& st) {
   const int rows = st.rows, H = md.hidden, I = md.inter;
   const int64_t qkv_w = int64_t(md.heads + 2 * md.kv_heads) * md.head_dim;
-  const Scratch s = carve(md, rows, st.shared, st.scratch, nullptr);
+  const Scratch s = carve(md, rows, st.groups, shared_slots(st), st.scratch, nullptr);
+  plan_groups(md, st, s.shared);
   T* h = static_cast<T*>(st.h);
   T* xn = static_cast<T*>(s.xn);
   T* qkv = static_cast<T*>(s.qkv);
@@ -177,7 +186,7 @@ void step(const Model& md, const Step& st) {
   int max_len = 0;
   for (int m = 0; m < rows; ++m) max_len = std::max(max_len, row_len(st, m));
   const int split = attention_split(rows, md.kv_heads, max_len, omp_get_max_threads());
-  const bool common = shared_path(md, st);  // the rows share a prefix: its keys scored for all rows at once
+  const bool common = shared_path(md, st);  // groups of rows share prefixes: each scored for its rows at once
   auto into = [](T* y, int64_t width) {  // a product's outputs stored as they are
     return [=](int m, int n, V16 v, M16 mk) { store16(y + m * width + n, v, mk); };
   };
@@ -246,7 +255,8 @@ void linear_alone(const Linear& lin, const T* x, int rows, T* y, bool amx, void*
 // already in the pool), out T [rows, heads head_dim]; scratch as for a step of ``rows``
 template <class T>
 void attention_alone(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out) {
-  const Scratch s = carve(md, st.rows, st.shared, st.scratch, nullptr);
+  const Scratch s = carve(md, st.rows, st.groups, shared_slots(st), st.scratch, nullptr);
+  plan_groups(md, st, s.shared);
   int max_len = 0;
   for (int m = 0; m < st.rows; ++m) max_len = std::max(max_len, row_len(st, m));
   const int split = attention_split(st.rows, md.kv_heads, max_len, omp_get_max_threads());
@@ -291,13 +301,13 @@ using namespace rs;
 
 extern "C" {
 
-int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t shared) {
+int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t groups, int64_t shared) {
   int64_t total = 0;
-  carve(*md, rows, shared, nullptr, &total);
+  carve(*md, rows, groups, shared, nullptr, &total);
   return total;
 }
 
-int32_t rs_abi_version() { return 8; }
+int32_t rs_abi_version() { return 9; }
 
 // The vector instructions this build uses: "avx512" or "avx2" (simd.h)
 const char* rs_isa() { return kIsa; }
