@@ -28,10 +28,12 @@ def oldest_matched(waiting: list[R], key: Callable[[R], Any]) -> list[R]:
 
 
 class FCFS:
-    """First come, first served (a retracted request keeps its arrival time, so it goes first again)."""
+    """First come, first served (a retracted request keeps its arrival time, so it goes first again). Cache-aware
+    in one way only: of arrivals that share a prefix nobody has cached (a system prompt's first requests), the
+    first computes it and the others wait one step to reuse it, rather than each computing it in the same step."""
 
     name = "fcfs"
-    cache_aware = False
+    cache_aware = True
 
     def order(self, waiting: list[R], cache: CacheView, now: float) -> list[R]:
         return by_arrival(waiting)

@@ -73,7 +73,7 @@ def test_lpm_aging_bounds_the_wait_that_lpm_starves():
 
 def test_cache_aware_policies_compute_a_shared_new_prefix_once():
     shared = [i % 45 + 1 for i in range(64)]
-    for schedule, expect_deferred in (("lpm", True), ("fcfs", False)):
+    for schedule, expect_deferred in (("lpm", True), ("fcfs", True), ("lof", False)):
         sched, runner = make(capacity=4000, schedule=schedule, chunk=4096)
         reqs = [sched.add_request(f"r{i}", shared + [i + 1, i + 2], SamplingParams(max_new_tokens=2))
                 for i in range(4)]

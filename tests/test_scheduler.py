@@ -12,7 +12,7 @@ from radixserve.actors.scheduler import FinishReason, Scheduler, SchedulerConfig
 from radixserve.cache import CacheManager
 from radixserve.model.slot_table import SlotTable
 from radixserve.policies.eviction import LRU
-from radixserve.policies.schedule import FCFS, LongestPrefixMatch
+from radixserve.policies.schedule import FCFS, LongestOutputFirst, LongestPrefixMatch
 from radixserve.wire.plans import ForwardPlan, ForwardResult
 
 from radixserve.sampling_params import SamplingParams
@@ -178,8 +178,9 @@ def test_a_decode_plan_carries_one_slot_per_request_whatever_the_context():
 def test_a_row_the_cache_rewrites_is_sent_again():
     """Two requests compute the same prefix in one step; the second one's row then points at the first one's
     slots (its own duplicates are freed): the runner must hear about the rewrite, or it would read freed slots.
-    TokenPoolRunner reads every token back through the rows it keeps, so a stale row changes the output."""
-    sched, runner = make(capacity=400, chunk=0)
+    TokenPoolRunner reads every token back through the rows it keeps, so a stale row changes the output. (A
+    policy that does not defer the second one: FCFS would let the first compute the prefix alone.)"""
+    sched, runner = make(capacity=400, chunk=0, policy=LongestOutputFirst())
     prompt = [1 + j % (VOCAB - 2) for j in range(59)]
     a = sched.add_request("a", prompt + [VOCAB - 1], SamplingParams(max_new_tokens=8, temperature=0))
     b = sched.add_request("b", prompt + [VOCAB - 2], SamplingParams(max_new_tokens=8, temperature=0))

@@ -40,7 +40,7 @@ struct TileShape {
 template <class T>
 inline TileShape tile_shape(int rows) {
   const bool two = RS_AVX512 || rows == 1 || (std::is_same_v<T, float> && rows <= 8);
-  const int most = two ? std::min(kRowTile, 4) : kRowTile, tiles = (rows + most - 1) / most;
+  const int most = two ? std::min(kRowTile, 4) : kRowTile, tiles = std::max(1, (rows + most - 1) / most);  // 0 rows
   return {(rows + tiles - 1) / tiles, two ? kColTile : 1};
 }
 
