@@ -4,7 +4,7 @@ plots from those files. See benchmarks/README.md.
 
     python benchmarks/bench.py [--quick] [--out benchmarks/results] [--tp N]
                                [--only shared,multiturn,unique,forward,overhead,deterministic,grammar,quant,
-                                       compile,peer,radix,tp,dp,shadow,sharedcpu,tiers,speculative,shapes]
+                                       compile,peer,radix,tp,dp,shadow,sharedcpu,tiers,speculative,shapes,groups]
 
 Each stage's results go to a committed file, benchmarks/results/<stage>/results.json, naming the machine and commit
 it ran on; the report is generated from those files, so ``--only`` reruns some stages and the report shows the
@@ -31,6 +31,7 @@ import shared_cpu  # noqa: E402
 import speculative  # noqa: E402
 import grammar_cost  # noqa: E402
 import kv_tiers  # noqa: E402
+import prefix_groups  # noqa: E402
 import llama_cpp  # noqa: E402
 import machine  # noqa: E402
 import quant_cost  # noqa: E402
@@ -49,13 +50,14 @@ from radixserve.model.loader import load_configs, resolve_model  # noqa: E402
 from radixserve.server_process import ServerProcess  # noqa: E402
 
 STAGES = ("shared", "multiturn", "unique", "forward", "overhead", "deterministic", "grammar", "quant", "compile",
-          "peer", "radix", "tp", "dp", "shadow", "sharedcpu", "tiers", "speculative", "shapes")
+          "peer", "radix", "tp", "dp", "shadow", "sharedcpu", "tiers", "speculative", "shapes", "groups")
 STAGE_KEYS = {"shared": ("shared", "seed_small", "shared_best_hf", "llama_cpp"), "multiturn": ("multiturn",),
               "unique": ("unique", "unique_best_hf"), "forward": ("forward", "machine_limits"), "overhead": ("overhead",),
               "deterministic": (), "grammar": ("grammar",), "quant": ("quant",),
               "compile": ("compile",), "peer": ("peer",), "radix": ("radix",), "tp": ("tp",), "dp": ("dp",),
-              "shadow": ("shadow",), "sharedcpu": (), "tiers": (), "speculative": (), "shapes": ()}  # (): the stage writes its own
-# results file (deterministic, sharedcpu, tiers, speculative, shapes); the others' keys go to
+              "shadow": ("shadow",), "sharedcpu": (), "tiers": (), "speculative": (), "shapes": (),
+              "groups": ()}  # (): the stage writes its own
+# results file (deterministic, sharedcpu, tiers, speculative, shapes, groups); the others' keys go to
 # results/<stage>/results.json
 SERVE_ROUNDS = 3  # shared-prefix runs of each system, taking turns (a new system prompt each round)
 UNIQUE_RUNS = 5  # runs of each system, in the order on, off, off, on, ...; the median run counts
@@ -96,7 +98,7 @@ def main() -> None:
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     systems = {"radixserve, radix cache on": [], "radixserve, radix cache off": ["--disable-radix-cache"]}
-    bar = tqdm(total=16, desc="bench", unit="stage")  # one update per stage (sharedcpu and tiers share one)
+    bar = tqdm(total=17, desc="bench", unit="stage")  # one update per stage (sharedcpu and tiers share one)
     hf = load_hf(files.path, torch.bfloat16) if only & {"shared", "unique", "forward"} else None
     pad = cfg.hf_config.pad_token_id or 0
     if only & {"shared", "multiturn", "unique"}:
@@ -226,6 +228,9 @@ def main() -> None:
             print(f"shapes: skipped: {shapes['skipped']}")
         else:
             real_shapes.save(shapes, out)
+    bar.update()
+    if "groups" in only:  # the same: benchmarks/results/prefix_groups/results.json
+        prefix_groups.save(prefix_groups.measure(q), out)
     bar.update()
     bar.close()
     report.write(with_other_stages(res, only, out), out)

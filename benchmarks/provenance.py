@@ -24,7 +24,9 @@ SCRIPTS = {"speculative": ["speculative.py"], "deterministic": ["deterministic_c
            "shared_cpu": ["shared_cpu.py"], "grammar": ["grammar_cost.py"], "quant": ["quant_cost.py"],
            "compile": ["compile_cost.py"], "peer": ["cpu_peer.py", "llama_cpp.py", "decode_score.py"],
            "radix": ["radix_speed.py"], "tp": ["tp_cost.py"], "dp": ["dp_cost.py"], "shadow": ["shadow_cost.py"],
-           "overhead": ["machine.py"], "shapes": ["real_shapes.py", "llama_cpp.py", "cpu_peer.py", "machine.py"]}  # a stage's own bench code; the others run in bench.py's scenarios
+           "overhead": ["machine.py"], "shapes": ["real_shapes.py", "llama_cpp.py", "cpu_peer.py", "machine.py"],
+           "prefix_groups": ["prefix_groups.py", "llama_cpp.py", "cpu_peer.py", "harness.py", "scenarios.py"]}
+# a stage's own bench code; the others run in bench.py's scenarios
 BENCH = ["bench.py", "scenarios.py", "harness.py"]
 
 
@@ -225,11 +227,21 @@ def _shapes(d: dict) -> list[tuple[str, str]]:
     return rows + [(name, f"not run: {why}") for name, why in d.get("skipped_shapes", {}).items()]
 
 
+def _prefix_groups(d: dict) -> list[tuple[str, str]]:
+    rows = []
+    for g, systems in d["median_tok_s"].items():
+        if "llama.cpp" in systems:
+            ours, theirs = systems["radixserve"], systems["llama.cpp"]
+            rows.append((f"{g} shared prefix group(s), 32 requests: first pass, repeat vs llama.cpp",
+                         f"{ours['first'] / theirs['first']:.2f}x, {ours['repeat'] / theirs['repeat']:.2f}x"))
+    return rows
+
+
 HEADLINES: dict[str, Callable[[dict], list[tuple[str, str]]]] = {
     "speculative": _speculative, "deterministic": _deterministic, "kv_tiers": _kv_tiers, "shared_cpu": _shared_cpu,
     "shared": _shared, "unique": _unique, "multiturn": _multiturn, "forward": _forward, "overhead": _overhead,
     "grammar": _grammar, "quant": _quant, "compile": _compile, "peer": _peer, "radix": _radix, "tp": _tp,
-    "dp": _dp, "shadow": _shadow, "shapes": _shapes}
+    "dp": _dp, "shadow": _shadow, "shapes": _shapes, "prefix_groups": _prefix_groups}
 
 
 def figures_markdown(root: Path) -> tuple[str, list[str]]:

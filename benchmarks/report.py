@@ -10,6 +10,7 @@ import kv_tiers
 import provenance
 import shared_cpu
 import real_shapes
+import prefix_groups
 import speculative
 from stage_results import load_stage
 
@@ -258,6 +259,9 @@ def write(res: dict, out: Path) -> None:
     shapes = real_shapes.load(out)  # the same
     if shapes is not None:
         L += real_shapes.section(shapes, targets, check)
+    groups = prefix_groups.load(out)  # the same
+    if groups is not None:
+        L += prefix_groups.section(groups, targets, check)
     L += provenance_section(out)
     L[4:4] = ["## Targets", "", *targets, ""]
     (out / "REPORT.md").write_text("\n".join(L) + "\n")

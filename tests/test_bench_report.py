@@ -190,3 +190,28 @@ def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
     assert "llama-3.1-8b: not run: needs about 42 GiB" in text
     assert "| llama-3.2-1b | bf16 | 30.0 / 27.0 (1.11x)" in text
     assert (tmp_path / "real_shapes.png").stat().st_size > 10_000
+
+
+def test_prefix_groups_section_judges_each_group_count_and_pass(tmp_path):
+    """benchmarks/prefix_groups.py's report section: a row per group count and a target per (group count, pass)
+    against llama.cpp, the kernel's instruction set and AMX named; the plot written."""
+    import prefix_groups
+    from stage_results import save_stage
+
+    med = {"1": {"radixserve": {"first": 300.0, "repeat": 600.0}, "llama.cpp": {"first": 25.0, "repeat": 50.0}},
+           "4": {"radixserve": {"first": 150.0, "repeat": 400.0}, "llama.cpp": {"first": 20.0, "repeat": 50.0}}}
+    res = {"started": "2026-12-04 13:00:00", "machine": {"commit": "abc1234", "cpu": "a CPU", "cpus_in_mask": 2},
+           "kernel": {"isa": "avx2", "amx": False}, "quick": False, "rounds": 3, "requests": 32, "max_new": 32,
+           "llama_slots": 8, "llama_cpp_missing": None, "system_prompt_tokens": {"1": 861, "4": 858},
+           "runs_tok_s": {}, "median_tok_s": med}
+    save_stage(res, tmp_path, prefix_groups.STAGE)
+    prefix_groups.save(prefix_groups.load(tmp_path), tmp_path)
+    targets: list[str] = []
+    text = "\n".join(prefix_groups.section(prefix_groups.load(tmp_path), targets, report.check))
+    judged = {cells[0]: cells[3] for cells in ([c.strip() for c in t.strip("|").split("|")] for t in targets)}
+    assert judged == {"prefix groups, 1 group(s), first pass: radixserve / llama.cpp": "met",  # 12x
+                      "prefix groups, 1 group(s), repeat pass: radixserve / llama.cpp": "met",  # 12x
+                      "prefix groups, 4 group(s), first pass: radixserve / llama.cpp": "**not met**",  # 7.5x
+                      "prefix groups, 4 group(s), repeat pass: radixserve / llama.cpp": "**not met**"}  # 8x
+    assert "| 4 | 858 | 150.0 / 20.0 (7.50x) | 400.0 / 50.0 (8.00x) |" in text and "no AMX (avx2)" in text
+    assert (tmp_path / "prefix_groups.png").stat().st_size > 10_000
