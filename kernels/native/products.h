@@ -32,16 +32,16 @@ constexpr int kQRowTile = 4, kQColTile = 2;
 using Acc = V16[std::max(kRowTile, kQRowTile)][std::max(kColTile, kQColTile)];
 
 struct TileShape {
-  int rows, cols;  // rows of x per tile (the last tile may have fewer), blocks of W per tile
+  int tiles, cols;  // row tiles (tile i: rows rows * i / tiles .. rows * (i + 1) / tiles), blocks of W per tile
 };
 
-// The tiles for a product of ``rows`` rows of T: as few row tiles as the shape allows, of nearly equal size (8
-// rows on AVX2: 4 + 4, not 5 + 3)
+// The tiles for a product of ``rows`` rows of T: as few row tiles as the shape allows, their sizes differing by
+// one at most (32 rows on AVX2: 5 5 5 5 4 4 4, not 5 5 5 5 5 5 2; 8 rows: 4 4)
 template <class T>
 inline TileShape tile_shape(int rows) {
   const bool two = RS_AVX512 || rows == 1 || (std::is_same_v<T, float> && rows <= 8);
-  const int most = two ? std::min(kRowTile, 4) : kRowTile, tiles = std::max(1, (rows + most - 1) / most);  // 0 rows
-  return {(rows + tiles - 1) / tiles, two ? kColTile : 1};
+  const int most = two ? std::min(kRowTile, 4) : kRowTile;
+  return {(rows + most - 1) / most, two ? kColTile : 1};
 }
 
 // A tile sums into local registers (a[MR][NB]: the vector types alias anything, so sums kept in the caller's
@@ -487,8 +487,8 @@ inline void product_of(const Input<T>& in, int rows, const Linear& lin, bool amx
   const bool wide = widens_x<T>(rows, lin, amx);
   for (int b = b0; b < b1; b += shape.cols) {
     const int nb = std::min(shape.cols, b1 - b);
-    for (int m = 0; m < rows; m += shape.rows) {
-      const int mr = std::min(shape.rows, rows - m);
+    for (int i = 0; i < shape.tiles; ++i) {
+      const int m = rows * i / shape.tiles, mr = rows * (i + 1) / shape.tiles - m;
       if (wide)
         tile_for<float, T>(mr, nb)(in.wide + int64_t(m) * lin.k, lin.k, lin.k, w + b * bstride, bstride, acc);
       else
