@@ -60,8 +60,9 @@ def _eager_and_native(runner, plan):
 
 def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int):
     """``steps`` decode steps of ``prompts``; on each the eager model, then the native step, run the same batch.
-    Yields (eager logits, native logits, eager K/V at the new slots, native K/V there); the step itself then runs
-    as the runner runs it (native)."""
+    Yields (eager logits, native logits, eager K/V at the new slots, native K/V there), rows in the order of
+    ``prompts`` (a batch's own order follows admission, which the cache changes: a request deferred to reuse a
+    prefix another computes joins later); the step itself then runs as the runner runs it (native)."""
     runner, sched = engine.runner, engine.scheduler
     for i, ids in enumerate(prompts):
         sched.add_request(f"c{i}", ids, SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True))
@@ -70,7 +71,9 @@ def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int):
     for _ in range(steps):
         plan = sched.schedule()
         assert plan.mode == "decode" and len(plan.input_ids) == len(prompts)
-        yield _eager_and_native(runner, plan)
+        by_prompt = torch.argsort(torch.tensor([int(r.rid[1:]) for r in sched.running]))  # rows are c0, c1, ...
+        eager, native, kv_e, kv_n = _eager_and_native(runner, plan)
+        yield eager[by_prompt], native[by_prompt], *(tuple(t[:, by_prompt] for t in kv) for kv in (kv_e, kv_n))
         sched.process(runner.forward(plan))  # writes the same slots of the table again: the same values
     while sched.has_work:
         sched.process(runner.forward(sched.schedule()))
@@ -78,8 +81,8 @@ def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int):
 
 
 def _engine(path, dtype: str, **kw) -> Engine:
-    return Engine(str(path), dtype=dtype, decode_kernel="native", max_total_tokens=8192, check_invariants=True,
-                  **kw)
+    return Engine(str(path), dtype=dtype, decode_kernel="native", check_invariants=True,
+                  **{"max_total_tokens": 8192, **kw})
 
 
 @pytest.fixture(autouse=True)
@@ -156,6 +159,23 @@ def test_shared_prefixes_are_scored_once_per_group(smollm2_path, dtype, path):
             total += len(eager)
         assert agree >= 0.8 * total
     engine.shutdown()
+
+
+def test_groups_keep_the_tokens_under_chunked_prefill_eviction_and_retraction(smollm2_path):
+    """float32, three prefix groups beside rows in none, prefilled in chunks of 64 tokens into a pool too small
+    for the batch (cached prefixes evicted, running requests retracted and resumed): the greedy tokens with the
+    shared-prefix path are those with it off, and groups were scored."""
+    rows = _grouped_rows([200, 150, 260], per_group=3, loners=2, seed=11)
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    outs, stats = {}, {}
+    for shares in (False, True):
+        engine = _engine(smollm2_path, "float32", max_total_tokens=900, chunked_prefill_size=64)
+        engine.runner.native.shares = shares
+        outs[shares] = [r["output_ids"] for r in engine.generate(input_ids=rows, sampling_params=params)]
+        stats[shares] = (engine.runner.native.shared_groups, engine.scheduler.stats.retractions)
+        engine.shutdown()
+    assert outs[True] == outs[False]
+    assert stats[True][0] > 0 and stats[True][1] > 0, stats
 
 
 def test_prefix_groups_are_the_runs_rows_share():
