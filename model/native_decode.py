@@ -150,15 +150,17 @@ def pack_gguf(q: torch.Tensor, fb: FileBlocks) -> tuple[int, tuple[torch.Tensor 
     raise native.NativeUnavailable(f"no native layout for {fb.kind} blocks")
 
 
-def prefix_groups(attn: AttentionBatch, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
+def prefix_groups(attn: AttentionBatch, slots: torch.Tensor, first: np.ndarray, length: np.ndarray
+                  ) -> native.PrefixGroups:
     """Decode: the rows whose contexts start with the same run of at least SHARED_MIN slots (a system prompt, a
     document, few-shot examples), one group per run, which the kernel scores once for all the group's rows. Rows
     are grouped by their first slot; a group's shared run is the shortest its members have in common with its
-    first row, members sharing less than SHARED_MIN with it left out (they take the per-row path)."""
+    first row, members sharing less than SHARED_MIN with it left out (they take the per-row path). Row m's
+    context: ``slots[first[m] : first[m] + length[m]]`` (``attn.tree_contexts``)."""
     rows = len(length)
     if attn.mode != "decode" or rows < 2:
         return native.PrefixGroups(rows)
-    slots = attn.slots.numpy()
+    slots = slots.numpy()
     long = np.flatnonzero(length >= SHARED_MIN)
     heads = slots[first[long]]
     order = np.argsort(heads, kind="stable")
@@ -317,10 +319,6 @@ class NativeDecode:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
         slots, first, length = batch.attn.tree_contexts(self.window)  # a draft tree's rows: lists of their own
-        groups = prefix_groups(batch.attn, first, length) if self.shares else native.PrefixGroups(rows)
-        need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, len(groups), groups.slots())
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.uint8)
         h = self.model.model.embed_tokens(batch.input_ids).contiguous()
         cos, sin = batch.cos.reshape(rows, -1).contiguous(), batch.sin.reshape(rows, -1).contiguous()
         starts, lens = torch.from_numpy(first), torch.from_numpy(length)
@@ -333,6 +331,11 @@ class NativeDecode:
         check_indices("logit rows", logit_row, rows)
         if out_slot.shape != (rows,) or cos.shape != (rows, self._head_dim) or sin.shape != cos.shape:
             raise IndexError(f"{rows} rows with {tuple(out_slot.shape)} new slots and {tuple(cos.shape)} RoPE rows")
+        # groups of rows sharing a prefix, from the checked contexts (their rows and lengths are made here)
+        groups = prefix_groups(batch.attn, slots, first, length) if self.shares else native.PrefixGroups(rows)
+        need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, len(groups), groups.slots())
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
         logits = torch.empty(logit_rows, self.model.config.vocab_size, dtype=torch.float32)
         step = native.Step(rows=rows, logit_rows=logit_rows, **groups.fields(), h=h.data_ptr(), cos=cos.data_ptr(),
                            sin=sin.data_ptr(), out_slot=out_slot.data_ptr(), slots=slots.data_ptr(),

@@ -194,12 +194,12 @@ def test_prefix_groups_are_the_runs_rows_share():
         return AttentionBatch(mode=mode, prefix_lens=(length - 1).tolist(), extend_lens=[1] * len(contexts),
                               slots=flat, out_slots=flat[np.cumsum(length) - 1])
 
-    groups = prefix_groups(attn("decode"), first, length)
+    groups = prefix_groups(attn("decode"), flat, first, length)
     found = {tuple(groups.rows[groups.start[i]: groups.start[i + 1]].tolist()): int(groups.shared[i])
              for i in range(len(groups))}
     assert found == {(0, 2, 6): 250, (1, 4): 200}
     assert groups.row_shared.tolist() == [250, 200, 250, 0, 200, 0, 250, 0]
-    assert len(prefix_groups(attn("extend"), first, length)) == 0
+    assert len(prefix_groups(attn("extend"), flat, first, length)) == 0
 
 
 def test_shapes_that_fill_no_tile_evenly(odd_model):
