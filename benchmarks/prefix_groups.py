@@ -126,24 +126,13 @@ def table(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from report import plot_bars  # report imports this module: imported when called
 
     med = res["median_tok_s"]
-    keys = list(med)
-    bars = [(n, p) for n in ("radixserve", "llama.cpp") for p in PASSES if n in med[keys[0]]]
-    width = 0.8 / len(bars)
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    for i, (n, p) in enumerate(bars):
-        ax.bar([x + i * width for x in range(len(keys))], [med[g][n][p] for g in keys], width, label=f"{n}, {p}")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))], [f"{g} group(s)" for g in keys])
-    ax.set(ylabel="output tok/s", title=f"{res['requests']} requests at once on shared system prompts, "
-                                        f"{res['max_new']} tokens each (bf16, 2 threads)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    series = {f"{n}, {p}": [med[g][n][p] for g in med] for n in ("radixserve", "llama.cpp") for p in PASSES
+              if all(n in med[g] for g in med)}
+    plot_bars([f"{g} group(s)" for g in med], series, "output tok/s", f"{res['requests']} requests at once on "
+              f"shared system prompts, {res['max_new']} tokens each (bf16, 2 threads)", path)
 
 
 def load(results_dir: Path) -> dict | None:
