@@ -132,11 +132,48 @@ def supported_model_types() -> list[str]:
     return sorted(FAMILIES)
 
 
+SOURCE_FILE = "source.json"  # in a converted folder: the GGUF file it came from (path, size, mtime)
+
+
+def _source(gguf: Path) -> dict:
+    stat = gguf.stat()
+    return {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
 def converted_folder(gguf: Path) -> Path:
     """Where ``gguf``'s conversion is cached (the file's path, size and mtime name it)."""
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    source = _source(gguf)
+    key = hashlib.sha1(f"{source['path']}:{source['size']}:{source['mtime_ns']}".encode()).hexdigest()[:12]
     return cache_root() / f"{gguf.stem}-{key}"
+
+
+def prune_conversions(root: Path) -> list[Path]:
+    """Removes the converted folders in ``root`` whose GGUF file is gone or changed (their source.json says which).
+
+    A conversion is named by its file's path, size and mtime, so a file moved, rebuilt or reinstalled (the bundled
+    model in each new venv, a test's temporary file) is converted into a new folder: without this the old ones
+    would pile up, half a gigabyte each for the default model. A folder without source.json (not a conversion, or
+    one from before it was written) is left alone."""
+    removed = []
+    for folder in root.iterdir() if root.is_dir() else ():
+        try:
+            source = json.loads((folder / SOURCE_FILE).read_text())
+            path = Path(source["path"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a conversion, or not readable: never remove what we cannot tell about
+        try:
+            current = _source(path)
+        except FileNotFoundError:
+            current = None  # the GGUF file is gone
+        except OSError:
+            continue
+        if current != source:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        log.info("removed %d cached conversion(s) of GGUF files since moved, changed or deleted: %s", len(removed),
+                 ", ".join(f.name for f in removed))
+    return removed
 
 
 def convert_gguf(gguf: Path) -> Path:
@@ -172,11 +209,13 @@ def convert_gguf(gguf: Path) -> Path:
         GenerationConfig.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
     except (OSError, ValueError):
         pass  # the GGUF carries no generation config: config.json's eos is used
+    (tmp / SOURCE_FILE).write_text(json.dumps(_source(gguf)))
     record(tmp / FOLDER_MANIFEST, {f.name: f for f in tmp.iterdir()})  # what each file holds, checked on load
     try:
         tmp.rename(out)  # atomic: a half-written conversion is never picked up
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+    prune_conversions(out.parent)
     return out
 
 

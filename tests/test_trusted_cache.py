@@ -120,3 +120,33 @@ def test_a_changed_gguf_conversion_is_converted_again_and_a_shared_cache_refused
     out.parent.chmod(0o777)
     with pytest.raises(UntrustedCache, match="chmod go-w"):
         loader.convert_gguf(gguf)
+
+
+def test_conversions_of_gguf_files_since_moved_changed_or_deleted_are_removed(tmp_path, monkeypatch):
+    import shutil
+
+    from conftest import write_gguf
+
+    from radixserve.model import loader
+
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    first = write_gguf(tmp_path / "a" / "tiny.gguf", {}, "llama")
+    converted = loader.convert_gguf(first)
+    assert json.loads((converted / loader.SOURCE_FILE).read_text())["path"] == str(first.resolve())
+    assert verify(converted, FOLDER_MANIFEST) is None  # source.json is in the manifest like every other file
+    kernels = private_dir(tmp_path / "cache" / "kernels")  # not a conversion: never touched
+    (kernels / "cpu_decode-0.so").write_bytes(b"\0")
+
+    (tmp_path / "b").mkdir()
+    moved = Path(shutil.copy2(first, tmp_path / "b" / "tiny.gguf"))  # another venv's copy of the same file
+    kept = loader.convert_gguf(moved)
+    assert kept != converted and converted.exists()  # its source is still there: both stay
+    first.unlink()
+    changed_stat = moved.stat()
+    os.utime(moved, ns=(changed_stat.st_atime_ns, changed_stat.st_mtime_ns + 10**9))  # rebuilt in place
+    again = loader.convert_gguf(moved)
+    assert again != kept and again.exists()
+    assert not converted.exists() and not kept.exists()  # deleted source, and the file's older version
+    assert (kernels / "cpu_decode-0.so").exists()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(["kernels", again.name])
