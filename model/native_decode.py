@@ -150,15 +150,16 @@ def pack_gguf(q: torch.Tensor, fb: FileBlocks) -> tuple[int, tuple[torch.Tensor 
     raise native.NativeUnavailable(f"no native layout for {fb.kind} blocks")
 
 
-def prefix_groups(attn: AttentionBatch, slots: torch.Tensor, first: np.ndarray, length: np.ndarray
-                  ) -> native.PrefixGroups:
-    """Decode: the rows whose contexts start with the same run of at least SHARED_MIN slots (a system prompt, a
-    document, few-shot examples), one group per run, which the kernel scores once for all the group's rows. Rows
-    are grouped by their first slot; a group's shared run is the shortest its members have in common with its
-    first row, members sharing less than SHARED_MIN with it left out (they take the per-row path). Row m's
-    context: ``slots[first[m] : first[m] + length[m]]`` (``attn.tree_contexts``)."""
+def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
+    """The rows whose contexts start with the same run of at least SHARED_MIN slots (a system prompt, a document,
+    few-shot examples, a request's own cached prefix under its new tokens), one group per run, which the kernel
+    scores once for all the group's rows. Rows are grouped by their first slot; a group's shared run is the
+    shortest its members have in common with its first row, members sharing less than SHARED_MIN with it left out
+    (they take the per-row path). Row m's context: ``slots[first[m] : first[m] + length[m]]``
+    (``attn.tree_contexts``): a decode row's is its request's row; a prefill row's, its request's row up to itself,
+    so the rows of one request share their context's start and are compared once."""
     rows = len(length)
-    if attn.mode != "decode" or rows < 2:
+    if rows < 2:
         return native.PrefixGroups(rows)
     slots = slots.numpy()
     long = np.flatnonzero(length >= SHARED_MIN)
@@ -169,11 +170,15 @@ def prefix_groups(attn: AttentionBatch, slots: torch.Tensor, first: np.ndarray, 
     for same_head in np.split(long[order], cuts):
         if len(same_head) < 2:
             continue
+        starts, which = np.unique(first[same_head], return_inverse=True)
+        reach = np.zeros(len(starts), dtype=np.int64)  # the longest context from each start
+        np.maximum.at(reach, which, length[same_head])
         span = np.arange(int(length[same_head[0]]))  # the first member's context
-        at = first[same_head, None] + span  # [members, span]: past a member's own context, not its slots
-        inside = span < length[same_head, None]
-        same = inside & (slots[np.minimum(at, len(slots) - 1)] == slots[at[0]])
-        common = np.where(same.all(axis=1), len(span), same.argmin(axis=1))  # each one's run in common with it
+        at = starts[:, None] + span  # [starts, span]: past a start's longest context, not its slots
+        inside = span < reach[:, None]
+        same = inside & (slots[np.minimum(at, len(slots) - 1)] == slots[first[same_head[0]] + span])
+        run = np.where(same.all(axis=1), len(span), same.argmin(axis=1))  # each start's run in common with it
+        common = np.minimum(run[which], length[same_head])
         keep = common >= SHARED_MIN
         if keep.sum() >= 2:
             members.append(same_head[keep].tolist())
@@ -230,7 +235,8 @@ class NativeDecode:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.steps = 0  # steps that ran native
         self.prefill_steps = 0  # of which prefill steps
-        self.shared_steps = 0  # of which decode steps that scored shared prefixes once for all their rows
+        self.shared_steps = 0  # of which steps that scored shared prefixes once for all their rows
+        self.shared_prefill_steps = 0  # of which prefill steps (rows: new tokens on a cached or long prefix)
         self.shared_groups = 0  # the groups of rows those steps scored a prefix for (prefix_groups)
         self.last_groups = 0  # of which in the last step
         # the kernel's shared-prefix path (attention_shared.h): AMX tiles or vector registers, head dims that are
@@ -332,7 +338,7 @@ class NativeDecode:
         if out_slot.shape != (rows,) or cos.shape != (rows, self._head_dim) or sin.shape != cos.shape:
             raise IndexError(f"{rows} rows with {tuple(out_slot.shape)} new slots and {tuple(cos.shape)} RoPE rows")
         # groups of rows sharing a prefix, from the checked contexts (their rows and lengths are made here)
-        groups = prefix_groups(batch.attn, slots, first, length) if self.shares else native.PrefixGroups(rows)
+        groups = prefix_groups(slots, first, length) if self.shares else native.PrefixGroups(rows)
         need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, len(groups), groups.slots())
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
@@ -347,6 +353,7 @@ class NativeDecode:
         self.steps += 1
         self.prefill_steps += batch.attn.mode != "decode"
         self.shared_steps += len(groups) > 0
+        self.shared_prefill_steps += len(groups) > 0 and batch.attn.mode != "decode"
         self.shared_groups += len(groups)
         self.last_groups = len(groups)
         return logits
