@@ -53,7 +53,8 @@ def main() -> None:
           f"ms per extend step, median of {args.reps}")
     print(f"{'requests x new':>15} {'torch':>9} {'per row':>9} {'grouped':>9} {'torch/grouped':>14} {'takes':>6}")
     for requests, new in cases:
-        ours._add(common, 1)  # the prefix cached
+        if common:
+            ours._add(common, 1)  # the prefix cached
         while ours.sched.has_work:
             ours.sched.process(runner.forward(ours.sched.schedule()))
         for i in range(requests):

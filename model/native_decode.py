@@ -1,5 +1,5 @@
 """Steps through the native CPU kernel (``kernels/native/``): the whole step, every layer and the output projection,
-in one call -- every decode step, and the prefill steps whose attention is small enough (``EXTEND_KEYS``).
+in one call -- every decode step, and the prefill steps whose attention is small enough (``NativeDecode.takes``).
 
 Per step Python does three things: the embedding lookup, filling one ``Step`` structure (pointers to this step's
 tensors: rows' cos/sin, new slots, each row's context, logit rows), and one call. The ``Model`` structure
@@ -34,13 +34,21 @@ from radixserve.model.causal_lm import CausalLM
 log = logging.getLogger(__name__)
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds (kMaxGroup, kMaxHeadDim)
-# A prefill step runs here too while its tokens' contexts add up to at most this many keys: the kernel's attention
-# visits every (token, key) pair, which beats torch's per-request SDPA plus its small ops for short prompts and
-# short continuations of cached ones, and loses for long prompts; the bound sits below the crossover timed on
-# SmolLM2 (bf16, 2 cores) when it was set.
+# A prefill step runs here too while its attention costs at most this many (token, key) pairs visited row by row:
+# the kernel beats torch's per-request SDPA plus its small ops for short prompts and short continuations of cached
+# ones, and loses for long prompts. Measured (SmolLM2, bf16, 2 cores of a Xeon with AMX): 128 new tokens 34 vs 56 ms,
+# 30 after 1500 cached 50 vs 55 ms (45k pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs).
 EXTEND_KEYS = 40_000
-SHARED_MIN = 128  # shared context slots from which a group of decode rows scores them once for all (fewer: the
-# per-row path is as fast)
+# ... and in bf16 on a CPU without AVX-512 BF16 (the kernel built for AVX2), where torch multiplies bf16 through
+# float32 copies: measured there (Zen 3, benchmarks/shared_extend.py), a fresh 512-token prompt 1076 vs 1164 ms
+# (131k pairs), two of 512 even (262k), one of 768 1721 vs 1487 ms (295k).
+EXTEND_KEYS_WIDENED = 200_000
+# A request's new tokens on a cached prefix of SHARED_MIN slots or more are one group (prefix_groups): each prefix
+# pair costs about this many times less than one the per-row path visits (Zen 3, 512 tokens on 860 cached: 2.1;
+# the attention alone, one layer, 32 rows on one prefix: 3.1-3.6 there, 3.1 on a Xeon with AMX, 2 cores)
+SHARED_GAIN = 2
+SHARED_MIN = 128  # shared context slots from which a group of rows scores them once for all (fewer: the per-row
+# path is as fast)
 BLOCK = 32  # weights per quantization block (kBlock)
 
 
@@ -243,6 +251,7 @@ class NativeDecode:
         # multiples of 16, a pool in the model's dtype; False: every row scores its whole context itself
         self.shares = cfg.head_dim % 16 == 0 and not self.desc.kv_codes
         self._head_dim = cfg.head_dim
+        self.extend_keys = EXTEND_KEYS_WIDENED if self.isa == "avx2" and dtype == torch.bfloat16 else EXTEND_KEYS
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
         for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
             layer.native = functools.partial(self._product, lin)
@@ -312,12 +321,17 @@ class NativeDecode:
         self._quantized_layers.append((layer, lin))
         return lin
 
-    @staticmethod
-    def takes(mode: str, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> bool:
-        """Every decode step; a prefill step while its tokens' contexts add up to at most EXTEND_KEYS keys."""
+    def takes(self, mode: str, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> bool:
+        """Every decode step; a prefill step while its attention's (token, key) pairs, a grouped prefix's counted
+        at 1 / SHARED_GAIN (a request's tokens on a cached prefix of SHARED_MIN or more: tokens on one prefix
+        from several requests are cheaper still), add up to at most ``extend_keys``."""
         if mode == "decode":
             return True
-        return sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens)) <= EXTEND_KEYS
+        cost = 0.0
+        for p, e in zip(prefix_lens, extend_lens):
+            grouped = self.shares and p >= SHARED_MIN and e >= 2
+            cost += e * (e + 1) // 2 + e * p / (SHARED_GAIN if grouped else 1)
+        return cost <= self.extend_keys
 
     def applies(self, batch: ForwardBatch) -> bool:
         return self.takes(batch.attn.mode, batch.attn.prefix_lens, batch.attn.extend_lens)

@@ -552,8 +552,6 @@ def test_a_prefill_step_equals_eager(dtype, tiny_models):
     """A prefill step through the kernel (a row per new token, its context its request's row up to itself): one
     request continuing a cached prompt, one fresh, one with its prompt's logprobs asked for -- the logits of every
     logit row and the K/V stored equal the eager model's (float32 to rounding, bf16 to its noise)."""
-    from radixserve.model.native_decode import NativeDecode
-
     engine = _engine(tiny_models["qwen2"], dtype)
     runner, sched = engine.runner, engine.scheduler
     rng = random.Random(21)
@@ -567,7 +565,7 @@ def test_a_prefill_step_equals_eager(dtype, tiny_models):
     sched.add_request("scored", rows[1], first, top_logprobs=0, logprob_start=2)
     plan = sched.schedule()
     assert plan.mode == "extend" and len(plan.extend_lens) == 3 and max(plan.prefix_lens) > 0
-    assert NativeDecode.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
+    assert runner.native.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
     eager, native, kv_eager, kv_native = _eager_and_native(runner, plan)
     assert len(native) == len(eager) > 3, "the prompt's logprob rows come out too"
     if dtype == "float32":
@@ -581,3 +579,28 @@ def test_a_prefill_step_equals_eager(dtype, tiny_models):
         sched.process(runner.forward(sched.schedule()))
     sched.check()
     engine.shutdown()
+
+
+def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
+    """NativeDecode.takes: every decode step; a prefill step while its (token, key) pairs fit the budget, a
+    request's tokens on a cached prefix of SHARED_MIN or more counted at 1 / SHARED_GAIN (its rows are a group);
+    the budget is larger in bf16 where the kernel is built for AVX2 (torch multiplies bf16 through float32 there)."""
+    from radixserve.model.native_decode import EXTEND_KEYS, EXTEND_KEYS_WIDENED, SHARED_GAIN, SHARED_MIN
+
+    for dtype in ("float32", "bfloat16"):
+        engine = _engine(tiny_models["llama"], dtype)
+        native = engine.runner.native
+        widened = dtype == "bfloat16" and native.isa == "avx2"
+        assert native.extend_keys == (EXTEND_KEYS_WIDENED if widened else EXTEND_KEYS)
+        engine.shutdown()
+    native.extend_keys = EXTEND_KEYS
+    assert native.takes("decode", [100_000] * 64, [1] * 64)
+    assert native.takes("extend", [0], [270]) and not native.takes("extend", [0], [290])  # 36,585 / 42,195 pairs
+    on_cached = ("extend", [1500], [30])  # 45,000 prefix pairs + 465
+    assert 465 + 45_000 / SHARED_GAIN <= EXTEND_KEYS < 465 + 45_000
+    assert native.takes(*on_cached)
+    native.shares = False  # no groups: every pair row by row
+    assert not native.takes(*on_cached)
+    native.shares = True
+    assert not native.takes("extend", [SHARED_MIN - 1] * 12, [30] * 12)  # too short a prefix to group: 51,300
+    assert not native.takes("extend", [1500] * 30, [1] * 30)  # one token each: 45,030, no group of its own rows
