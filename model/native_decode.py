@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from radixserve.kernels import cpu_native as native
-from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.bounds import check_indices, check_ranges
 from radixserve.kernels.cpu_quant import FileBlocks, QuantLinear
 from radixserve.model.forward_batch import ForwardBatch, KVPool
