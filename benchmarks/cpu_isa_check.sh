@@ -2,10 +2,10 @@
 # For a machine whose CPU is not the development machine's (AVX-512 BF16, AMX; no internet, torch installed): the
 # native step's kernel tests that need no bundled model -- every product format (AMX tiles where granted), attention
 # with shared-prefix groups against float64 softmax, the per-ISA builds -- and the shared-prefix attention
-# microbenchmark at 2 threads and at every core; then, on a GPU, the Triton kernel tests and their microbenchmark.
-# Under 9 minutes. Log: $OUT/cpu_isa_check.log (or benchmarks/results/cpu_isa_check.log).
+# microbenchmark at 2 threads and at every core (a GPU machine's own checks: benchmarks/gpu_check.sh). Under 5
+# minutes. Log: $OUT/cpu_isa_check.log (or benchmarks/results/cpu_isa_check.log).
 #   bash benchmarks/cpu_isa_check.sh
-# msgspec, pyzmq and gguf, if missing there, travel as wheels in .whl/ (installed offline into a folder of their own).
+# msgspec, pyzmq and gguf, if missing there, travel as wheels in .gpu-wheels/ (as for gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${OUT:-benchmarks/results}/cpu_isa_check.log
@@ -15,15 +15,7 @@ export RADIXSERVE_CACHE=${RADIXSERVE_CACHE:-/tmp/radixserve-cache} PYTHONUNBUFFE
 {
   echo "== $(date -u) $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs"
   echo "flags: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_bf16|avx512_vnni|amx_tile|amx_bf16|amx_int8' /proc/cpuinfo | tr '\n' ' ')"
-  if [ -d .whl ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-  fi
-  # pytest runs from outside the checkout (its root's radixserve/ would stand in for the installed package)
-  REPO=$PWD
-  if ! (cd /tmp && $PY -c "import radixserve.actors, radixserve.kernels") 2>/dev/null; then  # into a folder of its own
-    $PY -m pip install -q --no-deps --no-build-isolation --target /tmp/rs-site . && export PYTHONPATH=/tmp/rs-site:${PYTHONPATH:-}
-  fi
+  source benchmarks/offline_site.sh
   $PY -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())"
   echo "== native kernel tests (no model needed)"
   (cd /tmp && timeout 240 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_native_decode.py" \
@@ -36,11 +28,4 @@ export RADIXSERVE_CACHE=${RADIXSERVE_CACHE:-/tmp/radixserve-cache} PYTHONUNBUFFE
       OMP_NUM_THREADS=$threads timeout 60 $PY benchmarks/shared_attention.py $groups 2>&1 | tail -7
     done
   done
-  if $PY -c "import torch; raise SystemExit(not torch.cuda.is_available())"; then
-    echo "== Triton kernel tests on CUDA"
-    (cd /tmp && timeout 150 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_triton_kernels.py" \
-      "$REPO/tests/test_kernels_torch.py" 2>&1 | tail -5)
-    echo "== GPU attention microbenchmark"
-    timeout 90 $PY benchmarks/gpu_attention_bench.py 2>&1 | tail -20
-  fi
 } 2>&1 | tee "$LOG"

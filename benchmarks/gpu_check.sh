@@ -6,7 +6,7 @@
 # (or benchmarks/results/gpu_check.log).
 #   bash benchmarks/gpu_check.sh
 # Serving also needs msgspec, pyzmq, aiohttp, uvloop, prometheus_client and tqdm: if the machine lacks them,
-# carry their wheels in .gpu-wheels/ (pip download -d .gpu-wheels ...); they are installed from there offline.
+# carry their wheels in .gpu-wheels/ (pip download --no-deps -d .gpu-wheels ...); they are installed from there offline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${OUT:-benchmarks/results}/gpu_check.log
@@ -14,23 +14,19 @@ mkdir -p "$(dirname "$LOG")"
 PY=${PY:-python}
 {
   echo "== $(date) $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-  if [ -d .gpu-wheels ]; then
-    $PY -m pip install -q --no-index --find-links .gpu-wheels msgspec pyzmq aiohttp uvloop prometheus_client tqdm
-  fi
-  if ! $PY -c "import radixserve.kernels" 2>/dev/null; then  # not installed here: into a folder of its own
-    $PY -m pip install -q --no-deps --no-build-isolation --target .gpu-site . && export PYTHONPATH=$PWD/.gpu-site
-  fi
+  source benchmarks/offline_site.sh
   $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
   echo "== kernel tests on CUDA"
-  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_kernels_torch.py 2>&1 | tail -5
+  (cd /tmp && timeout 150 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_triton_kernels.py" \
+    "$REPO/tests/test_kernels_torch.py" 2>&1 | tail -5)
   echo "== microbenchmark"
   timeout 120 $PY benchmarks/gpu_attention_bench.py 2>&1
   echo "== tensor parallelism over NCCL (--tp over this machine's GPUs; a GPU per rank)"
   if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
-    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 | tail -5
+    (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_tensor_parallel.py" 2>&1 | tail -5)
   else
     echo "skipped: $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s) here; NCCL ranks need a GPU each"
   fi
   echo "== radixserve serve on the GPU, 32 shared-prefix requests"
-  timeout 200 $PY benchmarks/gpu_serve_check.py 2>&1 | grep -v "it/s]" | tail -12
+  (cd /tmp && timeout 200 $PY "$REPO/benchmarks/gpu_serve_check.py" 2>&1 | grep -v "it/s]" | tail -12)
 } 2>&1 | tee "$LOG"

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from forward_speed import Ours, prompt_ids  # noqa: E402
 from radixserve import Engine  # noqa: E402
+from radixserve.model.forward_batch import ForwardBatch  # noqa: E402
 
 
 def timed(run) -> float:
@@ -62,17 +63,14 @@ def main() -> None:
         plan = ours.sched.schedule()
         assert plan.batch_size == requests and list(plan.extend_lens) == [new] * requests, plan.extend_lens
         taken = native.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
-        eager = runner._batch(plan) if not taken else None
-        if eager is None:  # _batch builds torch's attention metadata only where the native step will not run
-            from radixserve.model.forward_batch import ForwardBatch
-            eager = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
-                                           runner._group, runner.table, prepare_attention=True,
-                                           local_rope=runner.local_rope, windows=runner.cfg.arch.sliding_windows)
-        batch = runner._batch(plan)
+        # one batch for all three: with torch's attention metadata (the native step reads the slots alone)
+        batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
+                                       runner._group, runner.table, local_rope=runner.local_rope,
+                                       windows=runner.cfg.arch.sliding_windows)
         times: dict[str, list[float]] = {"torch": [], "per row": [], "grouped": []}
         with torch.inference_mode():
             for _ in range(args.reps + 1):
-                times["torch"].append(timed(lambda: runner.model(eager)))
+                times["torch"].append(timed(lambda: runner.model(batch)))
                 native.shares = False
                 times["per row"].append(timed(lambda: native(batch)))
                 native.shares = True
