@@ -17,12 +17,11 @@ from radixserve.model.forward_batch import ForwardBatch
 
 
 def _batch(runner, tokens: list[int], row: torch.Tensor, mode: str) -> ForwardBatch:
-    """One request's step: ``tokens`` new at the end of its ``row`` of slots."""
+    """One request's step: ``tokens`` new at the end of its ``row`` of slots (``runner._run`` prepares the
+    attention metadata if the native step turns it down)."""
     new, prefix = len(tokens), len(row) - len(tokens)
     attn = AttentionBatch(mode=mode, prefix_lens=[prefix], extend_lens=[new], slots=row, out_slots=row[prefix:],
                           dtype=runner.dtype, group=runner._group)
-    if not (runner.native is not None and runner.native.takes(mode, [prefix], [new])):
-        attn.backend_data = runner.attn.prepare(attn)
     positions = torch.arange(prefix, prefix + new)
     cos, sin = runner.rope.lookup(positions)
     return ForwardBatch(input_ids=torch.tensor(tokens), positions=positions, logit_rows=torch.tensor([new - 1]),

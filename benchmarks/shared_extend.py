@@ -7,7 +7,7 @@ in one step, and that step is timed three ways on the same batch, interleaved:
 - native, grouped: the native step, the prefix scored once for every row of the group (``prefix_groups``).
 
 Medians of ``--reps`` rounds. Prints a table, one line per (requests, new tokens) case; the native columns also say
-whether ``NativeDecode.takes`` would send that step there.
+whether ``NativeDecode.applies`` would send that step there.
 
     python benchmarks/shared_extend.py [--prefix 860] [--cases 31x32,8x32,1x128,1x512] [--reps 5]
 """
@@ -62,11 +62,11 @@ def main() -> None:
             ours._add(common + prompt_ids(new, 1000 + i), 1)
         plan = ours.sched.schedule()
         assert plan.batch_size == requests and list(plan.extend_lens) == [new] * requests, plan.extend_lens
-        taken = native.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
         # one batch for all three: with torch's attention metadata (the native step reads the slots alone)
         batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
                                        runner._group, runner.table, local_rope=runner.local_rope,
                                        windows=runner.cfg.arch.sliding_windows)
+        taken = native.applies(batch)
         times: dict[str, list[float]] = {"torch": [], "per row": [], "grouped": []}
         with torch.inference_mode():
             for _ in range(args.reps + 1):

@@ -159,3 +159,9 @@ class ForwardBatch:
             local_cos=local_cos,
             local_sin=local_sin,
         )
+
+    def prepare_attention(self) -> None:
+        """Build the backend's per-step metadata if ``from_plan`` did not (``prepare_attention=False``): a step
+        that the native kernel turns down runs through the backend after all."""
+        if self.attn.backend_data is None:
+            self.attn.backend_data = self.attn_backend.prepare(self.attn)

@@ -1,5 +1,5 @@
 """Steps through the native CPU kernel (``kernels/native/``): the whole step, every layer and the output projection,
-in one call -- every decode step, and the prefill steps whose attention is small enough (``NativeDecode.takes``).
+in one call -- every decode step, and the prefill steps whose attention is small enough (``NativeDecode.applies``).
 
 Per step Python does three things: the embedding lookup, filling one ``Step`` structure (pointers to this step's
 tensors: rows' cos/sin, new slots, each row's context, logit rows), and one call. The ``Model`` structure
@@ -33,19 +33,24 @@ from radixserve.model.causal_lm import CausalLM
 log = logging.getLogger(__name__)
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds (kMaxGroup, kMaxHeadDim)
-# A prefill step runs here too while its attention costs at most this many (token, key) pairs visited row by row:
-# the kernel beats torch's per-request SDPA plus its small ops for short prompts and short continuations of cached
-# ones, and loses for long prompts. Measured (SmolLM2, bf16, 2 cores of a Xeon with AMX): 128 new tokens 34 vs 56 ms,
-# 30 after 1500 cached 50 vs 55 ms (45k pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs).
+# A prefill step runs here too while its attention costs at most this many (token, key) pairs visited row by row, a
+# group's shared slots counted at 1 / SHARED_GAIN (``NativeDecode.cost``): the kernel beats torch's per-request SDPA
+# plus its small ops for short prompts and short continuations of cached ones, and loses for long prompts. Measured
+# (SmolLM2, bf16, 2 cores of a Xeon with AMX): 128 new tokens 34 vs 56 ms, 30 after 1500 cached 50 vs 55 ms (45k
+# pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs).
 EXTEND_KEYS = 40_000
-# ... and in bf16 on a CPU without AVX-512 BF16 (the kernel built for AVX2), where torch multiplies bf16 through
-# float32 copies: measured there (Zen 3, benchmarks/shared_extend.py), a fresh 512-token prompt 1076 vs 1164 ms
-# (131k pairs), two of 512 even (262k), one of 768 1721 vs 1487 ms (295k).
-EXTEND_KEYS_WIDENED = 200_000
-# A request's new tokens on a cached prefix of SHARED_MIN slots or more are one group (prefix_groups): each prefix
-# pair costs about this many times less than one the per-row path visits (Zen 3, 512 tokens on 860 cached: 2.1;
-# the attention alone, one layer, 32 rows on one prefix: 3.1-3.6 there, 3.1 on a Xeon with AMX, 2 cores)
+# A group's shared slots are scored once for all its rows (prefix_groups): each such pair costs about this many
+# times less than one the per-row path visits (Zen 3, 512 tokens on 860 cached: 2.1; the attention alone, one layer,
+# 32 rows on one prefix: 3.1-3.6 there, 3.1 on a Xeon with AMX, 2 cores)
 SHARED_GAIN = 2
+# ... where the kernel is built for AVX2 (no AVX-512), against torch, whose bf16 products go through float32 copies
+# there and whose float32 SDPA over a long gathered prefix is slow: measured on Zen 3, 2 threads
+# (benchmarks/shared_extend.py, torch / native ms, cost as counted here): bf16 fresh prompts 1 x 512 1.20x (85k),
+# 2 x 512 0.99x (170k), 1 x 768 0.85x (218k); on 860 cached slots 31 x 32 1.54x (70k), 1 x 512 1.18x (158k),
+# 1 x 768 0.96x (336k); on 2000, 31 x 32 1.33x (140k). float32: fresh 1 x 384 1.17x (43k), 1 x 512 1.01x (85k);
+# on 860 cached, 16 x 64 2.16x (88k), 1 x 512 0.95x (158k).
+EXTEND_KEYS_AVX2 = {torch.bfloat16: 160_000, torch.float32: 100_000}
+SHARED_GAIN_AVX2 = 16
 SHARED_MIN = 128  # shared context slots from which a group of rows scores them once for all (fewer: the per-row
 # path is as fast)
 BLOCK = 32  # weights per quantization block (kBlock)
@@ -250,7 +255,9 @@ class NativeDecode:
         # multiples of 16, a pool in the model's dtype; False: every row scores its whole context itself
         self.shares = cfg.head_dim % 16 == 0 and not self.desc.kv_codes
         self._head_dim = cfg.head_dim
-        self.extend_keys = EXTEND_KEYS_WIDENED if self.isa == "avx2" and dtype == torch.bfloat16 else EXTEND_KEYS
+        avx2 = self.isa == "avx2"
+        self.extend_keys = EXTEND_KEYS_AVX2[dtype] if avx2 else EXTEND_KEYS  # a prefill step's budget (cost)
+        self.shared_gain = SHARED_GAIN_AVX2 if avx2 else SHARED_GAIN
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
         for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
             layer.native = functools.partial(self._product, lin)
@@ -320,24 +327,26 @@ class NativeDecode:
         self._quantized_layers.append((layer, lin))
         return lin
 
-    def takes(self, mode: str, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> bool:
-        """Every decode step; a prefill step while its attention's (token, key) pairs, a grouped prefix's counted
-        at 1 / SHARED_GAIN (a request's tokens on a cached prefix of SHARED_MIN or more: tokens on one prefix
-        from several requests are cheaper still), add up to at most ``extend_keys``."""
-        if mode == "decode":
-            return True
-        cost = 0.0
-        for p, e in zip(prefix_lens, extend_lens):
-            grouped = self.shares and p >= SHARED_MIN and e >= 2
-            cost += e * (e + 1) // 2 + e * p / (SHARED_GAIN if grouped else 1)
-        return cost <= self.extend_keys
-
     def applies(self, batch: ForwardBatch) -> bool:
-        return self.takes(batch.attn.mode, batch.attn.prefix_lens, batch.attn.extend_lens)
+        """Every decode step; a prefill step while its attention's ``cost`` is at most ``extend_keys``."""
+        if batch.attn.mode == "decode":
+            return True
+        slots, first, length = batch.attn.tree_contexts(self.window)  # a draft tree's rows: lists of their own
+        return self.cost(length, self._groups(slots, first, length)) <= self.extend_keys
+
+    def cost(self, length: np.ndarray, groups: native.PrefixGroups) -> float:
+        """A step's attention in (row, key) pairs visited row by row (row m's context: ``length[m]`` slots), its
+        groups' shared slots counted at 1 / ``shared_gain`` (scored once for all the group's rows): tokens on one
+        cached prefix, whether one request's or several requests', and a long prompt's rows on its own first slots."""
+        shared = float(groups.row_shared.sum())
+        return float(length.sum()) - shared + shared / self.shared_gain
+
+    def _groups(self, slots: torch.Tensor, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
+        return prefix_groups(slots, first, length) if self.shares else native.PrefixGroups(len(length))
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
-        slots, first, length = batch.attn.tree_contexts(self.window)  # a draft tree's rows: lists of their own
+        slots, first, length = batch.attn.tree_contexts(self.window)
         h = self.model.model.embed_tokens(batch.input_ids).contiguous()
         cos, sin = batch.cos.reshape(rows, -1).contiguous(), batch.sin.reshape(rows, -1).contiguous()
         starts, lens = torch.from_numpy(first), torch.from_numpy(length)
@@ -350,8 +359,7 @@ class NativeDecode:
         check_indices("logit rows", logit_row, rows)
         if out_slot.shape != (rows,) or cos.shape != (rows, self._head_dim) or sin.shape != cos.shape:
             raise IndexError(f"{rows} rows with {tuple(out_slot.shape)} new slots and {tuple(cos.shape)} RoPE rows")
-        # groups of rows sharing a prefix, from the checked contexts (their rows and lengths are made here)
-        groups = prefix_groups(slots, first, length) if self.shares else native.PrefixGroups(rows)
+        groups = self._groups(slots, first, length)  # from the checked contexts
         need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, len(groups), groups.slots())
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)

@@ -270,15 +270,14 @@ class ModelRunner:
         return "native" if self.native is not None else "compiled" if self.compiled is not None else "eager"
 
     def _batch(self, plan: ForwardPlan) -> ForwardBatch:
-        # the native step reads the slots directly: the torch backend's per-step attention metadata is not built
-        native = self.native is not None and self.native.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
         return ForwardBatch.from_plan(plan, self.kv, self.rope, self.attn, self.dtype, self.device, self._group,
-                                      self.table, prepare_attention=not native, local_rope=self.local_rope,
+                                      self.table, prepare_attention=False, local_rope=self.local_rope,
                                       windows=self.cfg.arch.sliding_windows)
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         if self.native is not None and self.native.applies(batch):
             return self.native(batch)
+        batch.prepare_attention()  # only here: the native step reads the slots directly
         if self.compiled is not None and self.compiled.applies(batch):
             return self.compiled(batch)
         return self.model(batch)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 from conftest import save_random
 from radixserve import Engine
 from radixserve.kernels import cpu_native
+from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.cpu_native import NativeUnavailable, unavailable_reason
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.kv_codes import KV_CODES, ScaledPool, encode
@@ -565,7 +567,7 @@ def test_a_prefill_step_equals_eager(dtype, tiny_models):
     sched.add_request("scored", rows[1], first, top_logprobs=0, logprob_start=2)
     plan = sched.schedule()
     assert plan.mode == "extend" and len(plan.extend_lens) == 3 and max(plan.prefix_lens) > 0
-    assert runner.native.takes(plan.mode, plan.prefix_lens, plan.extend_lens)
+    assert runner.native.applies(runner._batch(plan))
     eager, native, kv_eager, kv_native = _eager_and_native(runner, plan)
     assert len(native) == len(eager) > 3, "the prompt's logprob rows come out too"
     if dtype == "float32":
@@ -581,26 +583,62 @@ def test_a_prefill_step_equals_eager(dtype, tiny_models):
     engine.shutdown()
 
 
+def _step(mode: str, rows: list[list[int]], extend: list[int]) -> SimpleNamespace:
+    """A step's attention over requests' rows of slots (their last ``extend[i]`` new), as ``applies`` reads it."""
+    slots = torch.tensor([s for row in rows for s in row], dtype=torch.int64)
+    ends = np.cumsum([len(row) for row in rows])
+    out = torch.from_numpy(np.concatenate([np.arange(end - e, end) for end, e in zip(ends, extend)]))
+    return SimpleNamespace(attn=AttentionBatch(mode=mode, prefix_lens=[len(r) - e for r, e in zip(rows, extend)],
+                                               extend_lens=extend, slots=slots, out_slots=slots[out]))
+
+
 def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
-    """NativeDecode.takes: every decode step; a prefill step while its (token, key) pairs fit the budget, a
-    request's tokens on a cached prefix of SHARED_MIN or more counted at 1 / SHARED_GAIN (its rows are a group);
-    the budget is larger in bf16 where the kernel is built for AVX2 (torch multiplies bf16 through float32 there)."""
-    from radixserve.model.native_decode import EXTEND_KEYS, EXTEND_KEYS_WIDENED, SHARED_GAIN, SHARED_MIN
+    """NativeDecode.applies: every decode step; a prefill step while its attention's cost fits the budget: the
+    (row, key) pairs, a group's shared slots at 1 / shared_gain -- a request's tokens on its cached prefix, several
+    requests' tokens on one prefix (one token each too), a long prompt's rows on its first SHARED_MIN slots. The
+    budget and the gain are larger where the kernel is built for AVX2 (torch multiplies bf16 through float32 there,
+    and its float32 SDPA over a gathered prefix is slow)."""
+    from radixserve.model.native_decode import (EXTEND_KEYS, EXTEND_KEYS_AVX2, SHARED_GAIN, SHARED_GAIN_AVX2,
+                                                SHARED_MIN)
 
     for dtype in ("float32", "bfloat16"):
         engine = _engine(tiny_models["llama"], dtype)
         native = engine.runner.native
-        widened = dtype == "bfloat16" and native.isa == "avx2"
-        assert native.extend_keys == (EXTEND_KEYS_WIDENED if widened else EXTEND_KEYS)
+        avx2 = native.isa == "avx2"
+        assert native.extend_keys == (EXTEND_KEYS_AVX2[native.dtype] if avx2 else EXTEND_KEYS)
+        assert native.shared_gain == (SHARED_GAIN_AVX2 if avx2 else SHARED_GAIN)
         engine.shutdown()
-    native.extend_keys = EXTEND_KEYS
-    assert native.takes("decode", [100_000] * 64, [1] * 64)
-    assert native.takes("extend", [0], [270]) and not native.takes("extend", [0], [290])  # 36,585 / 42,195 pairs
-    on_cached = ("extend", [1500], [30])  # 45,000 prefix pairs + 465
-    assert 465 + 45_000 / SHARED_GAIN <= EXTEND_KEYS < 465 + 45_000
-    assert native.takes(*on_cached)
+    native.extend_keys, native.shared_gain = EXTEND_KEYS, SHARED_GAIN
+    fresh = iter(range(100_000, 200_000))  # new slots
+    prefix = list(range(1500))
+
+    def cost(step):
+        slots, first, length = step.attn.tree_contexts()
+        return native.cost(length, native._groups(slots, first, length))
+
+    assert native.applies(_step("decode", [prefix + [next(fresh)] for _ in range(64)], [1] * 64))
+    # a fresh prompt: rows 0..e-1 see 1..e slots; from row SHARED_MIN - 1 on they are a group on its first slots
+    for e, taken in ((320, True), (330, False)):
+        step = _step("extend", [[next(fresh) for _ in range(e)]], [e])
+        grouped = (e - SHARED_MIN + 1) * SHARED_MIN
+        assert cost(step) == e * (e + 1) // 2 - grouped + grouped / SHARED_GAIN
+        assert native.applies(step) == taken  # 39,008 / 41,623
+    # 30 tokens on a 1500-slot cached prefix: every row's first 1501 slots shared (45,465 pairs)
+    on_cached = _step("extend", [prefix + [next(fresh) for _ in range(30)]], [30])
+    assert cost(on_cached) == 45_465 - 30 * 1501 + 30 * 1501 / SHARED_GAIN
+    assert native.applies(on_cached)
+    # 30 requests of one token each on that prefix: one group across the requests (45,030 pairs, 45,000 shared)
+    one_each = _step("extend", [prefix + [next(fresh)] for _ in range(30)], [1] * 30)
+    assert cost(one_each) == 45_030 - 45_000 + 45_000 / SHARED_GAIN and native.applies(one_each)
+    # ... sharing only their first SHARED_MIN - 1 slots: no group (each request's one row alone)
+    apart = _step("extend", [prefix[: SHARED_MIN - 1] + [next(fresh) for _ in range(1501 - SHARED_MIN + 1)]
+                             for _ in range(30)], [1] * 30)
+    assert cost(apart) == 45_030 and not native.applies(apart)
     native.shares = False  # no groups: every pair row by row
-    assert not native.takes(*on_cached)
+    assert cost(on_cached) == 45_465 and not native.applies(on_cached)
+    assert not native.applies(one_each)
     native.shares = True
-    assert not native.takes("extend", [SHARED_MIN - 1] * 12, [30] * 12)  # too short a prefix to group: 51,300
-    assert not native.takes("extend", [1500] * 30, [1] * 30)  # one token each: 45,030, no group of its own rows
+    native.extend_keys = cost(on_cached)  # the budget itself is taken
+    assert native.applies(on_cached)
+    native.extend_keys -= 1
+    assert not native.applies(on_cached)
