@@ -4,7 +4,7 @@ they had their own (8-bit bytes with a float32 scale and offset per 32 weights).
 (tests/conftest.py's ``random_blocks``), a layer of 8192 x 2048 cycled through 6 copies so that every product
 reads from memory, best of 5 rounds of 10 passes.
 
-    python benchmarks/gguf_layers.py [--rows 1] [--n 8192] [--k 2048]
+    python benchmarks/gguf_layers.py [--rows 1] [--n 8192] [--k 2048] [--kinds Q4_K,Q6_K]
 """
 from __future__ import annotations
 
@@ -31,13 +31,17 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the block formats, comma-separated")
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    if set(kinds) - set(KINDS):
+        ap.error(f"--kinds: {', '.join(sorted(set(kinds) - set(KINDS)))} not among {', '.join(KINDS)}")
     n, k = args.n, args.k
     lib = cpu_native.load(cpu_native.default_cache_dir())
     x = torch.randn(args.rows, k)
     print(f"| format | layout | ms | bits a weight | GB/s |  ({cpu_native.isa(lib)}, {args.rows} row(s), {n} x {k})")
     print("|---|---|---|---|---|")
-    for kind in KINDS:
+    for kind in kinds:
         layer = _as_layer([decode_blocks(random_blocks(kind, n, k, seed=1), kind)], torch.float32)
         q = layer.q if layer.bits == 8 else torch.stack([layer.nibbles & 15, layer.nibbles >> 4], -1).view(n, k)
         layouts = {"its own bits": lambda: pack_gguf(q, layer.file_blocks[0])}
