@@ -642,3 +642,28 @@ def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
     assert native.applies(on_cached)
     native.extend_keys -= 1
     assert not native.applies(on_cached)
+
+
+def test_prefill_steps_turned_down_run_on_torch_with_its_metadata(tiny_models):
+    """The runner builds a step without torch's attention metadata and prepares it only when the native step turns
+    the step down: with no prefill budget every prefill step runs on torch (fresh prompts, prompts on a cached
+    prefix, several on one), decode steps stay native, and the greedy tokens are those of an all-native run."""
+    rng = random.Random(5)
+    common = [rng.randrange(1000, 40000) for _ in range(150)]
+    rows = [common + [rng.randrange(1000, 40000) for _ in range(n)] for n in (3, 20, 41)]
+    rows.append([rng.randrange(1000, 40000) for _ in range(60)])
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    outs, counts = {}, {}
+    for budget in ("default", 0):
+        engine = _engine(tiny_models["llama"], "float32")
+        native = engine.runner.native
+        if budget == 0:
+            native.extend_keys = 0
+        outs[budget] = [r["output_ids"] for r in engine.generate(input_ids=rows[:1], sampling_params=params)]
+        outs[budget] += [r["output_ids"] for r in engine.generate(input_ids=rows[1:], sampling_params=params)]
+        counts[budget] = (native.steps, native.prefill_steps)
+        engine.scheduler.check()
+        engine.shutdown()
+    assert outs[0] == outs["default"]
+    assert counts["default"][1] > 0 and counts[0][1] == 0  # the prefills: native by default, torch with no budget
+    assert counts[0][0] > 0  # decode steps native either way
