@@ -29,7 +29,8 @@ class AttentionBatch:
     dtype: torch.dtype = torch.float32  # of queries and the pool
     group: int = 1  # query heads per kv head
     windows: tuple[int, ...] = ()  # the sliding windows some layer attends within: prepare() builds their masks
-    backend_data: Any = None  # whatever the backend's prepare() precomputes
+    backend_data: Any = None  # whatever the backend's prepare() precomputes (or, for a prefill step the native
+    # kernel takes, what its NativeDecode.applies worked out: StepContexts)
     # a verified draft tree (speculative decoding): per request, each new token's parent among its new tokens (-1:
     # none, the prefix only); a new token sees the prefix, its ancestors and itself. None (or a request's None):
     # causal, each new token's parent is the one before it

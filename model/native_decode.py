@@ -16,6 +16,7 @@ import ctypes
 import functools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,18 @@ def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray) ->
     return native.PrefixGroups(rows, members, shared)
 
 
+@dataclass(frozen=True, slots=True)
+class StepContexts:
+    """What ``NativeDecode.applies`` works out for a prefill step it takes, kept as the step's attention metadata
+    (``attn.backend_data``) so that the step runs on it: each row's context (``attn.tree_contexts``: a draft tree's
+    rows read lists of their own, built row by row) and the groups of rows sharing a prefix."""
+
+    slots: torch.Tensor
+    first: np.ndarray
+    length: np.ndarray
+    groups: native.PrefixGroups
+
+
 class NativeDecode:
     """``applies(batch)``: a step this kernel takes; ``__call__(batch)``: its logits, its new tokens' K/V stored."""
 
@@ -328,11 +341,17 @@ class NativeDecode:
         return lin
 
     def applies(self, batch: ForwardBatch) -> bool:
-        """Every decode step; a prefill step while its attention's ``cost`` is at most ``extend_keys``."""
+        """Every decode step; a prefill step while its attention's ``cost`` is at most ``extend_keys``. A prefill
+        step it takes without metadata keeps what was worked out here as its metadata (StepContexts)."""
         if batch.attn.mode == "decode":
             return True
-        slots, first, length = batch.attn.tree_contexts(self.window)  # a draft tree's rows: lists of their own
-        return self.cost(length, self._groups(slots, first, length)) <= self.extend_keys
+        slots, first, length = batch.attn.tree_contexts(self.window)
+        groups = self._groups(slots, first, length)
+        if self.cost(length, groups) > self.extend_keys:
+            return False
+        if batch.attn.backend_data is None:
+            batch.attn.backend_data = StepContexts(slots, first, length, groups)
+        return True
 
     def cost(self, length: np.ndarray, groups: native.PrefixGroups) -> float:
         """A step's attention in (row, key) pairs visited row by row (row m's context: ``length[m]`` slots), its
@@ -346,7 +365,9 @@ class NativeDecode:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)
-        slots, first, length = batch.attn.tree_contexts(self.window)
+        known = batch.attn.backend_data if isinstance(batch.attn.backend_data, StepContexts) else None
+        slots, first, length = ((known.slots, known.first, known.length) if known is not None
+                                else batch.attn.tree_contexts(self.window))
         h = self.model.model.embed_tokens(batch.input_ids).contiguous()
         cos, sin = batch.cos.reshape(rows, -1).contiguous(), batch.sin.reshape(rows, -1).contiguous()
         starts, lens = torch.from_numpy(first), torch.from_numpy(length)
@@ -359,7 +380,7 @@ class NativeDecode:
         check_indices("logit rows", logit_row, rows)
         if out_slot.shape != (rows,) or cos.shape != (rows, self._head_dim) or sin.shape != cos.shape:
             raise IndexError(f"{rows} rows with {tuple(out_slot.shape)} new slots and {tuple(cos.shape)} RoPE rows")
-        groups = self._groups(slots, first, length)  # from the checked contexts
+        groups = known.groups if known is not None else self._groups(slots, first, length)
         need = self.lib.rs_scratch_bytes(ctypes.byref(self.desc), rows, len(groups), groups.slots())
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)

@@ -20,6 +20,7 @@ from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.cpu_native import NativeUnavailable, unavailable_reason
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.kv_codes import KV_CODES, ScaledPool, encode
+from radixserve.model.native_decode import StepContexts
 from radixserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(unavailable_reason("bfloat16") is not None,
@@ -567,7 +568,8 @@ def test_a_prefill_step_equals_eager(dtype, tiny_models):
     sched.add_request("scored", rows[1], first, top_logprobs=0, logprob_start=2)
     plan = sched.schedule()
     assert plan.mode == "extend" and len(plan.extend_lens) == 3 and max(plan.prefix_lens) > 0
-    assert runner.native.applies(runner._batch(plan))
+    step = runner._batch(plan)
+    assert runner.native.applies(step) and isinstance(step.attn.backend_data, StepContexts)  # the step runs on them
     eager, native, kv_eager, kv_native = _eager_and_native(runner, plan)
     assert len(native) == len(eager) > 3, "the prompt's logprob rows come out too"
     if dtype == "float32":
