@@ -15,8 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,31 +27,12 @@ from radixserve.kernels.bounds import check_indices, check_ranges
 from radixserve.kernels.cpu_quant import FileBlocks, QuantLinear
 from radixserve.model.forward_batch import ForwardBatch, KVPool
 from radixserve.model.kv_codes import KV_CODES, code_values
+from radixserve.model.prefix_groups import StepContexts, budget, prefix_groups, step_cost
 from radixserve.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds (kMaxGroup, kMaxHeadDim)
-# A prefill step runs here too while its attention costs at most this many (token, key) pairs visited row by row, a
-# group's shared slots counted at 1 / SHARED_GAIN (``NativeDecode.cost``): the kernel beats torch's per-request SDPA
-# plus its small ops for short prompts and short continuations of cached ones, and loses for long prompts. Measured
-# (SmolLM2, bf16, 2 cores of a Xeon with AMX): 128 new tokens 34 vs 56 ms, 30 after 1500 cached 50 vs 55 ms (45k
-# pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs).
-EXTEND_KEYS = 40_000
-# A group's shared slots are scored once for all its rows (prefix_groups): each such pair costs about this many
-# times less than one the per-row path visits (Zen 3, 512 tokens on 860 cached: 2.1; the attention alone, one layer,
-# 32 rows on one prefix: 3.1-3.6 there, 3.1 on a Xeon with AMX, 2 cores)
-SHARED_GAIN = 2
-# ... where the kernel is built for AVX2 (no AVX-512), against torch, whose bf16 products go through float32 copies
-# there and whose float32 SDPA over a long gathered prefix is slow: measured on Zen 3, 2 threads
-# (benchmarks/shared_extend.py, torch / native ms, cost as counted here): bf16 fresh prompts 1 x 512 1.20x (85k),
-# 2 x 512 0.99x (170k), 1 x 768 0.85x (218k); on 860 cached slots 31 x 32 1.54x (70k), 1 x 512 1.18x (158k),
-# 1 x 768 0.96x (336k); on 2000, 31 x 32 1.33x (140k). float32: fresh 1 x 384 1.17x (43k), 1 x 512 1.01x (85k);
-# on 860 cached, 16 x 64 2.16x (88k), 1 x 512 0.95x (158k).
-EXTEND_KEYS_AVX2 = {torch.bfloat16: 160_000, torch.float32: 100_000}
-SHARED_GAIN_AVX2 = 16
-SHARED_MIN = 128  # shared context slots from which a group of rows scores them once for all (fewer: the per-row
-# path is as fast)
 BLOCK = 32  # weights per quantization block (kBlock)
 
 
@@ -163,54 +142,6 @@ def pack_gguf(q: torch.Tensor, fb: FileBlocks) -> tuple[int, tuple[torch.Tensor 
     raise native.NativeUnavailable(f"no native layout for {fb.kind} blocks")
 
 
-def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
-    """The rows whose contexts start with the same run of at least SHARED_MIN slots (a system prompt, a document,
-    few-shot examples, a request's own cached prefix under its new tokens), one group per run, which the kernel
-    scores once for all the group's rows. Rows are grouped by their first slot; a group's shared run is the
-    shortest its members have in common with its first row, members sharing less than SHARED_MIN with it left out
-    (they take the per-row path). Row m's context: ``slots[first[m] : first[m] + length[m]]``
-    (``attn.tree_contexts``): a decode row's is its request's row; a prefill row's, its request's row up to itself,
-    so the rows of one request share their context's start and are compared once."""
-    rows = len(length)
-    if rows < 2:
-        return native.PrefixGroups(rows)
-    slots = slots.numpy()
-    long = np.flatnonzero(length >= SHARED_MIN)
-    heads = slots[first[long]]
-    order = np.argsort(heads, kind="stable")
-    cuts = np.flatnonzero(np.diff(heads[order])) + 1
-    members, shared = [], []
-    for same_head in np.split(long[order], cuts):
-        if len(same_head) < 2:
-            continue
-        starts, which = np.unique(first[same_head], return_inverse=True)
-        reach = np.zeros(len(starts), dtype=np.int64)  # the longest context from each start
-        np.maximum.at(reach, which, length[same_head])
-        span = np.arange(int(length[same_head[0]]))  # the first member's context
-        at = starts[:, None] + span  # [starts, span]: past a start's longest context, not its slots
-        inside = span < reach[:, None]
-        same = inside & (slots[np.minimum(at, len(slots) - 1)] == slots[first[same_head[0]] + span])
-        run = np.where(same.all(axis=1), len(span), same.argmin(axis=1))  # each start's run in common with it
-        common = np.minimum(run[which], length[same_head])
-        keep = common >= SHARED_MIN
-        if keep.sum() >= 2:
-            members.append(same_head[keep].tolist())
-            shared.append(int(common[keep].min()))
-    return native.PrefixGroups(rows, members, shared)
-
-
-@dataclass(frozen=True, slots=True)
-class StepContexts:
-    """What ``NativeDecode.applies`` works out for a prefill step it takes, kept as the step's attention metadata
-    (``attn.backend_data``) so that the step runs on it: each row's context (``attn.tree_contexts``: a draft tree's
-    rows read lists of their own, built row by row) and the groups of rows sharing a prefix."""
-
-    slots: torch.Tensor
-    first: np.ndarray
-    length: np.ndarray
-    groups: native.PrefixGroups
-
-
 class NativeDecode:
     """``applies(batch)``: a step this kernel takes; ``__call__(batch)``: its logits, its new tokens' K/V stored."""
 
@@ -268,9 +199,7 @@ class NativeDecode:
         # multiples of 16, a pool in the model's dtype; False: every row scores its whole context itself
         self.shares = cfg.head_dim % 16 == 0 and not self.desc.kv_codes
         self._head_dim = cfg.head_dim
-        avx2 = self.isa == "avx2"
-        self.extend_keys = EXTEND_KEYS_AVX2[dtype] if avx2 else EXTEND_KEYS  # a prefill step's budget (cost)
-        self.shared_gain = SHARED_GAIN_AVX2 if avx2 else SHARED_GAIN
+        self.extend_keys, self.shared_gain = budget(self.isa, dtype)  # a prefill step's most cost; a shared pair's gain
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
         for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
             layer.native = functools.partial(self._product, lin)
@@ -354,11 +283,8 @@ class NativeDecode:
         return True
 
     def cost(self, length: np.ndarray, groups: native.PrefixGroups) -> float:
-        """A step's attention in (row, key) pairs visited row by row (row m's context: ``length[m]`` slots), its
-        groups' shared slots counted at 1 / ``shared_gain`` (scored once for all the group's rows): tokens on one
-        cached prefix, whether one request's or several requests', and a long prompt's rows on its own first slots."""
-        shared = float(groups.row_shared.sum())
-        return float(length.sum()) - shared + shared / self.shared_gain
+        """A prefill step's attention in pairs visited row by row, shared ones at 1 / shared_gain (step_cost)."""
+        return step_cost(length, groups, self.shared_gain)
 
     def _groups(self, slots: torch.Tensor, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
         return prefix_groups(slots, first, length) if self.shares else native.PrefixGroups(len(length))

@@ -20,7 +20,7 @@ from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.cpu_native import NativeUnavailable, unavailable_reason
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.kv_codes import KV_CODES, ScaledPool, encode
-from radixserve.model.native_decode import StepContexts
+from radixserve.model.prefix_groups import StepContexts
 from radixserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(unavailable_reason("bfloat16") is not None,
@@ -235,11 +235,11 @@ def test_groups_keep_the_tokens_under_chunked_prefill_eviction_and_retraction(sm
 
 def test_prefix_groups_are_the_runs_rows_share():
     """prefix_groups: rows grouped by the slots their contexts start with, each group's shared run the shortest
-    any member has in common with its first row; members sharing under SHARED_MIN slots with it and rows alone on
-    their prefix get no group. In a prefill step a row is a token: the rows of requests extending one cached
+    any member has in common with its first row; members sharing under SHARED_MIN slots with it are grouped among
+    themselves the same way, and rows alone on their prefix get no group. In a prefill step a row is a token: the rows of requests extending one cached
     prefix form one group, and a long new prompt's later tokens share its first SHARED_MIN."""
     from radixserve.kernels.base import AttentionBatch
-    from radixserve.model.native_decode import SHARED_MIN, prefix_groups
+    from radixserve.model.prefix_groups import SHARED_MIN, prefix_groups
 
     def grouped(groups) -> dict:
         return {tuple(groups.rows[groups.start[i]: groups.start[i + 1]].tolist()): int(groups.shared[i])
@@ -253,6 +253,18 @@ def test_prefix_groups_are_the_runs_rows_share():
     groups = prefix_groups(flat, first, length)
     assert grouped(groups) == {(0, 2, 6): 250, (1, 4): 200}
     assert groups.row_shared.tolist() == [250, 200, 250, 0, 200, 0, 250, 0]
+
+    # prompts that begin alike (a chat template's first slots) share those in the radix tree: one bucket, split into
+    # a group per prompt; a row sharing only the common head with the others is in none
+    head = list(range(20_000, 20_010))
+    p, q = head + list(range(21_000, 21_300)), head + list(range(22_000, 22_300))
+    contexts = [p + [1], q + [2], p + [3], q + [4], head + list(range(23_000, 23_300)), q + [5]]
+    flat = torch.tensor([s for c in contexts for s in c])
+    length = np.array([len(c) for c in contexts])
+    first = np.concatenate([[0], np.cumsum(length)[:-1]])
+    groups = prefix_groups(flat, first, length)
+    assert grouped(groups) == {(0, 2): 310, (1, 3, 5): 310}
+    assert groups.row_shared.tolist() == [310, 310, 310, 310, 0, 310]
 
     # extend: requests 0 and 1 add 3 and 2 tokens to a's 300 cached slots, request 2 its 250, request 3 (nothing
     # cached) 200 tokens of its own, request 4 one token to b
@@ -600,7 +612,7 @@ def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
     requests' tokens on one prefix (one token each too), a long prompt's rows on its first SHARED_MIN slots. The
     budget and the gain are larger where the kernel is built for AVX2 (torch multiplies bf16 through float32 there,
     and its float32 SDPA over a gathered prefix is slow)."""
-    from radixserve.model.native_decode import (EXTEND_KEYS, EXTEND_KEYS_AVX2, SHARED_GAIN, SHARED_GAIN_AVX2,
+    from radixserve.model.prefix_groups import (EXTEND_KEYS, EXTEND_KEYS_AVX2, SHARED_GAIN, SHARED_GAIN_AVX2,
                                                 SHARED_MIN)
 
     for dtype in ("float32", "bfloat16"):

@@ -1,0 +1,109 @@
+"""Rows of one step that share a prefix, and what a prefill step costs the native step (model/native_decode.py).
+
+The native kernel scores a run of slots that several rows' contexts start with once for all of them (a system
+prompt under many requests, a document, a request's own cached prefix under its new tokens): ``prefix_groups``
+finds those runs in any step. A prefill step runs native while its attention's ``step_cost`` fits a budget; past
+it torch's attention is faster (``budget``: the figures behind each number).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import torch
+
+from radixserve.kernels import cpu_native as native
+
+SHARED_MIN = 128  # shared context slots from which a group of rows scores them once for all (fewer: the per-row
+# path is as fast)
+# A prefill step runs native while its attention costs at most this many (token, key) pairs visited row by row, a
+# group's shared slots counted at 1 / SHARED_GAIN (``step_cost``): the kernel beats torch's per-request SDPA plus
+# its small ops for short prompts and short continuations of cached ones, and loses for long prompts. Measured
+# (SmolLM2, bf16, 2 cores of a Xeon with AMX): 128 new tokens 34 vs 56 ms, 30 after 1500 cached 50 vs 55 ms (45k
+# pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs).
+EXTEND_KEYS = 40_000
+# A group's shared slots are scored once for all its rows: each such pair costs about this many times less than
+# one the per-row path visits (Zen 3, 512 tokens on 860 cached: 2.1; the attention alone, one layer, 32 rows on one
+# prefix: 3.1-3.6 there, 3.1 on a Xeon with AMX, 2 cores)
+SHARED_GAIN = 2
+# ... where the kernel is built for AVX2 (no AVX-512), against torch, whose bf16 products go through float32 copies
+# there and whose float32 SDPA over a long gathered prefix is slow: measured on Zen 3, 2 threads
+# (benchmarks/shared_extend.py, torch / native ms, cost as counted here): bf16 fresh prompts 1 x 512 1.20x (85k),
+# 2 x 512 0.99x (170k), 1 x 768 0.85x (218k); on 860 cached slots 31 x 32 1.54x (70k), 1 x 512 1.18x (158k),
+# 1 x 768 0.96x (336k); on 2000, 31 x 32 1.33x (140k). float32: fresh 1 x 384 1.17x (43k), 1 x 512 1.01x (85k);
+# on 860 cached, 16 x 64 2.16x (88k), 1 x 512 0.95x (158k).
+EXTEND_KEYS_AVX2 = {torch.bfloat16: 160_000, torch.float32: 100_000}
+SHARED_GAIN_AVX2 = 16
+
+
+def budget(isa: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(the most a prefill step may cost and still run native, a shared pair's gain) for a kernel built for
+    ``isa`` (cpu_native.isa) running ``dtype``."""
+    if isa == "avx2":
+        return EXTEND_KEYS_AVX2[dtype], SHARED_GAIN_AVX2
+    return EXTEND_KEYS, SHARED_GAIN
+
+
+def step_cost(length: np.ndarray, groups: native.PrefixGroups, shared_gain: float) -> float:
+    """A step's attention in (row, key) pairs visited row by row (row m's context: ``length[m]`` slots), its
+    groups' shared slots counted at 1 / ``shared_gain`` (scored once for all the group's rows): tokens on one
+    cached prefix, whether one request's or several requests', and a long prompt's rows on its own first slots."""
+    shared = float(groups.row_shared.sum())
+    return float(length.sum()) - shared + shared / shared_gain
+
+
+def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
+    """The rows whose contexts start with the same run of at least SHARED_MIN slots (a system prompt, a document,
+    few-shot examples, a request's own cached prefix under its new tokens), one group per run, which the kernel
+    scores once for all the group's rows. Row m's context: ``slots[first[m] : first[m] + length[m]]``
+    (``attn.tree_contexts``): a decode row's is its request's row; a prefill row's, its request's row up to itself.
+
+    Rows are bucketed by their first slot. Prompts that begin alike (a chat template's first tokens) share their
+    first slots in the radix tree and land in one bucket, so a bucket is split: a group is the rows sharing at
+    least SHARED_MIN slots with the bucket's first row (its shared run the shortest they have in common with it),
+    and the rows it leaves out are grouped the same way among themselves. The rows of one request share their
+    context's start, so each distinct start is compared once, not each row."""
+    rows = len(length)
+    if rows < 2:
+        return native.PrefixGroups(rows)
+    slots = slots.numpy()
+    long = np.flatnonzero(length >= SHARED_MIN)
+    heads = slots[first[long]]
+    order = np.argsort(heads, kind="stable")
+    cuts = np.flatnonzero(np.diff(heads[order])) + 1
+    members, shared = [], []
+    for left in np.split(long[order], cuts):
+        while len(left) >= 2:
+            common = _common_run(slots, first, length, left)
+            keep = common >= SHARED_MIN  # the first row keeps itself (its own context): each pass takes one row
+            if keep.sum() >= 2:
+                members.append(left[keep].tolist())
+                shared.append(int(common[keep].min()))
+            left = left[~keep]
+    return native.PrefixGroups(rows, members, shared)
+
+
+def _common_run(slots: np.ndarray, first: np.ndarray, length: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """How many slots each of ``rows`` has in common with the first one's context, from the start."""
+    starts, which = np.unique(first[rows], return_inverse=True)
+    reach = np.zeros(len(starts), dtype=np.int64)  # the longest context from each start
+    np.maximum.at(reach, which, length[rows])
+    span = np.arange(int(length[rows[0]]))  # the first row's context
+    at = starts[:, None] + span  # [starts, span]: past a start's longest context, not its slots
+    inside = span < reach[:, None]
+    same = inside & (slots[np.minimum(at, len(slots) - 1)] == slots[first[rows[0]] + span])
+    run = np.where(same.all(axis=1), len(span), same.argmin(axis=1))  # each start's run in common with it
+    return np.minimum(run[which], length[rows])
+
+
+@dataclass(frozen=True, slots=True)
+class StepContexts:
+    """What ``NativeDecode.applies`` works out for a prefill step it takes, kept as the step's attention metadata
+    (``attn.backend_data``) so that the step runs on it: each row's context (``attn.tree_contexts``: a draft tree's
+    rows read lists of their own, built row by row) and the groups of rows sharing a prefix."""
+
+    slots: torch.Tensor
+    first: np.ndarray
+    length: np.ndarray
+    groups: native.PrefixGroups
