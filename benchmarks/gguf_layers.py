@@ -2,7 +2,9 @@
 the kernel reads (scales included) and the GB/s that makes; the Q5 formats also in the layout they took before
 they had their own (8-bit bytes with a float32 scale and offset per 32 weights). Random blocks of each format
 (tests/conftest.py's ``random_blocks``), a layer of 8192 x 2048 cycled through 6 copies so that every product
-reads from memory, best of 5 rounds of 10 passes.
+reads from memory, best of 5 rounds of 10 passes; and the product's error against the exact one on the file's
+weights (relative, 16 rows of Gaussian activations, and of activations with 1% of them 20x larger): the cost of
+quantizing the activations to 8 bits.
 
     python benchmarks/gguf_layers.py [--rows 1] [--n 8192] [--k 2048] [--kinds Q4_K,Q6_K]
 """
@@ -39,10 +41,16 @@ def main() -> None:
     n, k = args.n, args.k
     lib = cpu_native.load(cpu_native.default_cache_dir())
     x = torch.randn(args.rows, k)
-    print(f"| format | layout | ms | bits a weight | GB/s |  ({cpu_native.isa(lib)}, {args.rows} row(s), {n} x {k})")
-    print("|---|---|---|---|---|")
+    print(f"| format | layout | ms | bits a weight | GB/s | error: Gaussian x | error: 1% outliers |  "
+          f"({cpu_native.isa(lib)}, {args.rows} row(s), {n} x {k})")
+    print("|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    probes = [torch.randn(16, k, generator=g),  # and the same with 1% of the values 20x larger
+              torch.randn(16, k, generator=g) * torch.where(torch.rand(16, k, generator=g) < 0.01, 20.0, 1.0)]
     for kind in kinds:
         layer = _as_layer([decode_blocks(random_blocks(kind, n, k, seed=1), kind)], torch.float32)
+        w = layer.dequantized().double()  # the product's exact value on the file's weights: the error is the
+        # activations' rounding to 8 bits (per 32 values; per 256 for K-quants)
         q = layer.q if layer.bits == 8 else torch.stack([layer.nibbles & 15, layer.nibbles >> 4], -1).view(n, k)
         layouts = {"its own bits": lambda: pack_gguf(q, layer.file_blocks[0])}
         if kind.startswith("Q5"):
@@ -64,8 +72,14 @@ def main() -> None:
                     for lin in lins:
                         cpu_native.product(lib, lin, x)
                 best = min(best, (time.perf_counter() - start) / (10 * COPIES))
-            print(f"| {kind} | {name} | {best * 1e3:.3f} | {nbytes * 8 / (n * k):.2f} | {nbytes / best / 1e9:.1f} |",
-                  flush=True)
+            errors = [relative_error(cpu_native.product(lib, lins[0], probe), probe.double() @ w.T)
+                      for probe in probes]
+            print(f"| {kind} | {name} | {best * 1e3:.3f} | {nbytes * 8 / (n * k):.2f} | {nbytes / best / 1e9:.1f} | "
+                  + " | ".join(f"{e:.2%}" for e in errors) + " |", flush=True)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
 
 
 if __name__ == "__main__":

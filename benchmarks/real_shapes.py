@@ -16,6 +16,7 @@ machine's matmul peak: the faster of torch's bf16 and float32 GEMMs (without AVX
 a bf16 model's prefill multiplies in float32, kernels/cpu_linear.py).
 
     python benchmarks/real_shapes.py [--quick] [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b]
+        [--precisions bf16,q8_0,q4_k_m] [--out DIR]
 
 Llama-3.1-8B runs only where the machine's memory holds three copies of its bf16 weights (both servers and the
 checkpoint being made); otherwise the stage says it skipped it and why.
@@ -149,14 +150,14 @@ def prefill_rate(system, length: int, seed: int) -> float:
     return length / timed_batch(system, prompts(1, length, seed), 1)
 
 
-def measure_shape(name: str, quick: bool, repeats: int) -> dict:
+def measure_shape(name: str, quick: bool, repeats: int, precisions: tuple[str, ...] = PRECISIONS) -> dict:
     gguf = files(name)
     folder = checkpoint(name)
     cfg = ModelConfig.from_hf(*load_configs(folder))
     costs = machine.model_costs(cfg)
     new = {1: 32 if quick else 64, 8: 32 if quick else 64, 32: 16 if quick else 32}
     rows = []
-    for precision in tqdm(PRECISIONS, desc=name, leave=False):
+    for precision in tqdm(precisions, desc=name, leave=False):
         ours_flags = (["--model-path", str(folder)] if precision == "bf16" else
                       ["--model-path", str(gguf[precision]), "--quantization", "gguf"])
         if precision != "bf16":
@@ -202,7 +203,8 @@ def limits_now() -> dict:
             "matmul_peak_flops_s": max(machine.matmul_peak(torch.bfloat16), machine.matmul_peak(torch.float32))}
 
 
-def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repeats: int = 2) -> dict:
+def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repeats: int = 2,
+            precisions: tuple[str, ...] = PRECISIONS) -> dict:
     try:
         llama_cpp.build()
     except llama_cpp.Unavailable as exc:
@@ -218,7 +220,7 @@ def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repea
             res["skipped_shapes"][name] = why
             continue
         try:
-            res["shapes"][name] = measure_shape(name, quick, res["repeats"])
+            res["shapes"][name] = measure_shape(name, quick, res["repeats"], precisions)
         except llama_cpp.Unavailable as exc:
             res["skipped_shapes"][name] = str(exc)
     again = limits_now()
@@ -332,9 +334,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS), help=f"of {', '.join(PRECISIONS)}")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    res = measure(args.quick, tuple(args.shapes.split(",")), args.repeats)
+    precisions = tuple(args.precisions.split(","))
+    if unknown := set(precisions) - set(PRECISIONS):
+        ap.error(f"--precisions: {', '.join(sorted(unknown))} not among {', '.join(PRECISIONS)}")
+    res = measure(args.quick, tuple(args.shapes.split(",")), args.repeats, precisions)
     if "skipped" in res:
         raise SystemExit(f"llama.cpp unavailable: {res['skipped']}")
     print(table(res))

@@ -53,7 +53,8 @@ def test_the_native_step_reads_every_format_in_its_own_bits(kind):
     """Random blocks of each format, as a layer (40 rows: no whole 16-row block at the end) beside a Q6_K shard
     (two parts), through the native kernel's product of 1, 3 and 5 rows: its layout for that format (the integers
     in no more bytes than the file's blocks), equal to the formula on gguf's weights with the
-    activations quantized per 32 as the kernel does -- sum over blocks of dx sum_k xq w (float64)."""
+    activations quantized as the kernel does (per 32; per 256 where every part is a K-quant) -- sum over blocks of
+    dx sum_k xq w (float64)."""
     if cpu_native.unavailable_reason("float32"):
         pytest.skip(cpu_native.unavailable_reason("float32"))
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -80,12 +81,13 @@ def test_the_native_step_reads_every_format_in_its_own_bits(kind):
     whole = cpu_native.Linear(cpu_native.PARTS, 56, k, len(lins), ctypes.addressof(parts), None, None, None)
     w = torch.from_numpy(np.concatenate([s.dequantized() for s in shards])).double()
     g = torch.Generator().manual_seed(len(kind))
+    span = 256 if kind.endswith("_K") else 32  # every part a K-quant: the activations per super-block
     for m in (1, 3, 5):
         x = torch.randn(m, k, generator=g)
-        xb = x.view(m, -1, 32)
+        xb = x.view(m, -1, span)
         amax = xb.abs().amax(-1)
         xq = torch.round(xb * torch.where(amax > 0, 127 / amax, 0)[..., None]).double()  # nearest, ties to even
-        want = torch.einsum("mbk,nbk->mnb", xq, w.view(56, -1, 32)) @ (amax.double() / 127)[..., None]
+        want = torch.einsum("mbk,nbk->mnb", xq, w.view(56, -1, span)) @ (amax.double() / 127)[..., None]
         got = cpu_native.product(lib, whole, x.contiguous()).double()
         torch.testing.assert_close(got, want[..., 0], rtol=1e-5, atol=1e-6)
 

@@ -338,13 +338,15 @@ def test_quantized_weights_decode_from_their_blocks(quantization, tiny_models):
         engine.shutdown()
 
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation quantization, in torch: per 32 values, xq = rint(x * 127 / max|x|), dx = max|x| / 127."""
+def _quantize_rows(x: torch.Tensor, span: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization, in torch: per ``span`` values (32; 256 for K-quant layers),
+    xq = rint(x * 127 / max|x|), dx = max|x| / 127 (dx: one per 32 values, repeated over a span)."""
     rows, k = x.shape
-    xb = x.float().view(rows, k // 32, 32)
+    xb = x.float().view(rows, k // span, span)
     amax = xb.abs().amax(-1)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
-    return torch.round(xb * inv[..., None]), amax / 127.0  # torch.round: nearest, ties to even
+    xq = torch.round(xb * inv[..., None]).view(rows, k // 32, 32)  # torch.round: nearest, ties to even
+    return xq, (amax / 127.0).repeat_interleave(span // 32, dim=1)
 
 
 def _run_linear(lib, lin, x: torch.Tensor, amx: bool) -> torch.Tensor:
@@ -412,9 +414,9 @@ def test_each_product_format_computes_what_it_promises(n, k):
 
 @pytest.mark.parametrize("n,k", [(40, 256), (200, 768)])
 def test_k_quant_formats_compute_what_they_promise(n, k):
-    """GGUF's Q4_K and Q6_K in their own bits (a 6- or 8-bit scale per 32 or 16 weights times the super-block's
-    float; Q6_K's top two bits beside the nibbles), against the formula: the same sums as int8 blocks whose scale
-    is d sc, exact in float32."""
+    """GGUF's Q4_K, Q5_K and Q6_K in their own bits (a 6- or 8-bit scale per 32 or 16 weights times the
+    super-block's float; Q5_K's fifth bits and Q6_K's top two beside the nibbles), against the formula: the same
+    sums as int8 blocks whose scale is d sc, exact in float32, with the activations quantized per super-block."""
     from radixserve.kernels.cpu_quant import FileBlocks
     from radixserve.model.native_decode import pack_q4k, pack_q6k
 
@@ -423,23 +425,24 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
     supers = k // 256
     for rows in (1, 3, 16, 19):
         x = torch.randn(rows, k, generator=g)
-        xq, dx = _quantize_rows(x)
+        xq, dx = _quantize_rows(x, 256)  # K-quant layers: one scale per super-block
         dx = dx.double()
-        # Q4_K: w = d sc q - dmin mn per 32, q 0..15, sc and mn 0..63
-        q = torch.randint(0, 16, (n, k), generator=g)
-        sb = FileBlocks("Q4_K", torch.rand(n, supers, generator=g) * 1e-3,
-                         torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
-                         torch.rand(n, supers, generator=g) * 1e-3,
-                         torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
-        packed = pack_q4k(q, sb)
-        lin = cpu_native.Linear(cpu_native.Q4K, n, k, 0, *(t.data_ptr() for t in packed[:3]), None,
-                                *(t.data_ptr() for t in packed[3:]))
-        scale = sb.d.double().repeat_interleave(8, dim=1) * sb.sc.double()
-        offset = -sb.dmin.double().repeat_interleave(8, dim=1) * sb.mn.double()
-        dots = torch.einsum("rbk,nbk->rnb", xq.double().view(rows, -1, 32), q.double().view(n, -1, 32))
-        sums = xq.double().view(rows, -1, 32).sum(-1)[:, None, :]
-        want = ((dots * scale[None] + offset[None] * sums) * dx[:, None]).sum(-1)
-        torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+        # Q4_K / Q5_K: w = d sc q - dmin mn per 32, q 0..15 / 0..31, sc and mn 0..63
+        for kind, top, form in (("Q5_K", 32, cpu_native.Q5K), ("Q4_K", 16, cpu_native.Q4K)):
+            q = torch.randint(0, top, (n, k), generator=g)
+            sb = FileBlocks(kind, torch.rand(n, supers, generator=g) * 1e-3,
+                             torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
+                             torch.rand(n, supers, generator=g) * 1e-3,
+                             torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
+            packed = pack_q4k(q, sb)
+            lin = cpu_native.Linear(form, n, k, 0, *(t.data_ptr() for t in packed[:3]), None,
+                                    *(t.data_ptr() for t in packed[3:]))
+            scale = sb.d.double().repeat_interleave(8, dim=1) * sb.sc.double()
+            offset = -sb.dmin.double().repeat_interleave(8, dim=1) * sb.mn.double()
+            dots = torch.einsum("rbk,nbk->rnb", xq.double().view(rows, -1, 32), q.double().view(n, -1, 32))
+            sums = xq.double().view(rows, -1, 32).sum(-1)[:, None, :]
+            want = ((dots * scale[None] + offset[None] * sums) * dx[:, None]).sum(-1)
+            torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
         q4k, q4k_tensors, want_q4k = lin, packed, want  # (the tensors kept: the parts below point into them)
         # Q6_K: w = d sc q per 16, q -32..31, sc int8
         q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)

@@ -292,6 +292,8 @@ inline bool widens_x(int rows, const Linear& lin, bool amx) {
 // xq over each 16), as llama.cpp does for its quantized CPU products, so a block's dot product is integer (VNNI's
 // u8 x s8 dpbusd; AVX2's maddubs, simd.h):
 //   sum_k x w = dx (d sum_k q xq + m sum_k xq);  q8 stores q + 128: sum_k (q + 128) xq - 128 sum_k xq (kQ8Offset).
+// For K-quant layers, per row and 256 k (one dx per super-block, as llama.cpp's Q8_K; per_super_block), so that
+// AVX2 sums a super-block in integers (tile_ksuper); AVX-512 reads the same dx for each of its 8 blocks.
 
 struct QuantRows {  // a product's input rows, quantized (scratch)
   int8_t* q;        // [rows, k]
@@ -299,19 +301,56 @@ struct QuantRows {  // a product's input rows, quantized (scratch)
   int32_t* sum;     // [rows, k / 16]
 };
 
+// K-quant layers' activations take one scale per super-block (256 k, as llama.cpp's Q8_K): their products sum a
+// super-block in integers (tile_ksuper); every other format one per 32 k
+inline bool per_super_block(const Linear& lin) {
+  if (lin.format != kParts) return k_quant(lin.format);
+  const Linear* part = static_cast<const Linear*>(lin.w);
+  for (int i = 0; i < lin.parts; ++i)
+    if (!k_quant(part[i].format)) return false;
+  return true;
+}
+
 template <class T>
-inline void quantize_rows(const T* x, int rows, int k, const QuantRows& out) {
-  const int blocks = k / kBlock;
+inline void quantize_rows(const T* x, int rows, int k, int span, const QuantRows& out) {  // span: k per scale
+  const int blocks = k / kBlock, per = span / kBlock;
 #pragma omp for schedule(static)
   for (int m = 0; m < rows; ++m)
-    for (int b = 0; b < blocks; ++b) {
-      const int64_t at = int64_t(m) * k + b * kBlock;
-      const V16 lo = load16(x + at, 0xffff), hi = load16(x + at + 16, 0xffff);
-      const float amax = reduce_max(vmax(vabs(lo), vabs(hi)));
+    for (int b0 = 0; b0 < blocks; b0 += per) {
+      V16 top = zero16();
+      for (int b = b0; b < b0 + per; ++b) {
+        const int64_t at = int64_t(m) * k + b * kBlock;
+        top = vmax(top, vmax(vabs(load16(x + at, 0xffff)), vabs(load16(x + at + 16, 0xffff))));
+      }
+      const float amax = reduce_max(top);
       const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      quantize32(lo, hi, inv, out.q + at, out.sum + (int64_t(m) * blocks + b) * 2);
-      out.d[int64_t(m) * blocks + b] = d;
+      for (int b = b0; b < b0 + per; ++b) {
+        const int64_t at = int64_t(m) * k + b * kBlock;
+        quantize32(load16(x + at, 0xffff), load16(x + at + 16, 0xffff), inv, out.q + at,
+                   out.sum + (int64_t(m) * blocks + b) * 2);
+        out.d[int64_t(m) * blocks + b] = d;
+      }
     }
+}
+
+// Group g (8 k) of a block of 16 rows x 32 k at ``wb`` as two vectors of byte weights (lo: k0 + b, hi: k0 + 4 + b):
+// the nibbles, with q5 / q5k's fifth bits or q6k's top two bits added
+template <int Format>
+inline void group_bytes(const uint8_t* wb, int g, I16* lo, I16* hi) {
+  split_nibbles(load_i16(wb + g * 64), lo, hi);
+  if constexpr (Format == kQ6K) {
+    const I16 top = load_i16(wb + 256 + g / 2 * 64);
+    if (g % 2) add_top_bits<1>(top, lo, hi);
+    else add_top_bits<0>(top, lo, hi);
+  } else if constexpr (Format == kQ5 || Format == kQ5K) {
+    const I16 top = load_i16(wb + 256);
+    switch (g) {  // (unrolled: one case each)
+      case 0: add_fifth_bit<0>(top, lo, hi); break;
+      case 1: add_fifth_bit<1>(top, lo, hi); break;
+      case 2: add_fifth_bit<2>(top, lo, hi); break;
+      default: add_fifth_bit<3>(top, lo, hi);
+    }
+  }
 }
 
 template <int Format, int MR, int NB>
@@ -354,22 +393,7 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
       for (int g = 0; g < 4; ++g) {
         I16 lo[NB], hi[NB];
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) {
-          split_nibbles(load_i16(wb + j * blocks * wbytes + g * 64), &lo[j], &hi[j]);
-          if constexpr (Format == kQ6K) {
-            const I16 top = load_i16(wb + j * blocks * wbytes + 256 + g / 2 * 64);
-            if (g % 2) add_top_bits<1>(top, &lo[j], &hi[j]);
-            else add_top_bits<0>(top, &lo[j], &hi[j]);
-          } else if constexpr (fifth) {
-            const I16 top = load_i16(wb + j * blocks * wbytes + 256);
-            switch (g) {  // (unrolled: one case each)
-              case 0: add_fifth_bit<0>(top, &lo[j], &hi[j]); break;
-              case 1: add_fifth_bit<1>(top, &lo[j], &hi[j]); break;
-              case 2: add_fifth_bit<2>(top, &lo[j], &hi[j]); break;
-              default: add_fifth_bit<3>(top, &lo[j], &hi[j]);
-            }
-          }
-        }
+        for (int j = 0; j < NB; ++j) group_bytes<Format>(wb + j * blocks * wbytes, g, &lo[j], &hi[j]);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           int32_t q0, q1;
@@ -419,6 +443,99 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
   hand_over<MR, NB>(a, acc);
 }
 
+#if !RS_AVX512
+// K-quant blocks on AVX2, their activations quantized per super-block (one dx per 256 k): each block's integer
+// scale is folded into its pair sums (dot_u4_scaled), so a super-block sums in integers and the float step runs
+// once per 256 k, not once per 32 (Q6_K: 16) -- maddubs and madd, which sum pairs anyway, do the scaling. Bounds:
+// a pair of maddubs at most 2 x 63 x 127 < 2^15; a super-block's sum at most 256 x 63 x 127 x 127 < 2^31 (Q6_K,
+// |sc| <= 128: 256 x 63 x 127 x 128). The offsets' terms (Q4_K, Q5_K: dmin mn per 32 k; Q6_K: -32 d sc per 16 k)
+// are sums of the activations' block sums by those integers, two blocks per madd. Output blocks are taken one at
+// a time (MR rows x 1 block: the sums stay in AVX2's 16 registers).
+template <int Format, int MR, int NB>
+void tile_ksuper(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc) {
+  constexpr bool q6 = Format == kQ6K, fifth = Format == kQ5K;
+  constexpr int halves = q6 ? 2 : 1;  // scales per 32 k
+  const int blocks = k / kBlock;
+  const int64_t wbytes = q6 ? 384 : fifth ? 320 : 256;  // per 16 rows x 32 k
+  for (int j = 0; j < NB; ++j) {
+    const uint8_t* w = static_cast<const uint8_t*>(lin.w) + int64_t(b + j) * blocks * wbytes;
+    V16 a[MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) a[r] = zero16();
+    for (int s = 0; s < k / kSuper; ++s) {
+      const int first = s * (kSuper / kBlock);
+      I16 dot[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) dot[r] = izero16();
+      for (int blk = first; blk < first + kSuper / kBlock; ++blk) {
+        const uint8_t* wb = w + blk * wbytes;
+        const int64_t at = ((int64_t(b + j) * blocks + blk) * halves) * 16;
+        I16 sc[halves];
+        if constexpr (q6) {
+          sc[0] = scale_pairs(static_cast<const int8_t*>(lin.scale) + at);
+          sc[halves - 1] = scale_pairs(static_cast<const int8_t*>(lin.scale) + at + 16);
+        } else {
+          sc[0] = scale_pairs(static_cast<const uint8_t*>(lin.scale) + at);
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          I16 lo, hi;
+          group_bytes<Format>(wb, g, &lo, &hi);
+          const I16& scale = sc[g * halves / 4];  // q6k: groups 0-1 make the first 16 k, 2-3 the second
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            int32_t q0, q1;
+            const int8_t* xq = x.q + int64_t(m0 + r) * k + blk * kBlock + g * 8;
+            std::memcpy(&q0, xq, 4);
+            std::memcpy(&q1, xq + 4, 4);
+            dot[r] = dot_u4_scaled(dot_u4_scaled(dot[r], lo, q0, scale), hi, q1, scale);
+          }
+        }
+      }
+      // the offsets' term: Q4_K / Q5_K sum mn x (sums per 32 k) over 8 blocks, Q6_K sc x (sums per 16 k) over 16
+      constexpr int pairs = q6 ? 8 : 4;
+      I16 off[pairs];
+#pragma GCC unroll 8
+      for (int i = 0; i < pairs; ++i) {
+        const int64_t at = (int64_t(b + j) * blocks * halves + first * halves + 2 * i) * 16;
+        if constexpr (q6) off[i] = byte_pairs(static_cast<const int8_t*>(lin.scale) + at,
+                                              static_cast<const int8_t*>(lin.scale) + at + 16);
+        else off[i] = byte_pairs(static_cast<const uint8_t*>(lin.zero) + at,
+                                 static_cast<const uint8_t*>(lin.zero) + at + 16);
+      }
+      const int64_t sb = (int64_t(b + j) * (k / kSuper) + s) * 16;
+      const V16 d = loadu(static_cast<const float*>(lin.super_scale) + sb);
+      const V16 c = q6 ? d * set1(-32.0f) : loadu(static_cast<const float*>(lin.super_zero) + sb);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const int64_t xi = int64_t(m0 + r) * blocks + first;
+        const int32_t* sums = x.sum + xi * 2;  // per 16 k
+        I16 low = izero16();
+#pragma GCC unroll 8
+        for (int i = 0; i < pairs; ++i) {
+          const int32_t s0 = q6 ? sums[2 * i] : sums[4 * i] + sums[4 * i + 1];
+          const int32_t s1 = q6 ? sums[2 * i + 1] : sums[4 * i + 2] + sums[4 * i + 3];
+          low = dot_pairs(low, off[i], int32_t(uint32_t(uint16_t(s0)) | uint32_t(s1) << 16));
+        }
+        const V16 dx = set1(x.d[xi]);
+        a[r] = fmadd(dx * d, to_float(dot[r]), fmadd(dx * c, to_float(low), a[r]));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][j] = a[r];
+  }
+}
+
+template <int Format>
+struct KSuperTiles {
+  using Fn = void (*)(const QuantRows&, int, int, const Linear&, int, Acc&);
+  template <int MR, int NB>
+  static constexpr Fn fn() {
+    return &tile_ksuper<Format, MR, NB>;
+  }
+};
+#endif
+
 using QuantTileFn = void (*)(const QuantRows&, int, int, const Linear&, int, Acc&);
 
 template <int Format>
@@ -431,7 +548,12 @@ struct QuantTiles {
 };
 
 template <int Format>
-QuantTileFn quant_tile_for(int mr, int nb) {
+QuantTileFn quant_tile_for(int mr, int nb, bool super) {
+#if !RS_AVX512
+  if constexpr (k_quant(Format))
+    if (super) return TileTable<KSuperTiles<Format>, kQRowTile, kQColTile>::at(mr, nb);
+#endif
+  (void)super;
   return TileTable<QuantTiles<Format>, kQRowTile, kQColTile>::at(mr, nb);
 }
 
@@ -447,7 +569,7 @@ struct Input {
 };
 
 template <class T, class F>
-inline void product_of(const Input<T>& in, int rows, const Linear& lin, bool amx, F&& emit) {
+inline void product_of(const Input<T>& in, int rows, const Linear& lin, bool amx, bool super, F&& emit) {
   const int blocks = (lin.n + 15) / 16, t = omp_get_thread_num(), nt = omp_get_num_threads();
   const int b0 = int(int64_t(blocks) * t / nt), b1 = int(int64_t(blocks) * (t + 1) / nt);
   const int64_t bstride = int64_t(lin.k) * 16;  // elements per block of 16 rows
@@ -463,13 +585,13 @@ inline void product_of(const Input<T>& in, int rows, const Linear& lin, bool amx
       const int nb = std::min(kQColTile, b1 - b);
       for (int m = 0; m < rows; m += kQRowTile) {
         const int mr = std::min(kQRowTile, rows - m);
-        const QuantTileFn tile = lin.format == kQ8     ? quant_tile_for<kQ8>(mr, nb)
-                                 : lin.format == kQ4   ? quant_tile_for<kQ4>(mr, nb)
-                                 : lin.format == kQ4K  ? quant_tile_for<kQ4K>(mr, nb)
-                                 : lin.format == kQ6K  ? quant_tile_for<kQ6K>(mr, nb)
-                                 : lin.format == kQ5   ? quant_tile_for<kQ5>(mr, nb)
-                                 : lin.format == kQ5K  ? quant_tile_for<kQ5K>(mr, nb)
-                                                       : quant_tile_for<kQ8G16>(mr, nb);
+        const QuantTileFn tile = lin.format == kQ8     ? quant_tile_for<kQ8>(mr, nb, super)
+                                 : lin.format == kQ4   ? quant_tile_for<kQ4>(mr, nb, super)
+                                 : lin.format == kQ4K  ? quant_tile_for<kQ4K>(mr, nb, super)
+                                 : lin.format == kQ6K  ? quant_tile_for<kQ6K>(mr, nb, super)
+                                 : lin.format == kQ5   ? quant_tile_for<kQ5>(mr, nb, super)
+                                 : lin.format == kQ5K  ? quant_tile_for<kQ5K>(mr, nb, super)
+                                                       : quant_tile_for<kQ8G16>(mr, nb, super);
         tile(in.q, m, lin.k, lin, b, acc);
         for (int j = 0; j < nb; ++j)
           for (int r = 0; r < mr; ++r) out(m + r, (b + j) * 16, acc[r][j]);
@@ -504,7 +626,7 @@ inline void product_of(const Input<T>& in, int rows, const Linear& lin, bool amx
 template <class T>
 inline void prepare(const Input<T>& in, int rows, const Linear& lin, bool amx) {
   if (lin.format != kDense)
-    quantize_rows(in.x, rows, lin.k, in.q);
+    quantize_rows(in.x, rows, lin.k, per_super_block(lin) ? kSuper : kBlock, in.q);
   else if (widens_x<T>(rows, lin, amx))
     widen_rows(in.x, rows, lin.k, in.wide);
 }
@@ -513,10 +635,11 @@ inline void prepare(const Input<T>& in, int rows, const Linear& lin, bool amx) {
 // Q6_K v beside Q4_K q and k), each part's outputs emitted where its rows sit in the whole
 template <class T, class F>
 inline void product(const Input<T>& in, int rows, const Linear& lin, bool amx, F&& emit) {
-  if (lin.format != kParts) return product_of(in, rows, lin, amx, emit);
+  const bool super = per_super_block(lin);  // how prepare quantized x
+  if (lin.format != kParts) return product_of(in, rows, lin, amx, super, emit);
   const Linear* part = static_cast<const Linear*>(lin.w);
   for (int i = 0, n0 = 0; i < lin.parts; n0 += part[i].n, ++i)
-    product_of(in, rows, part[i], amx, [&](int m, int n, V16 v, M16 mk) { emit(m, n0 + n, v, mk); });
+    product_of(in, rows, part[i], amx, super, [&](int m, int n, V16 v, M16 mk) { emit(m, n0 + n, v, mk); });
 }
 
 }  // namespace rs

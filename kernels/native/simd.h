@@ -365,6 +365,38 @@ inline void split_nibbles(I16 v, I16* lo, I16* hi) {
   *hi = {_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), low), _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), low)};
 }
 inline V16 to_float(I16 v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+// K-quant super-blocks (products.h, tile_ksuper): a block's scale folded into the pair sums -- madd by (s, s) in
+// each 32-bit lane instead of (1, 1) -- so a super-block sums in integers
+inline I16 scale_pairs(const uint8_t* p) {  // 16 scales 0..255, one per lane, as (s, s) int16 pairs
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  return {_mm256_or_si256(lo, _mm256_slli_epi32(lo, 16)), _mm256_or_si256(hi, _mm256_slli_epi32(hi, 16))};
+}
+inline I16 scale_pairs(const int8_t* p) {  // -128..127
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = _mm256_cvtepi8_epi32(b), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+  const __m256i low16 = _mm256_set1_epi32(0xffff);
+  return {_mm256_or_si256(_mm256_and_si256(lo, low16), _mm256_slli_epi32(lo, 16)),
+          _mm256_or_si256(_mm256_and_si256(hi, low16), _mm256_slli_epi32(hi, 16))};
+}
+inline I16 dot_u4_scaled(I16 acc, I16 w, int32_t quad, I16 sc) {  // lane += s (4 nibbles x int8); pairs < 2^15
+  const __m256i x = _mm256_set1_epi32(quad);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x), sc.lo)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x), sc.hi))};
+}
+template <class B>  // uint8_t or int8_t
+inline I16 byte_pairs(const B* a, const B* b) {  // lane i: (a[i], b[i]) as int16
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i lo = _mm_unpacklo_epi8(va, vb), hi = _mm_unpackhi_epi8(va, vb);
+  if constexpr (std::is_signed_v<B>) return {_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)};
+  else return {_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi)};
+}
+inline I16 dot_pairs(I16 acc, I16 pairs, int32_t x) {  // lane += a x0 + b x1 (x: two int16)
+  const __m256i v = _mm256_set1_epi32(x);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(pairs.lo, v)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs.hi, v))};
+}
 template <int S>
 inline void add_top_bits(I16 bits, I16* lo, I16* hi) {
   const __m256i m = _mm256_set1_epi8(0x30);
