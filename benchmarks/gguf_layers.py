@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import random_blocks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_layers import Packed, codes, gguf_layer  # noqa: E402
 
 from radixserve.kernels import cpu_native  # noqa: E402
-from radixserve.model.gguf_quant import _as_layer, decode_blocks  # noqa: E402
 from radixserve.model.native_decode import _blocks, pack_gguf, pack_q8  # noqa: E402
 
 KINDS = ("Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
@@ -48,21 +47,18 @@ def main() -> None:
     probes = [torch.randn(16, k, generator=g),  # and the same with 1% of the values 20x larger
               torch.randn(16, k, generator=g) * torch.where(torch.rand(16, k, generator=g) < 0.01, 20.0, 1.0)]
     for kind in kinds:
-        layer = _as_layer([decode_blocks(random_blocks(kind, n, k, seed=1), kind)], torch.float32)
+        layer = gguf_layer(kind, n, k)
         w = layer.dequantized().double()  # the product's exact value on the file's weights: the error is the
         # activations' rounding to 8 bits (per 32 values; per 256 for K-quants)
-        q = layer.q if layer.bits == 8 else torch.stack([layer.nibbles & 15, layer.nibbles >> 4], -1).view(n, k)
+        q = codes(layer, n, k)
         layouts = {"its own bits": lambda: pack_gguf(q, layer.file_blocks[0])}
         if kind.startswith("Q5"):
             layouts["8-bit bytes + fp32 scale, offset"] = lambda: (
                 cpu_native.Q8, (*pack_q8(q, layer.scale), _blocks(layer.offset, (n + 15) // 16 * 16), None, None))
         for name, pack in layouts.items():
-            packs = [pack() for _ in range(COPIES)]
-            lins = []
-            for form, tensors in packs:
-                ptrs = [None if t is None else t.data_ptr() for t in tensors]
-                lins.append(cpu_native.Linear(form, n, k, 0, *ptrs[:3], None, *ptrs[3:]))
-            nbytes = sum(t.numel() * t.element_size() for t in packs[0][1] if t is not None)
+            packs = [Packed(*pack(), n=n, k=k) for _ in range(COPIES)]
+            lins = [p.lin for p in packs]
+            nbytes = packs[0].nbytes
             for lin in lins:
                 cpu_native.product(lib, lin, x)
             best = float("inf")

@@ -1,10 +1,11 @@
-"""The native kernel's quantized products, two builds side by side in one process: the sources at a git revision
+"""The native kernel's products, two builds side by side in one process: the sources at a git revision
 (default HEAD) against the working tree's, on the same packed layers and inputs, taking turns round by round (the
 order flipping each round), best of the rounds. For a kernel change whose gain is smaller than the machine's
-run-to-run noise: both builds see the same noise. Random blocks of each GGUF format (tests/conftest.py's
-``random_blocks``), one layer cycled through 4 copies; also how far the two builds' outputs are apart.
+run-to-run noise: both builds see the same noise. Random blocks of each GGUF format, or a dense bf16 / float32
+layer (--kinds BF16,F32; benchmarks/kernel_layers.py), one layer cycled through 4 copies; also how far the two
+builds' outputs are apart.
 
-    python benchmarks/kernel_ab.py [--base HEAD] [--kinds Q4_K,Q5_K,Q6_K] [--rows 1,8,512] [--n 2048] [--k 2048]
+    python benchmarks/kernel_ab.py [--base HEAD] [--kinds Q4_K,Q5_K,Q6_K,BF16] [--rows 1,8,512] [--n 2048] [--k 2048]
 """
 from __future__ import annotations
 
@@ -18,12 +19,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from conftest import random_blocks  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from kernel_layers import DENSE, packed  # noqa: E402
 
 from radixserve.kernels import cpu_native  # noqa: E402
-from radixserve.model.gguf_quant import _as_layer, decode_blocks  # noqa: E402
-from radixserve.model.native_decode import pack_gguf  # noqa: E402
 
 ROUNDS, COPIES = 6, 4
 
@@ -38,12 +37,15 @@ def build_at(rev: str, work: Path):
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"], capture_output=True, text=True,
                               check=True).stdout
         (src / Path(name).name).write_text(text)
-    here = cpu_native.SOURCE
+    here, flags = cpu_native.SOURCE, cpu_native.FLAGS
+    # a revision before decode.cpp exported its rs_ functions by name needs every symbol visible; the working
+    # tree's build keeps its own symbols hidden, so neither binds to the other's
     cpu_native.SOURCE = src / here.name
+    cpu_native.FLAGS = tuple(f for f in flags if f != "-fvisibility=hidden")
     try:
         return cpu_native.load(work / "lib")
     finally:
-        cpu_native.SOURCE = here
+        cpu_native.SOURCE, cpu_native.FLAGS = here, flags
 
 
 def main() -> None:
@@ -61,14 +63,10 @@ def main() -> None:
               f"({cpu_native.isa(libs['working tree'])}, {n} x {k}, {torch.get_num_threads()} threads)")
         print("|---|---|---|---|---|---|")
         for kind in args.kinds.split(","):
-            layer = _as_layer([decode_blocks(random_blocks(kind, n, k, seed=1), kind)], torch.float32)
-            q = layer.q if layer.bits == 8 else torch.stack([layer.nibbles & 15, layer.nibbles >> 4], -1).view(n, k)
-            packs = [pack_gguf(q, layer.file_blocks[0]) for _ in range(COPIES)]
-            lins = [cpu_native.Linear(form, n, k, 0, *[None if t is None else t.data_ptr() for t in tensors][:3],
-                                      None, *[None if t is None else t.data_ptr() for t in tensors][3:])
-                    for form, tensors in packs]
+            packs = packed(kind, n, k, COPIES)
+            lins = [p.lin for p in packs]
             for rows in map(int, args.rows.split(",")):
-                x = torch.randn(rows, k)
+                x = torch.randn(rows, k, dtype=DENSE.get(kind, torch.float32))
                 a, b = (cpu_native.product(lib, lins[0], x) for lib in libs.values())
                 apart = float((a - b).norm() / a.norm())
                 reps = max(1, 64 // rows)

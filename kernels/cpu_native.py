@@ -29,7 +29,8 @@ from radixserve.kernels.cpp_build import (NativeUnavailable, build_library, comp
 
 SOURCES = Path(__file__).with_name("native")  # decode.cpp and the headers it includes
 SOURCE = SOURCES / "decode.cpp"
-FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")  # + -march (cpp_build)
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17",
+         "-fvisibility=hidden")  # + -march (cpp_build); decode.cpp exports its rs_ functions
 CPU_FEATURES = ("avx2", "fma", "f16c")  # what the kernel needs at least (x86-64-v3); AVX-512 BF16/VNNI if present
 NATIVE_DTYPES = ("bfloat16", "float32")
 ABI_VERSION = 9

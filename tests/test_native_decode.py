@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import random
+import shutil
+import subprocess
 from types import SimpleNamespace
 
 import numpy as np
@@ -316,6 +318,20 @@ def test_one_source_builds_for_each_instruction_set(march, isa, tmp_path, monkey
         raise
     names = {name for name in ("avx2", "avx512") if f"{name}\0".encode() in lib.read_bytes()}  # rs_isa's string
     assert names == {isa}
+
+
+def test_the_library_shows_only_its_c_functions(tmp_path):
+    """Two builds of the kernel in one process (benchmarks/kernel_ab.py: a git revision's and the working tree's)
+    each run their own tiles: the library exports its rs_ functions and nothing else -- a template's static
+    (TileTable's table) would be a process-wide unique symbol, and the second build would run the first's tiles."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils) to list the library's symbols")
+    lines = subprocess.run([nm, "-D", "--defined-only", str(cpu_native.build(tmp_path))], capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    names = {line.split()[-1] for line in lines}
+    assert {"rs_decode_step", "rs_linear", "rs_abi_version"} <= names
+    assert all(name.startswith("rs_") for name in names), sorted(names)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -299,6 +299,10 @@ int32_t check(const Model& md) {
 
 using namespace rs;
 
+// Only the rs_ functions leave the library (-fvisibility=hidden): two builds loaded in one process
+// (benchmarks/kernel_ab.py) each keep their own tiles -- a function's static (TileTable's table) is otherwise a
+// process-wide unique symbol, and the second build would run the first one's tiles.
+#pragma GCC visibility push(default)
 extern "C" {
 
 int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t groups, int64_t shared) {
@@ -353,3 +357,4 @@ int32_t rs_decode_step(const Model* md, const Step* st) {
 }
 
 }
+#pragma GCC visibility pop
