@@ -29,9 +29,6 @@ namespace rs {
 // (kQRowTile x kQColTile) share Acc.
 constexpr int kRowTile = RS_AVX512 ? 4 : 5, kColTile = RS_AVX512 ? 4 : 2;
 constexpr int kQRowTile = 4, kQColTile = 2;
-#ifndef RS_PF
-#define RS_PF 128
-#endif
 using Acc = V16[std::max(kRowTile, kQRowTile)][std::max(kColTile, kQColTile)];
 
 struct TileShape {
@@ -411,10 +408,10 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) dot[h][r][j] = izero16();
     const uint8_t* wb = w + blk * wbytes;
-    if constexpr (!q8)  // (ahead: Q8_0's bytes stream at the memory's pace without it)
-#pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j)
-        if (lead) ahead(wb + j * blocks * wbytes, int(wbytes));
+    if constexpr (!q8) {  // (ahead: Q8_0's bytes stream at the memory's pace without it)
+      if (lead)
+        for (int j = 0; j < NB; ++j) ahead(wb + j * blocks * wbytes, int(wbytes));
+    }
     if constexpr (q8) {
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
