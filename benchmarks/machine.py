@@ -46,6 +46,14 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * x.element_size() / timed(lambda: y.copy_(x))
 
 
+def read_bandwidth() -> float:
+    """Bytes read per second summing 512 MB: a decode step's limit, which reads its weights and writes next to
+    nothing (a copy's rate, counting what it reads and writes, is lower on this kind of machine: 26 GB/s against
+    33 on a 2-core Zen 3)."""
+    x = torch.randn(128 * 2**20)
+    return x.numel() * x.element_size() / timed(x.sum)
+
+
 def model_costs(cfg, bytes_per_weight: int = 2) -> dict:
     """FLOPs per token of the linear layers (prefill adds attention, see prefill_flops) and weight bytes read
     per decode step."""

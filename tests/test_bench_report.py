@@ -160,7 +160,8 @@ def test_the_deterministic_section_comes_from_its_committed_file(tmp_path):
 
 def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
     """benchmarks/real_shapes.py's report section: one row and five targets per shape and precision, from the
-    measured tok/s; the plot written; a shape the machine cannot hold named with the reason."""
+    measured tok/s; batch 1 against the read bandwidth (a run from before it was measured: against the copy
+    bandwidth, named so); the plot written; a shape the machine cannot hold named with the reason."""
     import real_shapes
     from stage_results import save_stage
 
@@ -174,7 +175,7 @@ def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
             row("radixserve", "q4_k_m", 0.8), row("llama.cpp", "q4_k_m", 1.0)]
     res = {"started": "2026-12-03 17:00:00", "repeats": 2, "quick": False,
            "machine": {"commit": "abc1234", "cpu": "a CPU", "cpus_in_mask": 2},
-           "limits": {"copy_bandwidth_bytes_s": 3e9, "matmul_peak_flops_s": 4e11},
+           "limits": {"read_bandwidth_bytes_s": 3e9, "copy_bandwidth_bytes_s": 2e9, "matmul_peak_flops_s": 4e11},
            "shapes": {"llama-3.2-1b": {"params": 1, "config": {}, "rows": rows}},
            "skipped_shapes": {"llama-3.1-8b": "needs about 42 GiB of memory, this machine has 23"}}
     save_stage(res, tmp_path, real_shapes.STAGE)
@@ -185,11 +186,19 @@ def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
     assert len(judged) == 2 * 5
     assert judged["shapes, llama-3.2-1b bf16: batch 1 vs llama.cpp"] == "met"  # 1 / 0.9
     assert judged["shapes, llama-3.2-1b bf16: batch 8 vs llama.cpp"] == "**not met**"  # 1.11x < 1.5x
-    assert judged["shapes, llama-3.2-1b bf16: batch 1 share of the bandwidth limit"] == "**not met**"  # 0.8
+    assert judged["shapes, llama-3.2-1b bf16: batch 1 share of the read bandwidth"] == "**not met**"  # 0.8
     assert judged["shapes, llama-3.2-1b q4_k_m: batch 1 vs llama.cpp"] == "**not met**"  # 0.8
     assert "llama-3.1-8b: not run: needs about 42 GiB" in text
     assert "| llama-3.2-1b | bf16 | 30.0 / 27.0 (1.11x)" in text
+    assert "memory read 3.0 GB/s" in text
     assert (tmp_path / "real_shapes.png").stat().st_size > 10_000
+
+    del res["limits"]["read_bandwidth_bytes_s"]  # an earlier run's results: 2.4 GB/s of 2 copied is 120%
+    targets = []
+    text = "\n".join(real_shapes.section(res, targets, report.check))
+    judged = {cells[0]: cells[3] for cells in ([c.strip() for c in t.strip("|").split("|")] for t in targets)}
+    assert judged["shapes, llama-3.2-1b bf16: batch 1 share of the copy (read + written bytes) bandwidth"] == "met"
+    assert "memory copy (read + written bytes; a read-only stream exceeds it) 2.0 GB/s" in text
 
 
 def test_prefix_groups_section_judges_each_group_count_and_pass(tmp_path):
