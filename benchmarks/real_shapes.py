@@ -199,7 +199,7 @@ def fits(name: str) -> str | None:
 
 
 def limits_now() -> dict:
-    """The machine's memory copy bandwidth and its matmul peak (the faster of bf16 and float32 GEMMs)."""
+    """The machine's memory read and copy bandwidths and its matmul peak (the faster of bf16 and float32 GEMMs)."""
     return {"read_bandwidth_bytes_s": machine.read_bandwidth(), "copy_bandwidth_bytes_s": machine.copy_bandwidth(),
             "matmul_peak_flops_s": max(machine.matmul_peak(torch.bfloat16), machine.matmul_peak(torch.float32))}
 
@@ -229,13 +229,14 @@ def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repea
     return res
 
 
-def bandwidth_limit(res: dict) -> tuple[float, str]:
-    """Decode's limit in a run's results and what it is: the read bandwidth, or in a run from before it was
-    measured, the copy bandwidth."""
+def bandwidth_limit(res: dict) -> tuple[float, str, str]:
+    """Decode's limit in a run's results, what it is and its name in a target: the read bandwidth, or in a run from
+    before it was measured, the copy bandwidth."""
     limits = res["limits"]
     if "read_bandwidth_bytes_s" in limits:
-        return limits["read_bandwidth_bytes_s"], "memory read"
-    return limits["copy_bandwidth_bytes_s"], "memory copy (read + written bytes; a read-only stream exceeds it)"
+        return limits["read_bandwidth_bytes_s"], "memory read", "read"
+    return (limits["copy_bandwidth_bytes_s"], "memory copy (read + written bytes; a read-only stream exceeds it)",
+            "copy (read + written bytes)")
 
 
 def ratios(res: dict) -> list[dict]:
@@ -304,6 +305,7 @@ def save(res: dict, results_dir: Path) -> None:
 
 def section(res: dict, targets: list[str], check) -> list[str]:
     m = res["machine"]
+    bw, what_bw, limit = bandwidth_limit(res)
     L = ["## Real shapes vs llama.cpp (1-8B, random weights)", "",
          f"Measured {res['started']} on commit {m['commit']}, {m['cpu']}, {m['cpus_in_mask']} CPUs "
          "(`python benchmarks/real_shapes.py`; 2 threads each, taking turns measurement by measurement, medians of "
@@ -311,8 +313,7 @@ def section(res: dict, targets: list[str], check) -> list[str]:
          "radixserve on the HF folder, llama.cpp on its converter's BF16 file; Q8_0 and Q4_K_M: both on the file "
          "llama-quantize makes (radixserve `--quantization gguf`). Decode: N prompts at once, the rate from the "
          "difference of two lengths; prefill: one prompt, no prompt cache. Limits measured in the run: "
-         f"{bandwidth_limit(res)[1]} {bandwidth_limit(res)[0] / 1e9:.1f} GB/s, matmul (the faster of torch's bf16 "
-         "and float32 "
+         f"{what_bw} {bw / 1e9:.1f} GB/s, matmul (the faster of torch's bf16 and float32 "
          f"GEMMs) {res['limits']['matmul_peak_flops_s'] / 1e9:.0f} GFLOP/s.", ""]
     for name, why in res.get("skipped_shapes", {}).items():
         L.append(f"- {name}: not run: {why}")
@@ -328,7 +329,6 @@ def section(res: dict, targets: list[str], check) -> list[str]:
                  + f" | {r['radixserve bandwidth']:.0%} / {r['llama.cpp bandwidth']:.0%}"
                  + f" | {r['radixserve matmul']:.0%} / {r['llama.cpp matmul']:.0%} |")
         what = f"shapes, {r['shape']} {r['precision']}"
-        limit = "read" if "read_bandwidth_bytes_s" in res["limits"] else "copy (read + written bytes)"
         targets.append(check(f"{what}: batch 1 vs llama.cpp", r["decode_1"], r["decode_1"] >= TARGETS["decode_1"],
                              ">= 1.0x"))
         targets.append(check(f"{what}: batch 1 share of the {limit} bandwidth", r["radixserve bandwidth"],
