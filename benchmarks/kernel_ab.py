@@ -3,13 +3,17 @@
 order flipping each round), best of the rounds. For a kernel change whose gain is smaller than the machine's
 run-to-run noise: both builds see the same noise. Random blocks of each GGUF format, or a dense bf16 / float32
 layer (--kinds BF16,F32; benchmarks/kernel_layers.py), one layer cycled through 4 copies; also how far the two
-builds' outputs are apart.
+builds' outputs are apart. With --shape, the products of a whole decode step of a real shape instead
+(benchmarks/real_shapes.py's: every layer's q/k/v, o, gate/up and down, each layer its own copy, and the output
+projection), one pass timed, with the GB/s it reads and the memory's read bandwidth measured in the same run.
 
     python benchmarks/kernel_ab.py [--base HEAD] [--kinds Q4_K,Q5_K,Q6_K,BF16] [--rows 1,8,512] [--n 2048] [--k 2048]
+    python benchmarks/kernel_ab.py --shape llama-3.2-1b --kinds Q8_0,Q4_K --rows 1,8
 """
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from kernel_layers import DENSE, packed  # noqa: E402
+from kernel_layers import DENSE, Packed, packed  # noqa: E402
 
 from radixserve.kernels import cpu_native  # noqa: E402
 
@@ -37,15 +41,67 @@ def build_at(rev: str, work: Path):
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"], capture_output=True, text=True,
                               check=True).stdout
         (src / Path(name).name).write_text(text)
-    here, flags = cpu_native.SOURCE, cpu_native.FLAGS
+    here, flags, abi = cpu_native.SOURCE, cpu_native.FLAGS, cpu_native.ABI_VERSION
     # a revision before decode.cpp exported its rs_ functions by name needs every symbol visible; the working
     # tree's build keeps its own symbols hidden, so neither binds to the other's
     cpu_native.SOURCE = src / here.name
     cpu_native.FLAGS = tuple(f for f in flags if f != "-fvisibility=hidden")
+    cpu_native.ABI_VERSION = int(re.search(r"rs_abi_version\(\) \{ return (\d+);", cpu_native.SOURCE.read_text())[1])
     try:
         return cpu_native.load(work / "lib")
     finally:
-        cpu_native.SOURCE, cpu_native.FLAGS = here, flags
+        cpu_native.SOURCE, cpu_native.FLAGS, cpu_native.ABI_VERSION = here, flags, abi
+
+
+def step_layers(shape: str, kind: str) -> list[Packed]:
+    """The products of one decode step of ``shape`` in ``kind``, each layer's weights a copy of their own."""
+    from real_shapes import SHAPES
+
+    a = SHAPES[shape][1]
+    h, i = a["hidden_size"], a["intermediate_size"]
+    hd = a.get("head_dim", h // a["num_attention_heads"])
+    q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
+    out = []
+    for n, k, times in ((q + 2 * kv, h, a["num_hidden_layers"]), (h, q, a["num_hidden_layers"]),
+                        (2 * i, h, a["num_hidden_layers"]), (h, i, a["num_hidden_layers"]), (49152, h, 1)):
+        one = packed(kind, n, k, 1)[0]
+        out += [one] + [Packed(one.lin.format, tuple(None if t is None else t.clone() for t in one.tensors), n, k)
+                        for _ in range(times - 1)]
+    return out
+
+
+def timed_round(libs: dict, order: list[str], run) -> dict[str, float]:
+    out = {}
+    for name in order:
+        start = time.perf_counter()
+        run(libs[name])
+        out[name] = time.perf_counter() - start
+    return out
+
+
+def compare_step(libs: dict, base: str, shape: str, kinds: list[str], rows_list: list[int]) -> None:
+    from machine import read_bandwidth
+
+    print(f"| format | rows | {base} ms | working tree ms | {base} / working tree | GB/s ({base} / tree) | "
+          f"read bandwidth GB/s |  ({cpu_native.isa(libs['working tree'])}, {shape}'s step, "
+          f"{torch.get_num_threads()} threads)")
+    print("|---|---|---|---|---|---|---|")
+    for kind in kinds:
+        layers = step_layers(shape, kind)
+        nbytes = sum(p.nbytes for p in layers)
+        for rows in rows_list:
+            xs = {k: torch.randn(rows, k, dtype=DENSE.get(kind, torch.float32)) for k in {p.lin.k for p in layers}}
+            best = dict.fromkeys(libs, float("inf"))
+            reads = []
+            for r in range(ROUNDS):
+                reads.append(read_bandwidth())
+                order = list(libs)[:: 1 if r % 2 == 0 else -1]
+                for name, t in timed_round(libs, order, lambda lib: [cpu_native.product(lib, p.lin, xs[p.lin.k])
+                                                                     for p in layers]).items():
+                    best[name] = min(best[name], t)
+            b, t = best[base], best["working tree"]
+            print(f"| {kind} | {rows} | {b * 1e3:.1f} | {t * 1e3:.1f} | {b / t:.2f}x | {nbytes / b / 1e9:.1f} / "
+                  f"{nbytes / t / 1e9:.1f} | {max(reads) / 1e9:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -55,10 +111,15 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,512")
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--shape", default=None, help="a real shape's whole step (benchmarks/real_shapes.py's SHAPES) "
+                    "instead of one layer of --n x --k")
     args = ap.parse_args()
     n, k = args.n, args.k
     with tempfile.TemporaryDirectory() as work:
         libs = {args.base: build_at(args.base, Path(work)), "working tree": cpu_native.load(Path(work) / "tree")}
+        if args.shape:
+            compare_step(libs, args.base, args.shape, args.kinds.split(","), list(map(int, args.rows.split(","))))
+            return
         print(f"| format | rows | {args.base} ms | working tree ms | {args.base} / working tree | outputs apart |  "
               f"({cpu_native.isa(libs['working tree'])}, {n} x {k}, {torch.get_num_threads()} threads)")
         print("|---|---|---|---|---|---|")

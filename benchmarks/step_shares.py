@@ -94,8 +94,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--prefix", type=int, default=860)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--model-path", default=None, help="the bundled model unless given (a GGUF file takes "
+                    "--quantization gguf)")
+    ap.add_argument("--quantization", default=None)
     args = ap.parse_args()
-    engine = Engine(None, max_total_tokens=args.rows * (args.steps + 64) + args.prefix + 4096)
+    engine = Engine(args.model_path, quantization=args.quantization,
+                    max_total_tokens=args.rows * (args.steps + 64) + args.prefix + 4096)
     native = engine.runner.native
     if native is None:
         sys.exit("the native decode step does not run here: nothing to divide")

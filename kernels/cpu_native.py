@@ -33,9 +33,9 @@ FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17
          "-fvisibility=hidden")  # + -march (cpp_build); decode.cpp exports its rs_ functions
 CPU_FEATURES = ("avx2", "fma", "f16c")  # what the kernel needs at least (x86-64-v3); AVX-512 BF16/VNNI if present
 NATIVE_DTYPES = ("bfloat16", "float32")
-ABI_VERSION = 9
+ABI_VERSION = 10
 
-DENSE, Q8, Q4, Q8G16, Q4K, Q6K, PARTS, Q5, Q5K = 0, 1, 2, 3, 4, 5, 6, 7, 8  # Linear.format
+DENSE, Q8, Q4, Q8G16, Q4K, Q6K, PARTS, Q5, Q5K, Q8H = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9  # Linear.format
 KV_FORMAT = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # --kv-cache-dtype -> Model.kv_codes (0: the pools hold T)
 
 

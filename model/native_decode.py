@@ -56,14 +56,26 @@ def _blocks(x: torch.Tensor, n16: int, fill: float = 0) -> torch.Tensor:
     return out.view(n16 // 16, 16, -1).transpose(1, 2).contiguous()
 
 
+def _halves(x: torch.Tensor, n16: int) -> torch.Tensor:
+    """``_blocks`` of values a GGUF file holds in fp16 (its scales), as fp16 again: exact."""
+    out = _blocks(x, n16)
+    if not torch.equal(out.half().float(), out):
+        raise ValueError("scales that fp16 does not hold exactly: GGUF files store theirs in fp16")
+    return out.half()
+
+
 def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 q [N, K] with a scale per 32 or 16 k ([N, K/group]) -> (q + 128 as u8 in groups of 4 k:
     [N/16, K/32, 8, 16, 4], fp32 scales [N/16, K/group, 16])."""
+    n16 = (q.shape[0] + 15) // 16 * 16
+    return _q8_bytes(q, n16), _blocks(scale, n16)
+
+
+def _q8_bytes(q: torch.Tensor, n16: int) -> torch.Tensor:
     n, k = q.shape
-    n16 = (n + 15) // 16 * 16
     u = torch.full((n16, k), 128, dtype=torch.uint8)
     u[:n] = (q.to(torch.int16) + 128).to(torch.uint8)
-    return u.view(n16 // 16, 16, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous(), _blocks(scale, n16)
+    return u.view(n16 // 16, 16, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
 
 
 def _nibble_groups(u: torch.Tensor, n16: int) -> torch.Tensor:
@@ -99,16 +111,16 @@ def _q5_bytes(q: torch.Tensor, n16: int) -> torch.Tensor:
 
 def pack_q4k(q: torch.Tensor, fb: FileBlocks) -> tuple[torch.Tensor, ...]:
     """A Q4_K or Q5_K layer in its own bits: (q4's nibbles, Q5_K's with its fifth bits (``_q5_bytes``); u8 sc and
-    mn [N/16, K/32, 16]; float32 d and -dmin [N/16, K/256, 16]) -- w = d sc q - dmin mn."""
+    mn [N/16, K/32, 16]; the file's fp16 d and -dmin [N/16, K/256, 16]) -- w = d sc q - dmin mn."""
     n16 = (q.shape[0] + 15) // 16 * 16
     as_u8 = lambda t: _blocks(t.float(), n16).to(torch.uint8)  # noqa: E731 (0..63: exact through float)
     data = _q4_bytes(q, n16) if fb.kind == "Q4_K" else _q5_bytes(q, n16)
-    return data, as_u8(fb.sc), as_u8(fb.mn), _blocks(fb.d, n16), _blocks(-fb.dmin, n16)
+    return data, as_u8(fb.sc), as_u8(fb.mn), _halves(fb.d, n16), _halves(-fb.dmin, n16)
 
 
 def pack_q6k(q: torch.Tensor, fb: FileBlocks) -> tuple[torch.Tensor, ...]:
     """A Q6_K layer (q in -32..31) in its own bits: (per 16 rows and 32 k, q4's nibbles of u = q + 32 then its top
-    two bits, two groups of 8 k to 64 bytes (products.h): [N/16, K/32, 384]; i8 sc [N/16, K/16, 16]; float32 d
+    two bits, two groups of 8 k to 64 bytes (products.h): [N/16, K/32, 384]; i8 sc [N/16, K/16, 16]; the file's fp16 d
     [N/16, K/256, 16]) -- w = d sc (u - 32)."""
     n16 = (q.shape[0] + 15) // 16 * 16
     v = _nibble_groups(q.to(torch.int16) + 32, n16)
@@ -117,7 +129,7 @@ def pack_q6k(q: torch.Tensor, fb: FileBlocks) -> tuple[torch.Tensor, ...]:
     shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[None, None, None, :, None, None, :]  # 4s + 2 half
     bits = (top << shifts).sum(dim=(3, 6), dtype=torch.uint8)  # [.., p, lane, b]: no two share a bit
     data = torch.cat([low.reshape(*v.shape[:2], 256), bits.reshape(*v.shape[:2], 128)], dim=-1).contiguous()
-    return data, _blocks(fb.sc.float(), n16).to(torch.int8), _blocks(fb.d, n16)
+    return data, _blocks(fb.sc.float(), n16).to(torch.int8), _halves(fb.d, n16)
 
 
 def pack_gguf(q: torch.Tensor, fb: FileBlocks) -> tuple[int, tuple[torch.Tensor | None, ...]]:
@@ -137,8 +149,8 @@ def pack_gguf(q: torch.Tensor, fb: FileBlocks) -> tuple[int, tuple[torch.Tensor 
                 data, _blocks(fb.d, n16).half(), _blocks(m, n16).half(), None, None)
         data, scale = pack_q8(q, fb.d)  # (a d so large that 16 d overflows fp16: as 8-bit blocks, float offsets)
         return native.Q8, (data, scale, _blocks(m, n16), None, None)
-    if fb.kind == "Q8_0":
-        return native.Q8, (*pack_q8(q, fb.d), None, None, None)
+    if fb.kind == "Q8_0":  # the file's fp16 d: 8.5 bits a weight
+        return native.Q8H, (_q8_bytes(q, n16), _halves(fb.d, n16), None, None, None)
     raise native.NativeUnavailable(f"no native layout for {fb.kind} blocks")
 
 

@@ -44,7 +44,7 @@ def test_every_format_decodes_to_ggufs_own_values(kind):
     assert torch.equal(layer.dequantized(), torch.from_numpy(want))
 
 
-NATIVE_FORMAT = {"Q8_0": "Q8", "Q4_0": "Q4", "Q4_1": "Q4", "Q5_0": "Q5", "Q5_1": "Q5", "Q4_K": "Q4K",
+NATIVE_FORMAT = {"Q8_0": "Q8H", "Q4_0": "Q4", "Q4_1": "Q4", "Q5_0": "Q5", "Q5_1": "Q5", "Q4_K": "Q4K",
                  "Q5_K": "Q5K", "Q6_K": "Q6K"}
 
 
@@ -75,8 +75,14 @@ def test_the_native_step_reads_every_format_in_its_own_bits(kind):
                                       None, *(None if t is None else t.data_ptr() for t in tensors[3:])))
         row += rows
     assert lins[0].format == getattr(cpu_native, NATIVE_FORMAT[kind])
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]  # the integers in no more bytes than the file's
-    assert keep[0].numel() / ((lins[0].n + 15) // 16 * 16 * k) <= size / block  # blocks (rows padded to 16s)
+    # the integers in no more bytes than the file's blocks (rows padded to 16s); with their scales, no more than a
+    # 16th of a byte a weight more (Q4_0's and Q5_0's stored offsets, the K-quants' 8-bit sc and mn), Q8_0's and
+    # Q6_K's none
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    weights = (lins[0].n + 15) // 16 * 16 * k
+    assert keep[0].numel() / weights <= size / block
+    whole = sum(t.numel() * t.element_size() for t in keep[:5] if t is not None) / weights  # the first shard's
+    assert whole <= size / block + (0 if kind in ("Q8_0", "Q6_K") else 1 / 16)
     parts = (cpu_native.Linear * len(lins))(*lins)
     whole = cpu_native.Linear(cpu_native.PARTS, 56, k, len(lins), ctypes.addressof(parts), None, None, None)
     w = torch.from_numpy(np.concatenate([s.dequantized() for s in shards])).double()

@@ -405,6 +405,11 @@ def test_each_product_format_computes_what_it_promises(n, k):
         dots = torch.einsum("rbk,nbk->rnb", xq.double(), q8.double().view(n, k // 32, 32))
         want = (dots * d8.double()[None] * dx.double()[:, None]).sum(-1)
         torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
+        # the same with fp16 scales (GGUF's Q8_0 in its own bits)
+        halves = _blocks(d8.half().float(), scale.shape[0] * 16).half()
+        lin = cpu_native.Linear(cpu_native.Q8H, n, k, 0, data.data_ptr(), halves.data_ptr(), None, None)
+        want = (dots * d8.half().double()[None] * dx.double()[:, None]).sum(-1)
+        torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
         # int8 blocks of 32 or 16 (GGUF's Q5_K / Q6_K) with an offset per block: w = d q + m
         sums16 = xq.double().view(rows, k // 16, 16).sum(-1)
         for group, form in ((32, cpu_native.Q8), (16, cpu_native.Q8G16)):
@@ -439,6 +444,7 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
     lib = cpu_native.load(cpu_native.default_cache_dir())
     g = torch.Generator().manual_seed(n + k)
     supers = k // 256
+    fp16 = lambda t: t.half().float()  # noqa: E731 (a file's super-block scales are fp16)
     for rows in (1, 3, 16, 19):
         x = torch.randn(rows, k, generator=g)
         xq, dx = _quantize_rows(x, 256)  # K-quant layers: one scale per super-block
@@ -446,9 +452,9 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
         # Q4_K / Q5_K: w = d sc q - dmin mn per 32, q 0..15 / 0..31, sc and mn 0..63
         for kind, top, form in (("Q5_K", 32, cpu_native.Q5K), ("Q4_K", 16, cpu_native.Q4K)):
             q = torch.randint(0, top, (n, k), generator=g)
-            sb = FileBlocks(kind, torch.rand(n, supers, generator=g) * 1e-3,
+            sb = FileBlocks(kind, fp16(torch.rand(n, supers, generator=g) * 1e-3),
                              torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
-                             torch.rand(n, supers, generator=g) * 1e-3,
+                             fp16(torch.rand(n, supers, generator=g) * 1e-3),
                              torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
             packed = pack_q4k(q, sb)
             lin = cpu_native.Linear(form, n, k, 0, *(t.data_ptr() for t in packed[:3]), None,
@@ -462,7 +468,7 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
         q4k, q4k_tensors, want_q4k = lin, packed, want  # (the tensors kept: the parts below point into them)
         # Q6_K: w = d sc q per 16, q -32..31, sc int8
         q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
-        sb = FileBlocks("Q6_K", torch.rand(n, supers, generator=g) * 1e-3,
+        sb = FileBlocks("Q6_K", fp16(torch.rand(n, supers, generator=g) * 1e-3),
                          torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8))
         data, sc, d = packed = pack_q6k(q, sb)
         lin = cpu_native.Linear(cpu_native.Q6K, n, k, 0, data.data_ptr(), sc.data_ptr(), None, None, d.data_ptr(),

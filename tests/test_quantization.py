@@ -129,8 +129,9 @@ def test_smollm2_int4_answers(smollm2_path):
 
 @pytest.mark.slow
 def test_smollm2_int8_decodes_the_shipped_q8_0_head_natively(monkeypatch):
-    """Under int8 the bundled file's Q8_0 output projection is taken as it ships (a scale per 32 weights); the
-    native decode step reads those blocks directly and the model still answers."""
+    """Under int8 the bundled file's Q8_0 output projection is taken as it ships (an fp16 scale per 32 weights);
+    the native decode step reads those blocks directly, in their own 8.5 bits a weight, and the model still
+    answers."""
     from radixserve.kernels import cpu_native
 
     if cpu_native.unavailable_reason("bfloat16"):
@@ -138,7 +139,7 @@ def test_smollm2_int8_decodes_the_shipped_q8_0_head_natively(monkeypatch):
     monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
     with Engine(quantization="int8", decode_kernel="native") as engine:
         assert engine.runner.model.lm_head.block_scales
-        assert engine.runner.native.desc.lm_head.format == cpu_native.Q8
+        assert engine.runner.native.desc.lm_head.format == cpu_native.Q8H
         out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                           {"temperature": 0, "max_new_tokens": 12})
         assert engine.runner.native.steps > 0

@@ -14,8 +14,8 @@ struct Linear {
   const void* scale;   // quantized formats: per-block scales; else null
   const void* zero;    // quantized formats: per-block offsets; else null
   const void* bias;    // T [n] or null
-  const void* super_scale;  // K-quant formats: float [n/16][k/256][16], the super-block's d; else null
-  const void* super_zero;   // kQ4K, kQ5K: float [n/16][k/256][16], the super-block's dmin; else null
+  const void* super_scale;  // K-quant formats: fp16 [n/16][k/256][16], the super-block's d; else null
+  const void* super_zero;   // kQ4K, kQ5K: fp16 [n/16][k/256][16], the super-block's -dmin; else null
 };
 struct Layer {
   const void* ln1;
@@ -64,7 +64,8 @@ namespace rs {
 inline int64_t row_start(const Step& st, int m) { return st.starts[m]; }
 inline int row_len(const Step& st, int m) { return int(st.lens[m]); }
 
-constexpr int kDense = 0, kQ8 = 1, kQ4 = 2, kQ8G16 = 3, kQ4K = 4, kQ6K = 5, kParts = 6, kQ5 = 7, kQ5K = 8;  // Linear.format
+constexpr int kDense = 0, kQ8 = 1, kQ4 = 2, kQ8G16 = 3, kQ4K = 4, kQ6K = 5, kParts = 6, kQ5 = 7, kQ5K = 8,
+              kQ8H = 9;  // Linear.format
 constexpr bool k_quant(int format) { return format == kQ4K || format == kQ5K || format == kQ6K; }  // k per 256
 constexpr int kInt8Codes = 1, kE4M3Codes = 2, kE5M2Codes = 3;  // Model.kv_codes
 constexpr int kBlock = 32;                   // weights per quantization block (along k)

@@ -275,7 +275,7 @@ void attention_alone(const Model& md, const Layer& ly, const Step& st, const T* 
 int32_t check(const Model& md) {
   if (md.heads % md.kv_heads || md.heads / md.kv_heads > kMaxGroup || md.head_dim > kMaxHeadDim) return 1;
   auto bad_one = [](const Linear& lin) {
-    return lin.format == kDense ? lin.k % 2 != 0 : (lin.format < kQ8 || lin.format > kQ5K || lin.format == kParts) ||
+    return lin.format == kDense ? lin.k % 2 != 0 : (lin.format < kQ8 || lin.format > kQ8H || lin.format == kParts) ||
            lin.k % (k_quant(lin.format) ? kSuper : kBlock) != 0;
   };
   auto bad = [&](const Linear& lin) {  // parts: each quantized, of the whole's k, their rows adding up to n
@@ -311,7 +311,7 @@ int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t groups, int64_t 
   return total;
 }
 
-int32_t rs_abi_version() { return 9; }
+int32_t rs_abi_version() { return 10; }
 
 // The vector instructions this build uses: "avx512" or "avx2" (simd.h)
 const char* rs_isa() { return kIsa; }

@@ -300,13 +300,14 @@ inline bool widens_x(int rows, const Linear& lin, bool amx) {
 //   q8: 8 groups of 4 k, each 16 lanes x 4 bytes of q + 128 (u8)                                  512 bytes
 //   q4: 4 groups of 8 k, each 16 lanes x 4 bytes: low nibble q[k0 + b], high nibble q[k0 + 4 + b]  256 bytes
 //   scale: q8 fp32, q4 fp16 [n/16][k/32][16] (d); zero: q4 fp16, q8 fp32 or null, the same layout (m)
+//   q8h: q8's bytes with fp16 scales and no offsets (GGUF's Q8_0: its own d, 8.5 bits a weight, not q8's 9)
 //   q8g16: q8's bytes with a scale (and, where ``zero`` is given, an offset) per 16 k: fp32 [n/16][k/16][16]
 // and GGUF's K-quants in their own bits (a scale per 32 or 16 k as an integer times its super-block's float):
-//   q4k: q4's nibbles; scale, zero: u8 [n/16][k/32][16] (sc, mn); super_scale, super_zero: fp32
+//   q4k: q4's nibbles; scale, zero: u8 [n/16][k/32][16] (sc, mn); super_scale, super_zero: fp16 (the file's)
 //        [n/16][k/256][16] (d, -dmin): w = d sc q - dmin mn                                      256 bytes
 //   q6k: q4's nibbles of u = q + 32 (0..63), then 2 x 16 lanes x 4 bytes of u's top two bits for groups 2p, 2p + 1
 //        (byte b of a lane: bits 4s + 2h, 4s + 2h + 1 the top of group 2p + s's k0 + 4h + b); scale: i8
-//        [n/16][k/16][16] (sc); super_scale: fp32 [n/16][k/256][16] (d): w = d sc (u - 32)            384 bytes
+//        [n/16][k/16][16] (sc); super_scale: fp16 [n/16][k/256][16] (d): w = d sc (u - 32)            384 bytes
 //   q5k: q4k with q 0..31: q4's nibbles, then 16 lanes x 4 bytes of fifth bits (byte b of a lane: bit 2g + h the
 //        fifth bit of group g's k0 + 4h + b); scales as q4k                                           320 bytes
 //   q5: GGUF's Q5_0 / Q5_1 (q 0..31, w = d q + m per 32 k): q5k's bytes with q4's fp16 d and m        320 bytes
@@ -390,13 +391,13 @@ inline void group_bytes(const uint8_t* wb, int g, I16* lo, I16* hi) {
 
 template <int Format, int MR, int NB>
 void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc, bool lead) {
-  constexpr bool q8 = Format == kQ8 || Format == kQ8G16;
+  constexpr bool q8 = Format == kQ8 || Format == kQ8G16 || Format == kQ8H;
   constexpr bool fifth = Format == kQ5 || Format == kQ5K;  // a fifth bit per weight after the nibbles
   constexpr int halves = Format == kQ8G16 || Format == kQ6K ? 2 : 1;  // dot products (and scales) per 32 k
   const int blocks = k / kBlock;
   const int64_t wbytes = q8 ? 512 : Format == kQ6K ? 384 : fifth ? 320 : 256;  // per 16 rows x 32 k
   const uint8_t* w = static_cast<const uint8_t*>(lin.w) + int64_t(b) * blocks * wbytes;
-  const float* super_d = static_cast<const float*>(lin.super_scale);
+  const uint16_t* super_d = static_cast<const uint16_t*>(lin.super_scale);
   V16 a[MR][NB];
   zero<MR, NB>(a);
   for (int blk = 0; blk < blocks; ++blk) {
@@ -455,12 +456,15 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
           d = load_halves(static_cast<const uint16_t*>(lin.scale) + at);
           c = load_halves(static_cast<const uint16_t*>(lin.zero) + at);
         } else if constexpr (Format == kQ4K || Format == kQ5K) {  // d sc and -dmin mn: products of 11 and 6 bits, exact in fp32
-          d = loadu(super_d + sb) * bytes_float(static_cast<const uint8_t*>(lin.scale) + at);
-          c = loadu(static_cast<const float*>(lin.super_zero) + sb) *
+          d = load_halves(super_d + sb) * bytes_float(static_cast<const uint8_t*>(lin.scale) + at);
+          c = load_halves(static_cast<const uint16_t*>(lin.super_zero) + sb) *
               bytes_float(static_cast<const uint8_t*>(lin.zero) + at);
         } else if constexpr (Format == kQ6K) {
-          d = loadu(super_d + sb) * bytes_float(static_cast<const int8_t*>(lin.scale) + at);
+          d = load_halves(super_d + sb) * bytes_float(static_cast<const int8_t*>(lin.scale) + at);
           c = d * set1(-32.0f);
+        } else if constexpr (Format == kQ8H) {
+          d = load_halves(static_cast<const uint16_t*>(lin.scale) + at);
+          c = d * set1(-kQ8Offset);
         } else {
           d = loadu(static_cast<const float*>(lin.scale) + at);
           c = d * set1(-kQ8Offset);
@@ -538,8 +542,8 @@ void tile_ksuper(const QuantRows& x, int m0, int k, const Linear& lin, int b, Ac
                                  static_cast<const uint8_t*>(lin.zero) + at + 16);
       }
       const int64_t sb = (int64_t(b + j) * (k / kSuper) + s) * 16;
-      const V16 d = loadu(static_cast<const float*>(lin.super_scale) + sb);
-      const V16 c = q6 ? d * set1(-32.0f) : loadu(static_cast<const float*>(lin.super_zero) + sb);
+      const V16 d = load_halves(static_cast<const uint16_t*>(lin.super_scale) + sb);
+      const V16 c = q6 ? d * set1(-32.0f) : load_halves(static_cast<const uint16_t*>(lin.super_zero) + sb);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const int64_t xi = int64_t(m0 + r) * blocks + first;
@@ -620,6 +624,7 @@ inline void product_of(const Input<T>& in, int rows, const Linear& lin, bool amx
       for (int m = 0; m < rows; m += kQRowTile) {
         const int mr = std::min(kQRowTile, rows - m);
         const QuantTileFn tile = lin.format == kQ8     ? quant_tile_for<kQ8>(mr, nb, super)
+                                 : lin.format == kQ8H  ? quant_tile_for<kQ8H>(mr, nb, super)
                                  : lin.format == kQ4   ? quant_tile_for<kQ4>(mr, nb, super)
                                  : lin.format == kQ4K  ? quant_tile_for<kQ4K>(mr, nb, super)
                                  : lin.format == kQ6K  ? quant_tile_for<kQ6K>(mr, nb, super)
