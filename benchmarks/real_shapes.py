@@ -11,8 +11,11 @@ Measured: decode tok/s at batch 1, 8 and 32 (that many different prompts at once
 8 + N new tokens each: the decode rate is the difference, so prefill and start-up cancel); prefill tok/s at 512
 and 2048 tokens (one prompt of that many token ids, one new token, no prompt cache); and the fraction of the
 machine's limits each reaches, measured in the same run (benchmarks/machine.py): decode at batch 1 against reading
-the file's linear weights once per token at the memory's read bandwidth (summing 512 MB; results from before it
-was measured hold the copy bandwidth, read + written bytes/s, which a read-only stream exceeds), prefill against the
+the file's linear weights once per token at the memory's read bandwidth (summing 512 MB, just before and after
+each round of batch-1 measurements, the faster of the two: on a shared machine the memory's pace moves by a third
+within minutes, so each round is set against its own; results from before it was sampled so hold one figure for
+the run, and those from before it was measured the copy bandwidth, read + written bytes/s, which a read-only
+stream exceeds), prefill against the
 machine's matmul peak: the faster of torch's bf16 and float32 GEMMs (without AVX-512, oneDNN has no bf16 GEMM and
 a bf16 model's prefill multiplies in float32, kernels/cpu_linear.py).
 
@@ -166,14 +169,18 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: tuple[str, .
         systems = {"radixserve": Ours([*ours_flags, "--max-total-tokens", "8192"]),
                    "llama.cpp": LlamaServer(gguf[precision], slot_tokens=max(PREFILLS) + 64, slots=max(BATCHES))}
         runs: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
+        reads: list[float] = []  # the read bandwidth around each round of batch-1 measurements
         try:
             for system in systems.values():  # warm-up: first requests set up kernels and pools
                 timed_batch(system, prompts(2, 16, 0), 4)
             for r in range(repeats):
                 order = list(systems.items())[:: 1 if r % 2 == 0 else -1]
                 for b in BATCHES:
+                    around = [machine.read_bandwidth()] if b == 1 else []
                     for label, system in order:
                         runs[label].setdefault(f"decode_{b}", []).append(decode_rate(system, b, new[b], 10 * r + b))
+                    if around:
+                        reads.append(max(around + [machine.read_bandwidth()]))
                 for length in PREFILLS:
                     for label, system in order:
                         runs[label].setdefault(f"prefill_{length}", []).append(prefill_rate(system, length, r))
@@ -185,6 +192,8 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: tuple[str, .
             row = {"shape": name, "precision": precision, "system": label, "runs": measured,
                    **{k: statistics.median(v) for k, v in measured.items()}, "weight_bytes": weight_bytes}
             row["bandwidth_bytes_s"] = row["decode_1"] * weight_bytes
+            row["read_bandwidth_bytes_s"] = reads
+            row["bandwidth_share"] = round_shares(measured["decode_1"], reads, weight_bytes)
             row["prefill_flops_s"] = {str(n): row[f"prefill_{n}"] * machine.prefill_flops_per_token(costs, n)
                                       for n in PREFILLS}
             rows.append(row)
@@ -239,6 +248,18 @@ def bandwidth_limit(res: dict) -> tuple[float, str, str]:
             "copy (read + written bytes)")
 
 
+def round_shares(rates: list[float], reads: list[float], weight_bytes: int) -> float:
+    """Batch 1's share of the read bandwidth: the median over rounds of the weights' bytes/s at each round's rate
+    against the bandwidth sampled around that round."""
+    return statistics.median(rate * weight_bytes / read for rate, read in zip(rates, reads, strict=True))
+
+
+def share(row: dict, limit: float) -> float:
+    """A system's batch-1 share of the read bandwidth: the median over rounds, each against the bandwidth sampled
+    around it; in a run from before those samples, against the run's one ``limit``."""
+    return row.get("bandwidth_share", row["bandwidth_bytes_s"] / limit)
+
+
 def ratios(res: dict) -> list[dict]:
     """Per shape and precision: radixserve / llama.cpp for every measure, and each one's limit fractions."""
     out = []
@@ -253,7 +274,7 @@ def ratios(res: dict) -> list[dict]:
             for key in [f"decode_{b}" for b in BATCHES] + [f"prefill_{n}" for n in PREFILLS]:
                 row[key] = ours[key] / theirs[key]
             for label, r in pair.items():
-                row[f"{label} bandwidth"] = r["bandwidth_bytes_s"] / bw
+                row[f"{label} bandwidth"] = share(r, bw)
                 row[f"{label} matmul"] = max(r["prefill_flops_s"].values()) / peak
             out.append(row)
     return out
@@ -267,7 +288,7 @@ def table(res: dict) -> str:
     for name, shape in res["shapes"].items():
         for r in shape["rows"]:
             lines.append(f"{name:14} {r['precision']:9} {r['system']:11}" + "".join(f"{r[k]:>14.1f}" for k in keys)
-                         + f"{r['bandwidth_bytes_s'] / bw:>10.0%}")
+                         + f"{share(r, bw):>10.0%}")
     return "\n".join(lines)
 
 
@@ -315,6 +336,10 @@ def section(res: dict, targets: list[str], check) -> list[str]:
          "difference of two lengths; prefill: one prompt, no prompt cache. Limits measured in the run: "
          f"{what_bw} {bw / 1e9:.1f} GB/s, matmul (the faster of torch's bf16 and float32 "
          f"GEMMs) {res['limits']['matmul_peak_flops_s'] / 1e9:.0f} GFLOP/s.", ""]
+    sampled = [x for shape in res["shapes"].values() for r in shape["rows"] for x in r.get("read_bandwidth_bytes_s", [])]
+    if sampled:
+        L[-2] += (f" Batch 1's share: the median over rounds, each against the read bandwidth sampled around it "
+                  f"({min(sampled) / 1e9:.1f}-{max(sampled) / 1e9:.1f} GB/s in this run).")
     for name, why in res.get("skipped_shapes", {}).items():
         L.append(f"- {name}: not run: {why}")
     keys = [f"decode_{b}" for b in BATCHES] + [f"prefill_{n}" for n in PREFILLS]

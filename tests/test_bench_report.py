@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import report  # noqa: E402  (benchmarks/report.py)
 
@@ -192,6 +194,19 @@ def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
     assert "| llama-3.2-1b | bf16 | 30.0 / 27.0 (1.11x)" in text
     assert "memory read 3.0 GB/s" in text
     assert (tmp_path / "real_shapes.png").stat().st_size > 10_000
+
+    # batch 1 against the read bandwidth sampled around each round (2.4 GB/s read of 2.5 and of 2.6: 96% and 92%)
+    for r in rows:
+        r["read_bandwidth_bytes_s"] = [2.5e9, 2.6e9]
+        r["bandwidth_share"] = real_shapes.round_shares([r["decode_1"]] * 2, [2.5e9, 2.6e9], int(2.4e9 / 30))
+    assert rows[0]["bandwidth_share"] == pytest.approx((2.4 / 2.5 + 2.4 / 2.6) / 2)
+    targets = []
+    text = "\n".join(real_shapes.section(res, targets, report.check))
+    judged = {cells[0]: cells[3] for cells in ([c.strip() for c in t.strip("|").split("|")] for t in targets)}
+    assert judged["shapes, llama-3.2-1b bf16: batch 1 share of the read bandwidth"] == "met"
+    assert "sampled around it (2.5-2.6 GB/s in this run)" in text
+    for r in rows:
+        del r["read_bandwidth_bytes_s"], r["bandwidth_share"]
 
     del res["limits"]["read_bandwidth_bytes_s"]  # an earlier run's results: 2.4 GB/s of 2 copied is 120%
     targets = []
