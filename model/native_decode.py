@@ -59,8 +59,8 @@ def _blocks(x: torch.Tensor, n16: int, fill: float = 0) -> torch.Tensor:
 def _halves(x: torch.Tensor, n16: int) -> torch.Tensor:
     """``_blocks`` of values a GGUF file holds in fp16 (its scales), as fp16 again: exact."""
     out = _blocks(x, n16)
-    if not torch.equal(out.half().float(), out):
-        raise ValueError("scales that fp16 does not hold exactly: GGUF files store theirs in fp16")
+    if not torch.allclose(out.half().float(), out, rtol=0, atol=0, equal_nan=True):
+        raise native.NativeUnavailable("a quantized layer's scales are not fp16 values, as a GGUF file's are")
     return out.half()
 
 

@@ -706,3 +706,16 @@ def test_prefill_steps_turned_down_run_on_torch_with_its_metadata(tiny_models):
     assert outs[0] == outs["default"]
     assert counts["default"][1] > 0 and counts[0][1] == 0  # the prefills: native by default, torch with no budget
     assert counts[0][0] > 0  # decode steps native either way
+
+
+def test_a_layer_whose_scales_are_not_fp16_values_is_refused_by_the_native_step():
+    """GGUF's scales are fp16, and the kernel reads them so: a super-block d that fp16 does not hold exactly
+    (no file has one) makes the native step unavailable for the model, with the reason, instead of rounding it."""
+    from radixserve.kernels.cpu_quant import FileBlocks
+    from radixserve.model.native_decode import pack_q6k
+
+    q = torch.zeros(16, 256, dtype=torch.int8)
+    sc = torch.ones(16, 16, dtype=torch.int8)
+    pack_q6k(q, FileBlocks("Q6_K", torch.full((16, 1), 0.5), sc))  # an fp16 value: packed
+    with pytest.raises(NativeUnavailable, match="not fp16 values"):
+        pack_q6k(q, FileBlocks("Q6_K", torch.full((16, 1), 0.1), sc))
