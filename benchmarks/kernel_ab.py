@@ -55,28 +55,28 @@ def build_at(rev: str, work: Path):
 
 def step_layers(shape: str, kind: str) -> list[Packed]:
     """The products of one decode step of ``shape`` in ``kind``, each layer's weights a copy of their own."""
-    from real_shapes import SHAPES
+    from real_shapes import SHAPES, products_of
 
-    a = SHAPES[shape][1]
-    h, i = a["hidden_size"], a["intermediate_size"]
-    hd = a.get("head_dim", h // a["num_attention_heads"])
-    q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
     out = []
-    for n, k, times in ((q + 2 * kv, h, a["num_hidden_layers"]), (h, q, a["num_hidden_layers"]),
-                        (2 * i, h, a["num_hidden_layers"]), (h, i, a["num_hidden_layers"]), (49152, h, 1)):
+    for n, k, times in products_of(SHAPES[shape][1], 49152):  # SmolLM2's vocabulary, as real_shapes' checkpoints
         one = packed(kind, n, k, 1)[0]
         out += [one] + [Packed(one.lin.format, tuple(None if t is None else t.clone() for t in one.tensors), n, k)
                         for _ in range(times - 1)]
     return out
 
 
-def timed_round(libs: dict, order: list[str], run) -> dict[str, float]:
-    out = {}
-    for name in order:
-        start = time.perf_counter()
-        run(libs[name])
-        out[name] = time.perf_counter() - start
-    return out
+def best_of_rounds(libs: dict, run, between=None) -> dict[str, float]:
+    """Seconds of ``run(lib)`` for each build, best of ROUNDS rounds taken in turn (the order flipping each round);
+    ``between()`` before each round."""
+    best = dict.fromkeys(libs, float("inf"))
+    for r in range(ROUNDS):
+        if between is not None:
+            between()
+        for name, lib in list(libs.items())[:: 1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            run(lib)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def compare_step(libs: dict, base: str, shape: str, kinds: list[str], rows_list: list[int]) -> None:
@@ -91,14 +91,9 @@ def compare_step(libs: dict, base: str, shape: str, kinds: list[str], rows_list:
         nbytes = sum(p.nbytes for p in layers)
         for rows in rows_list:
             xs = {k: torch.randn(rows, k, dtype=DENSE.get(kind, torch.float32)) for k in {p.lin.k for p in layers}}
-            best = dict.fromkeys(libs, float("inf"))
             reads = []
-            for r in range(ROUNDS):
-                reads.append(read_bandwidth())
-                order = list(libs)[:: 1 if r % 2 == 0 else -1]
-                for name, t in timed_round(libs, order, lambda lib: [cpu_native.product(lib, p.lin, xs[p.lin.k])
-                                                                     for p in layers]).items():
-                    best[name] = min(best[name], t)
+            best = best_of_rounds(libs, lambda lib: [cpu_native.product(lib, p.lin, xs[p.lin.k]) for p in layers],
+                                  lambda: reads.append(read_bandwidth()))
             b, t = best[base], best["working tree"]
             print(f"| {kind} | {rows} | {b * 1e3:.1f} | {t * 1e3:.1f} | {b / t:.2f}x | {nbytes / b / 1e9:.1f} / "
                   f"{nbytes / t / 1e9:.1f} | {max(reads) / 1e9:.1f} |", flush=True)
@@ -131,15 +126,9 @@ def main() -> None:
                 a, b = (cpu_native.product(lib, lins[0], x) for lib in libs.values())
                 apart = float((a - b).norm() / a.norm())
                 reps = max(1, 64 // rows)
-                best = dict.fromkeys(libs, float("inf"))
-                for r in range(ROUNDS):
-                    for name, lib in list(libs.items())[:: 1 if r % 2 == 0 else -1]:
-                        start = time.perf_counter()
-                        for _ in range(reps):
-                            for lin in lins:
-                                cpu_native.product(lib, lin, x)
-                        best[name] = min(best[name], (time.perf_counter() - start) / (reps * COPIES))
-                base, tree = best[args.base], best["working tree"]
+                best = best_of_rounds(libs, lambda lib: [cpu_native.product(lib, lin, x) for _ in range(reps)
+                                                         for lin in lins])
+                base, tree = (best[name] / (reps * COPIES) for name in (args.base, "working tree"))
                 print(f"| {kind} | {rows} | {base * 1e3:.3f} | {tree * 1e3:.3f} | {base / tree:.2f}x | {apart:.2e} |",
                       flush=True)
 

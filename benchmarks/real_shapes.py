@@ -69,12 +69,18 @@ TARGETS = {"decode_1": 1.0, "decode_8": 1.5, "prefill_512": 1.2, "prefill_2048":
 ROOT = llama_cpp.ROOT.parent / "shapes"
 
 
-def params_of(kind: str, args: dict, vocab: int) -> int:
+def products_of(args: dict, vocab: int) -> list[tuple[int, int, int]]:
+    """A decode step's linear products of a shape's config: (n, k, how many) for the fused q/k/v, o, the fused
+    gate/up, down and the output projection."""
     h, i, layers = args["hidden_size"], args["intermediate_size"], args["num_hidden_layers"]
     hd = args.get("head_dim", h // args["num_attention_heads"])
     q, kv = args["num_attention_heads"] * hd, args["num_key_value_heads"] * hd
-    embed = vocab * h * (1 if args["tie_word_embeddings"] else 2)
-    return layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + embed
+    return [(q + 2 * kv, h, layers), (h, q, layers), (2 * i, h, layers), (h, i, layers), (vocab, h, 1)]
+
+
+def params_of(kind: str, args: dict, vocab: int) -> int:
+    embed = vocab * args["hidden_size"] * (0 if args["tie_word_embeddings"] else 1)  # the input embedding's own
+    return sum(n * k * times for n, k, times in products_of(args, vocab)) + embed
 
 
 def checkpoint(name: str) -> Path:
