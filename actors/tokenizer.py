@@ -21,6 +21,20 @@ from radixserve.wire.plans import Logprob
 
 log = logging.getLogger(__name__)
 
+# a whole (not streamed) result's tokens come from the scheduler in runs of this many: nobody reads them before
+# the end, and each run is one message instead of one a token (SGLang sends such outputs every 50 tokens too)
+WHOLE_RESULT_INTERVAL = 50
+
+
+def output_interval(params: SamplingParams, stream: bool, stream_interval: int = 1) -> int:
+    """How many new tokens the scheduler may hold back before it hands them on (``AddReq.output_interval``):
+    ``stream_interval`` (--stream-interval) for a stream, WHOLE_RESULT_INTERVAL for a whole result, and 1
+    whenever its text can end it (stop strings, stop_regex): each token is looked at as it comes, so the
+    request ends on time, not some tokens later."""
+    if params.stop_strings or params.stop_patterns_source:
+        return 1
+    return max(1, stream_interval) if stream else WHOLE_RESULT_INTERVAL
+
 
 @dataclass
 class Detokenized:
@@ -138,15 +152,17 @@ class TokenizerCore:
         for done in batch.prefilled:
             if live.pop(done.rid, None) is not None:
                 out.deltas.append(self.prefilled_delta(done))
-        token_ids = batch.token_ids.tolist()
         prompt, cached = batch.prompt_tokens.tolist(), batch.cached_tokens.tolist()
-        for i, rid in enumerate(batch.rids):
+        for i, (rid, run) in enumerate(zip(batch.rids, batch.runs())):
             text_out = live.get(rid)
             if text_out is None:  # already ended here (stop string, abort); the scheduler heard or will
                 continue
             try:
-                text, finish, stopped_here, cut = text_out.add(token_ids[i], batch.finished.get(i))
-                logprobs = [self.token_logprob(token_ids[i], batch.logprobs[i])] if i in batch.logprobs else None
+                before = text_out.completion_tokens
+                text, finish, stopped_here, cut = text_out.add(run, batch.finished.get(i))
+                run = run[: text_out.completion_tokens - before]  # a stop string ends it at its token
+                lps = batch.logprobs.get(i)
+                logprobs = [self.token_logprob(t, lp) for t, lp in zip(run, lps)] if lps is not None else None
                 scored = batch.prompt_logprobs.get(i)
                 prompt_lp = self.prompt_logprobs(scored) if scored is not None else None
             except InvalidRequest as exc:  # the request's own doing (a stop_regex over its budget): it alone ends
@@ -163,7 +179,7 @@ class TokenizerCore:
                 out.stops.append(FinishReq(rid, finish))
             if finish is not None:
                 del live[rid]
-            out.deltas.append(Delta(rid, text, [token_ids[i]], prompt[i], text_out.completion_tokens, cached[i],
+            out.deltas.append(Delta(rid, text, run, prompt[i], text_out.completion_tokens, cached[i],
                                     finish, logprobs, prompt_lp, batch.cached_tiers.get(i), batch.drafts.get(i),
                                     cut))
         return out
@@ -190,8 +206,10 @@ class OutputText:
     def text(self) -> str:
         return self.detok.text
 
-    def add(self, token_id: int | None, finish: FinishReason | None) -> tuple[str, FinishReason | None, bool, int]:
-        """Take the step's token (None: the request ended without one) and the scheduler's finish reason.
+    def add(self, token_ids: list[int], finish: FinishReason | None) -> tuple[str, FinishReason | None, bool, int]:
+        """Take the request's new tokens (none: it ended without one) and the scheduler's finish reason, which
+        comes with the last of them. With stop strings each token is looked at in turn, and one that ends the
+        output leaves the rest untaken (``completion_tokens`` counts what was taken).
 
         Returns the text that became final since the last call, why the request ended (None: it goes on),
         whether a stop string ended it here -- then the scheduler does not know yet and must be told --, and how
@@ -199,13 +217,21 @@ class OutputText:
         them; a stop string's prefix is held back instead).
         """
         stop = None
-        if token_id is not None:
-            self.completion_tokens += 1
+        each = 1 if self.detok.can_stop else max(len(token_ids), 1)  # without stops: the whole run in one decode
+        for at in range(0, len(token_ids), each):
+            chunk = token_ids[at : at + each]
+            self.completion_tokens += len(chunk)
             # the special token that ended the output (EOS) is no part of its text, even with skip_special_tokens
             # false (SGLang trims it too): a tool-call parser reads the text up to it
-            ended = finish is not None and finish.type == "stop" and finish.matched == token_id
-            if not (ended and self.detok.core.hidden(token_id)):
-                stop = self.detok.add([token_id])
+            last = chunk[-1]
+            ended = finish is not None and finish.type == "stop" and finish.matched == last and \
+                at + len(chunk) == len(token_ids)
+            if ended and self.detok.core.hidden(last):
+                chunk = chunk[:-1]
+            if chunk:
+                stop = self.detok.add(chunk)
+            if stop is not None:
+                break
         stopped_here = stop is not None and finish is None
         if stop is not None:  # the stop string wins over an EOS or length ending on the same token
             finish = FinishReason("stop", matched=stop)
@@ -239,6 +265,11 @@ class Detokenizer:
     _prefix_offset: int = 0  # window start: decoded for context only
     _read_offset: int = 0  # tokens before this are already in `text`
     _floor: int = 0  # a stop match must end after this (the text written before min_tokens was reached)
+
+    @property
+    def can_stop(self) -> bool:
+        """Whether anything in the text can end the output (a stop string or a stop_regex)."""
+        return bool(self.stop_strings) or self.stop_regexes is not None
 
     def add(self, new_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears (``text`` is cut before it)."""

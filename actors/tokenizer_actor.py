@@ -1,6 +1,7 @@
 """The tokenizer actor: text in (chat templates, encoding), text out (incremental detokenizing, stop strings).
 
-Per scheduler step it gets one TokenBatch and answers the api with one TextBatch. Nothing a request carries can
+Per scheduler step that hands on tokens it gets one TokenBatch and answers the api with one TextBatch (a whole
+result's tokens come in runs, ``output_interval``). Nothing a request carries can
 end this actor: a request whose text cannot be encoded, or whose tokens cannot be decoded, fails alone.
 
 With --dp replicas it also routes: each request's token ids pick a replica's scheduler through the routing policy
@@ -13,7 +14,7 @@ import logging
 from typing import Any
 
 from radixserve.actors.router.policies import Worker, load_routing_policy
-from radixserve.actors.tokenizer import OutputText, TokenizerCore
+from radixserve.actors.tokenizer import OutputText, TokenizerCore, output_interval
 from radixserve.actors.transport import ActorSpec, Channel, replica_name, run_actor
 from radixserve.tool_parsers import resolve_tool_parser
 from radixserve.wire.codec import array
@@ -50,11 +51,13 @@ class Replicas:
 
 
 class TokenizerActor:
-    def __init__(self, core: TokenizerCore, channel: Channel, replicas: Replicas | None = None) -> None:
+    def __init__(self, core: TokenizerCore, channel: Channel, replicas: Replicas | None = None,
+                 stream_interval: int = 1) -> None:
         self.core = core
         self.channel = channel
         self.live: dict[str, OutputText] = {}  # every request in flight here, by rid
         self.replicas = replicas or Replicas(["scheduler"])
+        self.stream_interval = stream_interval  # --stream-interval
 
     async def run(self) -> None:
         while True:
@@ -91,7 +94,8 @@ class TokenizerActor:
         self.live[msg.rid] = self.core.output(msg.params)
         await self.channel.send(self.replicas.route(msg.rid, ids),
                                 AddReq(msg.rid, array(ids), msg.params, msg.top_logprobs, msg.priority,
-                                       msg.logprob_start))
+                                       msg.logprob_start,
+                                       output_interval(msg.params, msg.stream, self.stream_interval)))
 
     def encode(self, msg: GenerateReq) -> list[int]:
         if msg.messages is not None:
@@ -135,7 +139,7 @@ def build(spec: ActorSpec, channel: Channel) -> tuple[TokenizerActor, dict[str, 
     replicas = Replicas(scheduler_names(spec.server_args.dp), spec.server_args.routing_policy)
     # --tool-call-parser auto is resolved here, where the chat template is: the api reads it from this Ready
     parser = resolve_tool_parser(spec.server_args.tool_call_parser, core.tokenizer.chat_template)
-    return TokenizerActor(core, channel, replicas), {"vocab_size": core.vocab_size,
+    return TokenizerActor(core, channel, replicas, spec.server_args.stream_interval), {"vocab_size": core.vocab_size,
                                                      "chat_template": core.chat_template(),
                                                      "tool_call_parser": parser}
 

@@ -11,7 +11,7 @@ import torch
 
 from ipc_cost import Echo
 from radixserve.actors.scheduler import Scheduler, SchedulerConfig
-from radixserve.actors.scheduler.actor import token_batch
+from radixserve.actors.scheduler.actor import take_tokens
 from radixserve.cache import CacheManager
 from radixserve.policies.eviction import LRU
 from radixserve.policies.schedule import FCFS
@@ -94,7 +94,7 @@ def scheduler_overhead(batch: int, prompt: int = 128, steps: int = 200) -> dict:
         plan = sched.schedule()
         result = runner.forward(plan)
         updated = sched.process(result)
-        tokens = token_batch(updated)
+        tokens = take_tokens(updated)
     core = (time.perf_counter() - start) / steps
     text = TextBatch([Delta(r.rid, " word", [7], prompt, len(r.output_ids), 0) for r in updated])
     with Echo() as echo:

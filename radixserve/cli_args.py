@@ -37,7 +37,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                     "dist_timeout", "dist_auth_key_file"),
     "api server": ("host", "port", "api_key_file", "api_key", "allowed_hosts", "served_model_name",
                    "max_queued_requests", "max_sequences_per_request", "max_connections", "max_streams",
-                   "queue_timeout", "shutdown_timeout"),
+                   "stream_interval", "queue_timeout", "shutdown_timeout"),
     "logging": ("log_level",),
     "debugging": ("check_invariants",),
 }
@@ -167,6 +167,9 @@ HELP = {
     "max_connections": "open HTTP connections at once (keep-alive ones included); while more are open a request "
                        "gets 503 with Retry-After and its connection is closed",
     "max_streams": "streamed (SSE) responses open at once; one more gets 503 with Retry-After before it starts",
+    "stream_interval": "a stream's tokens go out in runs of this many (the first at once, the last with the end): "
+                       "fewer messages and wake-ups a token, at the price of a burstier stream; a request with "
+                       "stop strings or stop_regex still goes token by token (whole results come in runs of 50)",
     "tp": "tensor-parallel ranks: runner processes that each hold 1/tp of every layer (torch.distributed); must "
           "divide the attention heads, the MLP width and the KV heads (or be a multiple of them)",
     "dp": "data-parallel replicas on this machine: each a scheduler with its own KV pool, radix cache and "

@@ -18,8 +18,8 @@ from radixserve.actors.api.sglang_generate import (
     LogprobOptions, GenerateBatch, GenerateOutput, generate_batch, sequences, with_processors
 )
 from radixserve.actors.scheduler import build_scheduler
-from radixserve.actors.scheduler.actor import token_batches
-from radixserve.actors.tokenizer import OutputText, TokenizerCore
+from radixserve.actors.scheduler.actor import take_tokens
+from radixserve.actors.tokenizer import OutputText, TokenizerCore, output_interval
 from radixserve.errors import InvalidRequest
 from radixserve.prepare import prepare
 from radixserve.prompts import text_or_ids
@@ -203,7 +203,7 @@ class Engine:
         return generate_batch(body, self.model_config.vocab_size)
 
     def _answer(self, gens: list[GenerateReq], logprobs: LogprobOptions | None, single: bool, stream: bool):
-        outputs = self._submit(gens, logprobs)
+        outputs = self._submit(gens, logprobs, stream)
         if stream:
             return self._stream(outputs)
         for _ in self._drive(outputs):
@@ -215,7 +215,7 @@ class Engine:
         for i in self._drive(outputs):
             yield {**outputs[i].result(), "index": i}
 
-    def _submit(self, gens: list[GenerateReq], logprobs: LogprobOptions | None) -> list[_Sink]:
+    def _submit(self, gens: list[GenerateReq], logprobs: LogprobOptions | None, stream: bool) -> list[_Sink]:
         with self._lock:  # the tokenizer too: HF's fast tokenizer may not encode while another thread decodes
             self._require_open()
             ids = [self.tokenizer.encode(g.text) if g.text is not None else g.input_ids for g in gens]
@@ -224,7 +224,8 @@ class Engine:
                 sched.validate(p, g.params, g.top_logprobs, g.logprob_start)
             sinks = []
             for p, g in zip(ids, gens):
-                sched.add_request(g.rid, p, g.params, g.top_logprobs, g.priority, g.logprob_start)
+                sched.add_request(g.rid, p, g.params, g.top_logprobs, g.priority, g.logprob_start,
+                                  output_interval=output_interval(g.params, stream))
                 sink = _Sink(GenerateOutput(g.rid, logprobs))
                 self._live[g.rid] = self.tokenizer.output(g.params)
                 self._sinks[g.rid] = sink
@@ -277,7 +278,8 @@ class Engine:
                 self._exchange_tiers(wait=True)
             elif plan is None and not sched.failures:
                 raise RuntimeError("the scheduler has unfinished requests but planned nothing (a bug)")
-            outs = [self.tokenizer.detokenize(batch, self._live) for batch in token_batches(updated)]
+            batch = take_tokens(updated)
+            outs = [self.tokenizer.detokenize(batch, self._live)] if batch is not None else []
         except BaseException:  # an error or Ctrl-C mid-step: give back every slot, keep the Engine usable
             sched.fail_step("interrupted")  # the step being computed never finished: its slots hold nothing
             sched.fail_all("interrupted")

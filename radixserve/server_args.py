@@ -101,6 +101,7 @@ class ServerArgs:
     allowed_hosts: tuple[str, ...] | None = None  # Host values answered besides loopback and the bound address
     max_connections: int = 512  # open HTTP connections; a request beyond them: 503 + Retry-After
     max_streams: int = 256  # open streamed (SSE) responses; a stream beyond them: 503 + Retry-After
+    stream_interval: int = 1  # a stream's tokens go out every this many (SGLang's flag); 1: each as it comes
     served_model_name: tuple[str, ...] | None = None  # names clients may pass, the first listed; None: the model's
     num_threads: int | None = None  # torch threads of the runner; None: all cores
     device: str = "auto"  # auto: cuda if torch sees a GPU, else cpu
@@ -167,6 +168,8 @@ class ServerArgs:
         if self.max_connections < 1 or self.max_streams < 1:
             raise ValueError(f"max_connections={self.max_connections} and max_streams={self.max_streams} must be "
                              ">= 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval} must be >= 1")
         if self.max_sequences_per_request is not None and self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request={self.max_sequences_per_request} must be >= 1")
         if self.queue_timeout is not None and not self.queue_timeout > 0:

@@ -110,9 +110,12 @@ class Metrics:
         self.ttft.observe(ttft)
         self.sglang.ttft.observe(ttft)
 
-    def next_token(self, gap: float) -> None:
-        self.itl.observe(gap)
-        self.sglang.itl.observe(gap)
+    def next_tokens(self, gap: float, tokens: int = 1) -> None:
+        """``tokens`` more tokens ``gap`` seconds after the last ones: as many inter-token gaps of their mean (a
+        run of them came in one delta: a verified draft, or a whole result's tokens held back)."""
+        for _ in range(tokens):
+            self.itl.observe(gap / tokens)
+            self.sglang.itl.observe(gap / tokens)
 
     def generated(self, tokens: int) -> None:
         self.generation_tokens.inc(tokens)

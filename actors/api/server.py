@@ -73,7 +73,7 @@ class RequestStream:
                 self.first = now
                 metrics.first_token(now - self.start)
             else:
-                metrics.next_token(now - self.last)
+                metrics.next_tokens(now - self.last, len(item.token_ids))
             self.last = now
             self.tokens += len(item.token_ids)
             metrics.generated(len(item.token_ids))
@@ -94,7 +94,8 @@ class RequestGroup:
 
     def __init__(self, server: ApiServer, rid: str, gens: list[GenerateReq], stream: bool = False) -> None:
         self.server, self.rid, self.stream = server, rid, stream
-        self.streams = [RequestStream(server, g) for g in gens]
+        # the scheduler holds a whole result's tokens back (GenerateReq.stream): nobody reads them before its end
+        self.streams = [RequestStream(server, msgspec.structs.replace(g, stream=stream)) for g in gens]
 
     async def __aenter__(self) -> RequestGroup:
         server = self.server

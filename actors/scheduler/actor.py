@@ -124,13 +124,13 @@ class SchedulerActor:
                     sched.tap.step(sent[1], seconds)
                 sched.spec.timed(sent[1].mode, sent[1].drafts, sent[1].batch_size, seconds)
             await self.launch()  # the runner starts the next step now ...
-            if updated:  # ... while the tokenizer turns this step's tokens into text
-                for batch in token_batches(updated):
-                    await self.channel.send("tokenizer", batch)
+            batch = take_tokens(updated)
+            if batch is not None:  # ... while the tokenizer turns this step's tokens into text
+                await self.channel.send("tokenizer", batch)
         elif isinstance(msg, AddReq):
             try:
                 sched.add_request(msg.rid, msg.input_ids.tolist(), msg.params, msg.top_logprobs,
-                                  msg.priority, msg.logprob_start)
+                                  msg.priority, msg.logprob_start, output_interval=msg.output_interval)
             except InvalidRequest as exc:
                 await self.channel.send("tokenizer", RequestError(msg.rid, str(exc), param=exc.param))
         elif isinstance(msg, Prefetched):
@@ -182,38 +182,38 @@ def control(sched: Scheduler, msg: ControlReq) -> ControlReply:
         return ControlReply(msg.reply_id, sched.policies.info(), error=str(exc))
 
 
-def token_batch(reqs: list[Req], p: int = 0) -> TokenBatch:
-    """One message for the whole step: each request's newest token and, for finished ones, why; the prompt
-    logprobs come with a request's first token; prefill-only requests that ended travel in ``prefilled``.
-    A step that kept several tokens of a request (a verified draft: ``Req.fresh``) sends them in as many
-    messages: ``p`` says which of them this one carries (only requests with more than ``p`` are in it)."""
+def take_tokens(reqs: list[Req]) -> TokenBatch | None:
+    """One message for the step (None: nothing is due): the new tokens of each request that is due
+    (``Req.due``: a run of them where a verified draft kept several or tokens were held back) and, for finished
+    ones, why; the prompt logprobs come with a request's first token; prefill-only requests that ended travel in
+    ``prefilled``. What it hands on counts as sent (``Req.sent``)."""
     prefilled = [Finished(r.rid, r.finish_reason, len(r.prompt_ids), r.cached_tokens or 0,
                           r.prompt_logprobs_out() if r.logprob_start is not None else None,
                           list(r.cached_tiers) if r.cached_tiers else None)
-                 for r in reqs if not r.output_ids] if p == 0 else []
-    reqs = [r for r in reqs if r.output_ids and max(r.fresh, 1) > p]
-    at = [len(r.output_ids) - max(r.fresh, 1) + p for r in reqs]  # the output index each request's token has
-    last = [p == max(r.fresh, 1) - 1 for r in reqs]
-    return TokenBatch(
+                 for r in reqs if not r.output_ids]
+    reqs = [r for r in reqs if r.output_ids and r.due]
+    if not reqs and not prefilled:
+        return None
+    first = [r.sent == 0 for r in reqs]
+    runs = [r.output_ids[r.sent :] for r in reqs]
+    batch = TokenBatch(
         rids=[r.rid for r in reqs],
-        token_ids=array([r.output_ids[a] for r, a in zip(reqs, at)]),
+        token_ids=array([t for run in runs for t in run]),
         prompt_tokens=array([len(r.prompt_ids) for r in reqs]),
         cached_tokens=array([r.cached_tokens or 0 for r in reqs]),
-        finished={i: r.finish_reason for i, r in enumerate(reqs) if r.finish_reason is not None and last[i]},
-        logprobs={i: r.output_logprobs[at[i]] for i, r in enumerate(reqs) if r.top_logprobs is not None},
+        finished={i: r.finish_reason for i, r in enumerate(reqs) if r.finish_reason is not None},
+        logprobs={i: r.output_logprobs[r.sent :] for i, r in enumerate(reqs) if r.top_logprobs is not None},
         prompt_logprobs={i: r.prompt_logprobs_out() for i, r in enumerate(reqs)
-                         if r.logprob_start is not None and at[i] == 0},
+                         if r.logprob_start is not None and first[i]},
         prefilled=prefilled,
         cached_tiers={i: list(r.cached_tiers) for i, r in enumerate(reqs) if r.cached_tiers and (
-            at[i] == 0 or (r.finish_reason is not None and last[i]))},
-        drafts={i: [r.drafted, r.accepted] for i, r in enumerate(reqs)
-                if r.drafted and r.finish_reason is not None and last[i]},
+            first[i] or r.finish_reason is not None)},
+        drafts={i: [r.drafted, r.accepted] for i, r in enumerate(reqs) if r.drafted and r.finish_reason is not None},
+        counts=array([len(run) for run in runs]) if any(len(run) != 1 for run in runs) else None,
     )
-
-
-def token_batches(reqs: list[Req]) -> list[TokenBatch]:
-    """The step's tokens as messages: one, or one per token of the request that kept most (``token_batch``)."""
-    return [token_batch(reqs, p) for p in range(max((r.fresh for r in reqs), default=1) or 1)]
+    for r in reqs:
+        r.sent = len(r.output_ids)
+    return batch
 
 
 def status_of(sched: Scheduler, replica: int = 0) -> Status:

@@ -36,6 +36,8 @@ class Req:
     table_row: int | None = None  # the runner's row of this request's slot indices, while it holds KV
     preemptions: int = 0  # times it was retracted for a more important arrival (preempt.py)
     fresh: int = 0  # output tokens its last step added (more than 1: a verified draft)
+    output_interval: int = 1  # new tokens go to the tokenizer with the first, every this many, and with the end
+    sent: int = 0  # output tokens already handed to the tokenizer
     drafted: int = 0  # speculative decoding: draft tokens verified for it, and how many of them were accepted
     accepted: int = 0
     _key: array = field(init=False, repr=False)  # fill_ids packed (fill_key), extended as the output grows
@@ -55,6 +57,13 @@ class Req:
     def queue_wait(self) -> float | None:
         """Arrival to first admission (None while it has never run)."""
         return None if self.admitted_at is None else self.admitted_at - self.arrival
+
+    @property
+    def due(self) -> bool:
+        """Its new tokens go to the tokenizer now: its first token, then every ``output_interval`` tokens, and
+        whatever it has when it ends."""
+        new = len(self.output_ids) - self.sent
+        return self.finished or (new > 0 and (self.sent == 0 or new >= self.output_interval))
 
     @property
     def seq_len(self) -> int:

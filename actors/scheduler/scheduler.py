@@ -104,14 +104,15 @@ class Scheduler:
     # -- requests in and out -----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None = None,
                     priority: int | None = None, logprob_start: int | None = None, arrival: float | None = None,
-                    ) -> Req:
+                    output_interval: int = 1) -> Req:
         """Queue a request; InvalidRequest (nothing queued) if it can never run. ``top_logprobs``: None for no
         logprobs, else how many top alternatives to record with each output token's logprob; with it,
         ``logprob_start`` asks for the prompt's logprobs from that position on. ``max_new_tokens`` 0 computes
         and caches the prompt and ends without a token (a prefill only). ``arrival``: when it arrived, if
         earlier than now (a simulator that learns of an arrival only after the step it came during). ``priority``:
         the client's (None: none given), ranked by ``config.priority``; with priority scheduling a full queue
-        fails the least important queued request, or this one (see ``failures``)."""
+        fails the least important queued request, or this one (see ``failures``). ``output_interval``: its new
+        tokens are handed on (``take_tokens``) with the first, every this many, and with its end."""
         if rid in self.live:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="rid")
         max_new = self.validate(prompt_ids, params, top_logprobs, logprob_start)
@@ -121,7 +122,8 @@ class Scheduler:
         req = Req(rid, list(prompt_ids), params, max_new, frozenset(stop_ids),
                   arrival=self.clock() if arrival is None else arrival, top_logprobs=top_logprobs,
                   priority=self.config.priority.rank(priority),
-                  logprob_start=logprob_start if top_logprobs is not None else None)
+                  logprob_start=logprob_start if top_logprobs is not None else None,
+                  output_interval=max(1, output_interval))
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
         self.live[rid] = req

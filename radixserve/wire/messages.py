@@ -47,6 +47,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     priority: int | None = None  # the client's; None: it gave none (the scheduler ranks it, priority.py)
     logprob_start: int | None = None  # with top_logprobs: also the prompt's logprobs from this position on
     continue_final_message: bool = False  # chat: a last assistant message is continued (prefill), not closed
+    stream: bool = True  # the client reads the output as it comes (False: whole, at the end; see AddReq)
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -62,6 +63,10 @@ class AddReq(msgspec.Struct, tag="add"):
     top_logprobs: int | None = None
     priority: int | None = None
     logprob_start: int | None = None
+    # the scheduler hands the request's new tokens on with its first one, then every this many, and with its end:
+    # 1 for a stream (or --stream-interval) and wherever the tokenizer must see each token (stop strings); more
+    # for a whole result, which nobody reads before its end (fewer messages, fewer wake-ups a token)
+    output_interval: int = 1
 
 
 class FinishReq(msgspec.Struct, tag="finish"):
@@ -91,18 +96,28 @@ class Finished(msgspec.Struct):
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):
-    """One new token for each of B requests; per-request arrays are in ``rids`` order."""
+    """The new tokens of B requests (one each, or a run: a verified draft's, or the tokens held back for
+    ``AddReq.output_interval``); per-request arrays are in ``rids`` order."""
 
     rids: list[str]
-    token_ids: np.ndarray  # [B]
+    token_ids: np.ndarray  # [sum(counts)] every request's new tokens, back to back
     prompt_tokens: np.ndarray  # [B]
     cached_tokens: np.ndarray  # [B]
-    finished: dict[int, FinishReason]  # batch index -> why it ended (only the ones that did)
-    logprobs: dict[int, Logprob] = {}  # batch index -> logprobs (only the requests that asked)
+    finished: dict[int, FinishReason]  # batch index -> why it ended, with its last token (only the ones that did)
+    logprobs: dict[int, list[Logprob]] = {}  # batch index -> one per new token (only the requests that asked)
     prompt_logprobs: dict[int, ScoredPrompt] = {}  # batch index -> with a request's first token, if it asked
     prefilled: list[Finished] = []  # requests that ended this step without a token (max_new_tokens 0)
     cached_tiers: dict[int, list[int]] = {}  # with KV tiers: batch index -> cached tokens from L1, L2, L3
     drafts: dict[int, list[int]] = {}  # speculative decoding, with a request's last token: [drafted, accepted]
+    counts: np.ndarray | None = None  # [B] how many of token_ids are each request's; None: one each
+
+    def runs(self) -> list[list[int]]:
+        """Each request's new tokens, in ``rids`` order."""
+        ids = self.token_ids.tolist()
+        if self.counts is None:
+            return [[t] for t in ids]
+        ends = np.cumsum(self.counts).tolist()
+        return [ids[end - n : end] for n, end in zip(self.counts.tolist(), ends)]
 
 
 # -- scheduler -> tokenizer -> api --------------------------------------------------------------------------
