@@ -84,7 +84,8 @@ def detokenized(core, ids: list[int], sizes: list[int], params: SamplingParams, 
 
 def test_a_run_gives_the_text_token_by_token_gives(core):
     """Multi-byte characters split across runs, a hidden EOS ending the last run, logprobs one per token."""
-    ids = core.encode("Héllo wörld! 日本語のテキスト 🚀🎉 and code: def f(x):\n    return x**2") + [core.tokenizer.eos_token_id]
+    text = "Héllo wörld! 日本語のテキスト 🚀🎉 and code: def f(x):\n    return x**2"
+    ids = core.encode(text) + [core.tokenizer.eos_token_id]
     end = FinishReason("stop", matched=ids[-1])
     one = detokenized(core, ids, [1] * len(ids), SamplingParams(), end, logprobs=True)
     for sizes in ([len(ids)], [1, 5, 5, 5, len(ids) - 16], [1, 2, 3, len(ids) - 6]):
