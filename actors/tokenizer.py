@@ -216,22 +216,19 @@ class OutputText:
         many characters already handed out the final text drops (``Delta.cut``: a stop_regex match that began in
         them; a stop string's prefix is held back instead).
         """
-        stop = None
-        each = 1 if self.detok.can_stop else max(len(token_ids), 1)  # without stops: the whole run in one decode
-        for at in range(0, len(token_ids), each):
-            chunk = token_ids[at : at + each]
-            self.completion_tokens += len(chunk)
-            # the special token that ended the output (EOS) is no part of its text, even with skip_special_tokens
-            # false (SGLang trims it too): a tool-call parser reads the text up to it
-            last = chunk[-1]
-            ended = finish is not None and finish.type == "stop" and finish.matched == last and \
-                at + len(chunk) == len(token_ids)
-            if ended and self.detok.core.hidden(last):
-                chunk = chunk[:-1]
-            if chunk:
-                stop = self.detok.add(chunk)
+        # the special token that ended the output (EOS) is no part of its text, even with skip_special_tokens
+        # false (SGLang trims it too): a tool-call parser reads the text up to it
+        hide = bool(token_ids) and finish is not None and finish.type == "stop" and \
+            finish.matched == token_ids[-1] and self.detok.core.hidden(token_ids[-1])
+        shown = token_ids[:-1] if hide else token_ids
+        stop, taken = None, len(token_ids)
+        each = 1 if self.detok.can_stop else max(len(shown), 1)  # without stops: the whole run in one decode
+        for at in range(0, len(shown), each):
+            stop = self.detok.add(shown[at : at + each])
             if stop is not None:
+                taken = min(at + each, len(shown))
                 break
+        self.completion_tokens += taken
         stopped_here = stop is not None and finish is None
         if stop is not None:  # the stop string wins over an EOS or length ending on the same token
             finish = FinishReason("stop", matched=stop)
