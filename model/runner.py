@@ -155,6 +155,7 @@ class ModelRunner:
             raise ValueError("--deterministic is implemented for the CPU only; run without it on CUDA")
         self.cfg = cfg
         self.tp = tp
+        self._sampled: tuple[int, list[int | None]] | None = None  # the last step's tokens (ForwardPlan.filled)
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         start = time.perf_counter()
@@ -282,11 +283,17 @@ class ModelRunner:
             return self.compiled(batch)
         return self.model(batch)
 
-    @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> ForwardResult | None:
         """Run one step. Nothing in it ends the runner: a step that raises comes back as ``error`` (the scheduler
         fails its requests and frees what they allocated), a request whose sampling raises as ``errors[row]``.
         A rank other than 0 computes its share of the step and returns None: rank 0 samples and answers."""
+        result = self._forward(plan)
+        # overlap: the step planned to follow this one takes its input tokens from here (ForwardPlan.follows)
+        self._sampled = (plan.step, result.next_ids) if result is not None and result.error is None else None
+        return result
+
+    @torch.inference_mode()
+    def _forward(self, plan: ForwardPlan) -> ForwardResult | None:
         self._set_threads()
         if not self.tp.samples:
             return self._share(plan)
@@ -294,6 +301,7 @@ class ModelRunner:
         self.penalties.update(plan.new_penalties, plan.released)
         self.processing.update(plan.new_processors, plan.released)
         try:
+            plan = plan.filled(self._sampled)  # overlap: a step planned before the one before it returned
             if plan.tiers is not None and self.tiers is not None:  # pages out and back in, before the forward
                 self.tiers.apply(plan.tiers)
             batch = self._batch(plan)

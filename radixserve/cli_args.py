@@ -19,7 +19,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                             "context_length", "dtype", "quantization", "kv_cache_dtype"),
     "runtime and memory": ("device", "attention_backend", "decode_kernel", "disable_compile", "num_threads",
                            "max_total_tokens", "mem_fraction_static", "chunked_prefill_size", "max_prefill_tokens",
-                           "max_running_requests", "random_seed", "deterministic"),
+                           "max_running_requests", "random_seed", "deterministic", "disable_overlap_schedule"),
     "scheduling and cache policies": ("schedule_policy", "eviction_policy", "disable_radix_cache", "shadow_policies",
                                       "shadow_window", "auto_policy", "auto_policy_metric", "auto_policy_margin",
                                       "auto_policy_hold", "auto_policy_cooldown"),
@@ -201,6 +201,9 @@ HELP = {
                                  "the server holds in flight, --max-queued-requests + --max-running-requests)",
     "queue_timeout": "seconds a request may wait in the queue before it fails with 503 (default: no limit)",
     "shutdown_timeout": "seconds SIGTERM/SIGINT waits for requests in flight (new ones get 503) before stopping",
+    "disable_overlap_schedule": "plan each decode step only after the step before it has returned; by default the "
+                                "next decode step is planned while one computes and the runner goes straight on "
+                                "(off anyway with --tp > 1 and with --random-seed)",
     "random_seed": "seeds the sampling noise of requests without a seed of their own, once at start: two servers "
                    "started with the same seed answer the same sequence of requests with the same tokens "
                    "(default: a fresh seed each start)",

@@ -128,6 +128,9 @@ def prepare(args: ServerArgs) -> Prepared:
         draft_options=DraftOptions(args.speculative_draft_model_path,
                                    "float32" if args.dtype == "float32" else "bfloat16",
                                    width=args.speculative_draft_width),
+        # the ranks other than 0 learn a step's input tokens from its plan; under --random-seed, which steps run (a
+        # finished request's extra one among them) must not depend on when messages arrive
+        overlap=not args.disable_overlap_schedule and args.tp == 1 and args.random_seed is None,
         check_invariants=args.check_invariants,
     )
     names = args.served_model_name or (files.hub_id or (files.source.stem.split(".")[0] if files.source.suffix ==

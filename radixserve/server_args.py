@@ -113,6 +113,7 @@ class ServerArgs:
     shutdown_timeout: float = 10.0  # seconds SIGTERM/SIGINT waits for requests in flight before stopping
     random_seed: int | None = None  # seeds the runner's unseeded sampling noise at start; None: a fresh seed
     deterministic: bool = False  # batch-invariant results (CPU): a request's tokens never depend on the batch
+    disable_overlap_schedule: bool = False  # plan a decode step only once the one before it returned (SGLang's)
     quantization: str | None = None  # int8 | int4 | gguf: weight-only quantized linear layers (CPU)
     # auto | native | compiled | eager: how CPU decode steps run (_decode_kernels); $RADIXSERVE_DECODE_KERNEL: default
     decode_kernel: str = field(default_factory=lambda: os.environ.get("RADIXSERVE_DECODE_KERNEL", "auto"))

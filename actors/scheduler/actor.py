@@ -1,8 +1,10 @@
 """The scheduler actor: the Scheduler core behind an inbox (no torch here either).
 
 Overlap: as soon as a step's result arrives, the next plan goes to the runner *before* this step's tokens go
-to the tokenizer, so detokenizing and HTTP streaming run while the model computes the next step. Plans are
-published once per step to every tensor-parallel rank; rank 0 answers.
+to the tokenizer, so detokenizing and HTTP streaming run while the model computes the next step. While decoding
+(``Scheduler.schedule_ahead``), the plan of the step after the one in flight goes out at once, so the runner
+starts it the moment it has sent its result, and the scheduler takes the result in while that step computes.
+Plans are published once per step to every tensor-parallel rank; rank 0 answers.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ class SchedulerActor:
         self.inflight = False
         self._last_status = 0.0
         self._dirty = True  # something changed since the last Status
-        self._sent: tuple[float, ForwardPlan] | None = None  # the plan in flight, and when it was sent
+        self._sent: dict[int, tuple[float, ForwardPlan]] = {}  # the plans in flight (step ->), and when sent
+        self._last_result = 0.0  # when the last result came (a step planned ahead starts no earlier)
         self.batch_log = BatchLog()  # SGLang-style "Prefill batch." / "Decode batch." lines
         self._held = False  # the last launch planned nothing: every request that could run waits for its pages
         self.tiers_peer = "tiers"  # the runner's tier thread's inbox (its replica's: build sets it)
@@ -93,11 +96,26 @@ class SchedulerActor:
             return
         self._held = plan is None and self.scheduler.held
         if plan is not None:
-            self.plans.wait_for(self._ranks, self._timeout_s)  # returns at once after the first time
-            self.plans.send(plan)
+            self.publish(plan)
             self.inflight = True
-            self.batch_log.planned(plan, self.scheduler)
-            self._sent = (time.monotonic(), plan)  # the shadows and speculation's cost gate time the steps
+            self.ahead()
+
+    def ahead(self) -> None:
+        """With overlap, the decode step after the one in flight, sent now."""
+        try:
+            plan = self.scheduler.schedule_ahead()
+        except Exception:  # a bug there: the requests in flight fail, the server goes on
+            log.exception("internal error while planning ahead; failing the requests in flight")
+            self.scheduler.fail_all("internal error in the scheduler (logged)")
+            return
+        if plan is not None:
+            self.publish(plan)
+
+    def publish(self, plan: ForwardPlan) -> None:
+        self.plans.wait_for(self._ranks, self._timeout_s)  # returns at once after the first time
+        self.plans.send(plan)
+        self.batch_log.planned(plan, self.scheduler)
+        self._sent[plan.step] = (time.monotonic(), plan)  # the shadows and speculation's cost gate time the steps
 
     async def send_tier_messages(self) -> None:
         """Read-backs (and flushes) go at once to the runner's tier thread, on a socket of its own: not behind
@@ -115,15 +133,21 @@ class SchedulerActor:
         sched = self.scheduler
         self._dirty = True
         if isinstance(msg, ForwardResult):
-            self.inflight = False
-            sent, self._sent = self._sent, None
+            now, last = time.monotonic(), self._last_result
+            self._last_result = now
+            sent = self._sent.pop(msg.step, None)
+            self._sent = {step: s for step, s in self._sent.items() if step > msg.step}  # failed with it
             updated = sched.process(msg)
+            self.inflight = sched.inflight_step is not None  # with overlap, the next step is computing already
             if sent is not None and msg.error is None:
-                seconds = time.monotonic() - sent[0]
+                seconds = now - max(sent[0], last)  # a step planned ahead started when the one before it ended
                 if sched.tap is not None:
                     sched.tap.step(sent[1], seconds)
                 sched.spec.timed(sent[1].mode, sent[1].drafts, sent[1].batch_size, seconds)
-            await self.launch()  # the runner starts the next step now ...
+            if self.inflight:
+                self.ahead()  # the runner has the next step: plan the one after it ...
+            else:
+                await self.launch()  # the runner starts the next step now ...
             batch = take_tokens(updated)
             if batch is not None:  # ... while the tokenizer turns this step's tokens into text
                 await self.channel.send("tokenizer", batch)

@@ -142,7 +142,8 @@ class Policies:
                        "requests_failed": stats.failed, "queue_timeouts": stats.queue_timeouts,
                        "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
                        "generated_tokens": stats.generated_tokens, "evicted_tokens": cache.evicted_tokens,
-                       "retractions": stats.retractions, "preemptions": stats.preemptions, "steps": stats.steps},
+                       "retractions": stats.retractions, "preemptions": stats.preemptions, "steps": stats.steps,
+                       "ahead_steps": stats.ahead_steps},
             "epochs": [e.to_dict(now, cache.evicted_tokens) for e in self.epochs],
             **({"tiers": cache.tiers.stats()} if cache.tiers is not None else {}),
             **({"speculative": self.speculation.info()} if self.speculation is not None and self.speculation.tokens

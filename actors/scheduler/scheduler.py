@@ -68,6 +68,7 @@ class SchedulerConfig:
     draft_options: DraftOptions = DraftOptions()  # ... for a policy that takes them (the draft model's path)
     draft_sampled: bool = True  # ... sampled requests too (False under --random-seed: their tokens must not
     # depend on which steps drafted)
+    overlap: bool = False  # plan the next decode step while this one computes (schedule_ahead; the actor's)
     check_invariants: bool = False
 
 
@@ -90,6 +91,7 @@ class Scheduler:
         self._blocked: tuple[tuple[int, int], float] | None = None  # (queue, cache) state and room of the last
         # prefill that admitted nothing
         self._inflight: Step | None = None
+        self._ahead: Step | None = None  # overlap: the decode step planned to follow _inflight (schedule_ahead)
         self.runner_state = RunnerState(config.max_running_requests + 1)  # table rows and grammars, per request
         self.tap: ShadowTap | None = None  # --shadow-policies: the live trace for the shadow process
         self.processors = ProcessorCatalog(config.logit_processors)  # checks requests' custom_logit_processor
@@ -213,11 +215,13 @@ class Scheduler:
     def fail_step(self, message: str) -> None:
         """The plan in flight will never produce tokens (the runner failed, or the caller gave up on it): every
         request in it fails, and the slots it allocated for this step go back uncomputed."""
-        step, self._inflight = self._inflight, None
-        for req, floor in zip(step.reqs, step.floors or step.starts) if step else ():
-            if not req.finished:
-                self.cache.truncate(req.kv, floor)
-                self.fail(req, message)
+        steps = [s for s in (self._inflight, self._ahead) if s]  # the step after it never gets its inputs either
+        self._inflight = self._ahead = None
+        for step in steps:  # the earlier step first: its floors are the lower
+            for req, floor in zip(step.reqs, step.floors or step.starts):
+                if not req.finished:
+                    self.cache.truncate(req.kv, floor)
+                    self.fail(req, message)
 
     def fail_all(self, message: str) -> None:
         """Last resort after a bug in the scheduler itself: every request fails (500) and lets go of its KV, so
@@ -233,7 +237,12 @@ class Scheduler:
 
     @property
     def inflight_step(self) -> int | None:
+        """The step whose result comes next (with overlap another may follow it: ``ahead_step``)."""
         return self._inflight.plan.step if self._inflight else None
+
+    @property
+    def ahead_step(self) -> int | None:
+        return self._ahead.plan.step if self._ahead else None
 
     @property
     def has_work(self) -> bool:
@@ -247,6 +256,39 @@ class Scheduler:
         self._expire_queue()
         return self._schedule_prefill() or self._schedule_decode()
 
+    def schedule_ahead(self) -> ForwardPlan | None:
+        """Overlap (``config.overlap``): the decode step after the one being computed, planned before its result
+        comes back, so the runner goes from one step to the next without waiting for the scheduler. Its input
+        tokens are the ones the runner samples in the step before (``ForwardPlan.follows``). Only a plain decode
+        of every running request qualifies: nothing waits to be admitted, the pool has a slot for each, no drafts,
+        tiers, grammars or logit processors (a step that ends a request by its grammar would hand the next one a
+        finished matcher). A request whose step in flight ends it by length sits this one out; one that ends by a
+        stop token computes one token nobody takes, its slot given back (``_rollback_inflight``). None: not now
+        (the next plan is made from the result, as without overlap)."""
+        cur = self._inflight
+        if (not self.config.overlap or cur is None or self._ahead is not None or cur.plan.mode != "decode"
+                or self.waiting or self.chunked is not None or self.spec.tokens or self.cache.tiers is not None
+                or len(cur.reqs) != len(self.running) or self.cache.available < len(self.running)):
+            return None
+        if any(r.params.constraint is not None or r.params.custom_logit_processor is not None for r in self.running):
+            return None
+        row = {id(r): j for j, r in enumerate(cur.reqs)}
+        if any(id(r) not in row for r in self.running):
+            return None
+        reqs = [r for r in self.running if len(r.output_ids) + 1 < r.max_new_tokens]  # the others end with cur
+        if not reqs:
+            return None
+        starts = [r.kv_len for r in reqs]
+        for req in reqs:
+            require(self.cache.extend(req.kv, 1), "the pool was checked to have a slot for each")
+        self._step += 1
+        plan = build_plan(self._step, "decode", reqs, starts, self.config.vocab_size, self.runner_state.released(),
+                          follows=(cur.plan.step, [row[id(r)] for r in reqs]))
+        self.runner_state.sent(reqs, plan)
+        self._ahead = Step(plan, reqs, starts)
+        self.stats.ahead_steps += 1
+        return plan
+
     def process(self, result: ForwardResult) -> list[Req]:
         """Apply the runner's tokens. Returns the requests that got a token (finished ones included) and the
         prefill-only ones that ended (they have no output token)."""
@@ -258,7 +300,7 @@ class Scheduler:
             log.error("step %d failed in the runner: %s", result.step, result.error)
             self.fail_step("internal error in the model step (logged)")
             return []
-        self._inflight = None
+        self._inflight, self._ahead = self._ahead, None  # with overlap, the next step is already computing
         plan, reqs = step.plan, step.reqs
         verify = step.drafts is not None  # a decode step that verified drafts (an extend plan)
         if verify:
@@ -318,6 +360,7 @@ class Scheduler:
             if verify:  # the rejected part of the draft was computed into slots nobody may read: they go back
                 self.cache.truncate(req.kv, min(req.kv_len, req.seq_len - 1))
             if req.finished:
+                self._rollback_inflight(req)  # overlap: the step after this one computes a token it never takes
                 self._release(req)
             elif plan.mode == "extend" and not verify:
                 self.running.append(req)
@@ -355,12 +398,12 @@ class Scheduler:
             self.fail(drop, *prio.drop_error(drop, arrival))
 
     def _rollback_inflight(self, req: Req) -> None:
-        """``req`` leaves while its step runs: the slots that step writes for it must not reach the tree as if
-        they held its KV (the step may yet fail), so they go back now; the runner is done with them before any
-        later step can reuse them."""
-        floor = self._inflight.floor_of(req) if self._inflight else None
-        if floor is not None and req.kv is not None:
-            self.cache.truncate(req.kv, floor)
+        """``req`` leaves while its step runs (or the two planned steps do): the slots they write for it must not
+        reach the tree as if they held its KV (a step may yet fail, the one after it computes a token nobody
+        takes), so they go back now; the runner is done with them before any later step can reuse them."""
+        floors = [f for step in (self._inflight, self._ahead) if step and (f := step.floor_of(req)) is not None]
+        if floors and req.kv is not None:
+            self.cache.truncate(req.kv, min(floors))
 
     def _schedule_prefill(self) -> ForwardPlan | None:
         if not self.waiting and self.chunked is None:
@@ -532,7 +575,9 @@ class Scheduler:
         holders = [r for r in self.live.values() if r.kv is not None]
         self.cache.check(r.kv for r in holders)
         require(all(r.kv is None for r in self.waiting), "a waiting request holds KV")
-        require(all(r.kv is not None and r.extend_len == 1 for r in self.running), "a running request is not decoding")
+        computing = {id(r) for r in self._inflight.reqs} if self._inflight else set()  # their next token's slot
+        require(all(r.kv is not None and r.extend_len == (id(r) not in computing) for r in self.running),
+                "a running request is not decoding")
         require(len({id(r) for r in self.waiting + self.running}) == len(self.waiting) + len(self.running),
                 "a request is queued twice")
         require(len(self.running) + (self.chunked is not None) <= self.config.max_running_requests,

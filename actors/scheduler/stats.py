@@ -20,6 +20,7 @@ class SchedulerStats:
     retractions: int = 0
     preemptions: int = 0  # retractions for a higher-priority arrival (a preempting schedule policy)
     steps: int = 0
+    ahead_steps: int = 0  # overlap: decode steps planned while the step before them computed
     failed: int = 0  # requests that ended with an error (timed out in the queue, broke on our side)
     queue_timeouts: int = 0
 

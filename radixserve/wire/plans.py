@@ -138,10 +138,24 @@ class ForwardPlan(msgspec.Struct, tag="forward", frozen=True):
     # ... a draft tree's: each draft token's parent (an index into its request's draft, -1: its last token), all
     # drafts back to back; None when every draft is a chain (parents -1, 0, 1, ...)
     draft_parents: np.ndarray | None = None
+    # overlap (a decode step planned while the step before it computed): input_ids[i] is the token step
+    # ``follows`` sampled in its row ``follow_rows[i]`` (the runner fills them in; the scheduler did not know them)
+    follows: int | None = None
+    follow_rows: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.prefix_lens)
+
+    def filled(self, sampled: tuple[int, list[int | None]] | None) -> ForwardPlan:
+        """This plan with its input tokens, where it ``follows`` a step: ``sampled`` is the runner's last step
+        and the tokens it sampled (a row whose sampling failed gives token 0: its request has failed)."""
+        if self.follows is None:
+            return self
+        if sampled is None or sampled[0] != self.follows:
+            raise RuntimeError(f"step {self.step} takes its tokens from step {self.follows}, which sampled none")
+        ids = [sampled[1][j] for j in self.follow_rows.tolist()]
+        return msgspec.structs.replace(self, input_ids=np.asarray([t or 0 for t in ids], dtype=np.int32))
 
 
 # -- runner -> scheduler ------------------------------------------------------------------------------------
