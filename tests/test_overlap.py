@@ -274,3 +274,22 @@ def test_a_server_plans_ahead_and_answers_as_hf(tiny_models, hf_models, tiny_ser
             assert httpx.get(url + "/cache/stats").json()["pool"]["owned_by_requests"] == 0
     finally:
         off.stop()
+
+
+def test_a_step_that_cannot_be_planned_ahead_is_planned_from_the_result(monkeypatch):
+    """A bug in planning a step ahead: the slots it took go back and the step is planned as without overlap."""
+    import radixserve.actors.scheduler.scheduler as core
+
+    build = core.build_plan
+
+    def broken(*args, follows=None, **kwargs):
+        if follows is not None:
+            raise ValueError("a bug")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(core, "build_plan", broken)
+    sched = make()
+    req = sched.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=15, temperature=0))
+    drive(sched, FollowingRunner(2000))
+    assert req.output_ids == reference([1, 2, 3], 15) and sched.stats.ahead_steps == 0
+    clean(sched)

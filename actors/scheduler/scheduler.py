@@ -281,9 +281,15 @@ class Scheduler:
         starts = [r.kv_len for r in reqs]
         for req in reqs:
             require(self.cache.extend(req.kv, 1), "the pool was checked to have a slot for each")
+        try:
+            plan = build_plan(self._step + 1, "decode", reqs, starts, self.config.vocab_size,
+                              self.runner_state.released(), follows=(cur.plan.step, [row[id(r)] for r in reqs]))
+        except Exception:  # a request that cannot be planned: the plan is made from the result, where it fails alone
+            log.exception("could not plan step %d ahead; planning it from the result instead", self._step + 1)
+            for req, start in zip(reqs, starts):
+                self.cache.truncate(req.kv, start)
+            return None
         self._step += 1
-        plan = build_plan(self._step, "decode", reqs, starts, self.config.vocab_size, self.runner_state.released(),
-                          follows=(cur.plan.step, [row[id(r)] for r in reqs]))
         self.runner_state.sent(reqs, plan)
         self._ahead = Step(plan, reqs, starts)
         self.stats.ahead_steps += 1
