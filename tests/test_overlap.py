@@ -234,8 +234,8 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 def test_a_server_plans_ahead_and_answers_as_hf(tiny_models, hf_models, tiny_server, smollm2_path):
     """Concurrent greedy requests of different lengths, one ended by a stop token and one by a stop string (the
     tokenizer's FinishReq reaching the scheduler while steps are in flight), on the tiny fp32 Llama with overlap (the
-    default) and with --disable-overlap-schedule: the tokens HF's greedy decoding gives, and /cache/stats counts
-    the steps planned ahead."""
+    default) and with --disable-overlap-schedule: the tokens HF's greedy decoding gives, a seeded sampled request
+    the same tokens on both, and /cache/stats counts the steps planned ahead."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -254,6 +254,9 @@ def test_a_server_plans_ahead_and_answers_as_hf(tiny_models, hf_models, tiny_ser
     expected[3] = expected[3][: expected[3].index(stop) + 1]
     stop_text = tok.decode(expected[1][4:6])  # request 1 ends at a stop string (its text cut there)
     bodies[1]["sampling_params"]["stop"] = [stop_text]
+    # a seeded sampled request: its noise follows its seed and output position, whatever step computes it
+    bodies.append({"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 20, "temperature": 1.5,
+                                                                "seed": 7, "ignore_eos": True}})
 
     def ask(url):
         with ThreadPoolExecutor(len(bodies)) as pool:
@@ -262,9 +265,11 @@ def test_a_server_plans_ahead_and_answers_as_hf(tiny_models, hf_models, tiny_ser
     off = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens",
                         "1200", "--check-invariants", "--disable-overlap-schedule")
     try:
+        seeded = []
         for url, planned_ahead in ((tiny_server.url, True), (off.url, False)):
             before = httpx.get(url + "/cache/stats").json()["totals"]["ahead_steps"]
             got = ask(url)
+            seeded.append(got[-1]["output_ids"])
             for i in (0, 2, 3, 4):
                 assert got[i]["output_ids"] == expected[i], (url, i)
             assert stop_text not in got[1]["text"] and got[1]["meta_info"]["finish_reason"]["type"] == "stop"
@@ -272,6 +277,7 @@ def test_a_server_plans_ahead_and_answers_as_hf(tiny_models, hf_models, tiny_ser
             ahead = httpx.get(url + "/cache/stats").json()["totals"]["ahead_steps"] - before
             assert (ahead > 0) == planned_ahead, ahead
             assert httpx.get(url + "/cache/stats").json()["pool"]["owned_by_requests"] == 0
+        assert seeded[0] == seeded[1] and len(seeded[0]) == 20
     finally:
         off.stop()
 
