@@ -41,7 +41,6 @@ class SchedulerActor:
         self.channel = channel
         self.plans = plans
         self._ranks, self._timeout_s = ranks, timeout_s  # every rank has subscribed before the first plan
-        self.inflight = False
         self._last_status = 0.0
         self._dirty = True  # something changed since the last Status
         self._sent: dict[int, tuple[float, ForwardPlan]] = {}  # the plans in flight (step ->), and when sent
@@ -49,6 +48,11 @@ class SchedulerActor:
         self.batch_log = BatchLog()  # SGLang-style "Prefill batch." / "Decode batch." lines
         self._held = False  # the last launch planned nothing: every request that could run waits for its pages
         self.tiers_peer = "tiers"  # the runner's tier thread's inbox (its replica's: build sets it)
+
+    @property
+    def inflight(self) -> bool:
+        """Is a step being computed (its result still to come)?"""
+        return self.scheduler.inflight_step is not None
 
     async def run(self) -> None:
         sched = self.scheduler
@@ -84,7 +88,6 @@ class SchedulerActor:
                 sched = self.scheduler
                 if sched.inflight_step == msg.step:  # it broke before taking this result: take it as failed
                     sched.fail_step("internal error in the scheduler (logged)")
-                self.inflight = sched.inflight_step is not None  # a next plan may already be at the runner
                 sched.fail_all("internal error in the scheduler (logged)")
 
     async def launch(self) -> None:
@@ -97,7 +100,6 @@ class SchedulerActor:
         self._held = plan is None and self.scheduler.held
         if plan is not None:
             self.publish(plan)
-            self.inflight = True
             self.ahead()
 
     def ahead(self) -> None:
@@ -138,13 +140,12 @@ class SchedulerActor:
             sent = self._sent.pop(msg.step, None)
             self._sent = {step: s for step, s in self._sent.items() if step > msg.step}  # failed with it
             updated = sched.process(msg)
-            self.inflight = sched.inflight_step is not None  # with overlap, the next step is computing already
             if sent is not None and msg.error is None:
                 seconds = now - max(sent[0], last)  # a step planned ahead started when the one before it ended
                 if sched.tap is not None:
                     sched.tap.step(sent[1], seconds)
                 sched.spec.timed(sent[1].mode, sent[1].drafts, sent[1].batch_size, seconds)
-            if self.inflight:
+            if self.inflight:  # with overlap, the next step is computing already
                 self.ahead()  # the runner has the next step: plan the one after it ...
             else:
                 await self.launch()  # the runner starts the next step now ...
