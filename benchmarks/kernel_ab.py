@@ -6,9 +6,13 @@ layer (--kinds BF16,F32; benchmarks/kernel_layers.py), one layer cycled through 
 builds' outputs are apart. With --shape, the products of a whole decode step of a real shape instead
 (benchmarks/real_shapes.py's: every layer's q/k/v, o, gate/up and down, each layer its own copy, and the output
 projection), one pass timed, with the GB/s it reads and the memory's read bandwidth measured in the same run.
+With --model-path, whole native decode steps of a model instead (a GGUF file, or an HF folder in --dtype): the
+engine's own step (norms, RoPE, attention, barriers and all), the two builds taking turns on it, the median step of
+each round, with the GB/s of the weights it reads.
 
     python benchmarks/kernel_ab.py [--base HEAD] [--kinds Q4_K,Q5_K,Q6_K,BF16] [--rows 1,8,512] [--n 2048] [--k 2048]
     python benchmarks/kernel_ab.py --shape llama-3.2-1b --kinds Q8_0,Q4_K --rows 1,8
+    python benchmarks/kernel_ab.py --model-path model-q4_k_m.gguf --rows 1,8
 """
 from __future__ import annotations
 
@@ -99,6 +103,45 @@ def compare_step(libs: dict, base: str, shape: str, kinds: list[str], rows_list:
                   f"{nbytes / t / 1e9:.1f} | {max(reads) / 1e9:.1f} |", flush=True)
 
 
+def compare_model(libs: dict, base: str, model_path: str, dtype: str, rows_list: list[int], steps: int) -> None:
+    """Whole decode steps of the model at ``model_path`` through each build (the engine's NativeDecode handed the
+    build's library in turn: both take the same structures), median step of each round, best of the rounds."""
+    from forward_speed import Ours
+    from machine import read_bandwidth
+
+    from radixserve import Engine
+
+    gguf = model_path.endswith(".gguf")
+    engine = Engine(model_path, **(dict(quantization="gguf") if gguf else dict(dtype=dtype)),
+                    max_total_tokens=max(rows_list) * (steps + 64) + 4096)
+    native = engine.runner.native
+    if native is None:
+        sys.exit("the native decode step does not run here")
+    nbytes = sum(t.numel() * t.element_size() for t in native._keep if isinstance(t, torch.Tensor))
+    ours = Ours(engine)
+    print(f"| rows | {base} ms | working tree ms | {base} / working tree | weights GB/s ({base} / tree) | read "
+          f"bandwidth GB/s |  ({native.isa}, {Path(model_path).name}, {nbytes / 1e9:.2f} GB of weights, "
+          f"{torch.get_num_threads()} threads)")
+    print("|---|---|---|---|---|---|")
+    for rows in rows_list:
+        reads = []
+
+        def run(lib):
+            native.lib = lib
+            return ours.decode(rows, 16, steps, seed=rows)
+
+        ours.decode(rows, 16, 2, seed=rows)  # warm-up
+        best = dict.fromkeys(libs, float("inf"))
+        for r in range(ROUNDS):
+            reads.append(read_bandwidth())
+            for name, lib in list(libs.items())[:: 1 if r % 2 == 0 else -1]:
+                best[name] = min(best[name], run(lib))
+        b, t = best[base], best["working tree"]
+        print(f"| {rows} | {b * 1e3:.1f} | {t * 1e3:.1f} | {b / t:.2f}x | {nbytes / b / 1e9:.1f} / "
+              f"{nbytes / t / 1e9:.1f} | {max(reads) / 1e9:.1f} |", flush=True)
+    engine.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree's kernel with")
@@ -108,10 +151,18 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--shape", default=None, help="a real shape's whole step (benchmarks/real_shapes.py's SHAPES) "
                     "instead of one layer of --n x --k")
+    ap.add_argument("--model-path", default=None, help="whole decode steps of this model (a GGUF file or an HF "
+                    "folder) instead of products")
+    ap.add_argument("--dtype", default="bfloat16", help="an HF folder's dtype (--model-path)")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps a round (--model-path)")
     args = ap.parse_args()
     n, k = args.n, args.k
     with tempfile.TemporaryDirectory() as work:
         libs = {args.base: build_at(args.base, Path(work)), "working tree": cpu_native.load(Path(work) / "tree")}
+        if args.model_path:
+            compare_model(libs, args.base, args.model_path, args.dtype, list(map(int, args.rows.split(","))),
+                          args.steps)
+            return
         if args.shape:
             compare_step(libs, args.base, args.shape, args.kinds.split(","), list(map(int, args.rows.split(","))))
             return

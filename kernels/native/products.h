@@ -26,10 +26,10 @@ namespace rs {
 // its 32 registers. AVX2 has 16, each half as wide: a tile there is one block of up to 5 rows (10 accumulators,
 // the weights' 4 registers and one broadcast) or, for a few rows, two blocks (more weight loads in flight, where
 // they stream from memory; fp32's unwidened weights keep 4 rows x 2 blocks busy, measured). The quantized tiles
-// (kQRowTile x kQColTile) share Acc.
+// (kQRowTile x kQColTile; a single row of 8-bit weights kQ8Cols blocks) share Acc.
 constexpr int kRowTile = RS_AVX512 ? 4 : 5, kColTile = RS_AVX512 ? 4 : 2;
-constexpr int kQRowTile = 4, kQColTile = 2;
-using Acc = V16[std::max(kRowTile, kQRowTile)][std::max(kColTile, kQColTile)];
+constexpr int kQRowTile = 4, kQColTile = 2, kQ8Cols = 4;
+using Acc = V16[std::max(kRowTile, kQRowTile)][std::max({kColTile, kQColTile, kQ8Cols})];
 
 struct TileShape {
   int tiles, cols;  // row tiles (tile i: rows rows * i / tiles .. rows * (i + 1) / tiles), blocks of W per tile
@@ -576,6 +576,16 @@ struct KSuperTiles {
 
 using QuantTileFn = void (*)(const QuantRows&, int, int, const Linear&, int, Acc&, bool);
 
+// Blocks of outputs per quantized tile. A single row of 8-bit weights (a batch-1 decode step's products of a Q8_0
+// file) reads kQ8Cols blocks' streams at once: its arithmetic is light, and two streams a thread leave the memory
+// short of requests -- measured on Zen 3 (AVX2), a whole step's Q8_0 products read 1.09-1.24x faster with four
+// (benchmarks/kernel_ab.py --shape qwen2.5-1.5b / llama-3.2-1b --kinds Q8_0 --rows 1). Not the 4-bit formats
+// (Q4_0 0.94x; Q4_K's and Q6_K's super-block tiles read slower with their blocks' streams interleaved: 0.88-0.90x):
+// their software prefetch (ahead) keeps the memory busy instead. Nor several rows: the sums outgrow AVX2's registers.
+inline int q8_cols(int rows, int format) {
+  return rows == 1 && (format == kQ8 || format == kQ8H || format == kQ8G16) ? kQ8Cols : kQColTile;
+}
+
 template <int Format>
 struct QuantTiles {
   using Fn = QuantTileFn;
@@ -587,6 +597,8 @@ struct QuantTiles {
 
 template <int Format>
 QuantTileFn quant_tile_for(int mr, int nb, bool super) {
+  if constexpr (Format == kQ8 || Format == kQ8H || Format == kQ8G16)
+    if (nb > kQColTile) return TileTable<QuantTiles<Format>, 1, kQ8Cols>::at(mr, nb);  // (mr 1: q8_cols)
 #if !RS_AVX512
   if constexpr (k_quant(Format))
     if (super) return TileTable<KSuperTiles<Format>, kQRowTile, kQColTile>::at(mr, nb);
@@ -619,8 +631,9 @@ inline void product_of(const Input<T>& in, int rows, const Linear& lin, bool amx
   };
   Acc acc;
   if (lin.format != kDense) {
-    for (int b = b0; b < b1; b += kQColTile) {
-      const int nb = std::min(kQColTile, b1 - b);
+    const int cols = q8_cols(rows, lin.format);
+    for (int b = b0; b < b1; b += cols) {
+      const int nb = std::min(cols, b1 - b);
       for (int m = 0; m < rows; m += kQRowTile) {
         const int mr = std::min(kQRowTile, rows - m);
         const QuantTileFn tile = lin.format == kQ8     ? quant_tile_for<kQ8>(mr, nb, super)
