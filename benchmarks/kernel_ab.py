@@ -69,17 +69,24 @@ def step_layers(shape: str, kind: str) -> list[Packed]:
     return out
 
 
-def best_of_rounds(libs: dict, run, between=None) -> dict[str, float]:
-    """Seconds of ``run(lib)`` for each build, best of ROUNDS rounds taken in turn (the order flipping each round);
+def wall(run):
+    """``seconds(lib)``: how long ``run(lib)`` takes by the clock."""
+    def seconds(lib) -> float:
+        start = time.perf_counter()
+        run(lib)
+        return time.perf_counter() - start
+    return seconds
+
+
+def best_of_rounds(libs: dict, seconds, between=None) -> dict[str, float]:
+    """``seconds(lib)`` for each build, best of ROUNDS rounds taken in turn (the order flipping each round);
     ``between()`` before each round."""
     best = dict.fromkeys(libs, float("inf"))
     for r in range(ROUNDS):
         if between is not None:
             between()
         for name, lib in list(libs.items())[:: 1 if r % 2 == 0 else -1]:
-            start = time.perf_counter()
-            run(lib)
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], seconds(lib))
     return best
 
 
@@ -96,7 +103,7 @@ def compare_step(libs: dict, base: str, shape: str, kinds: list[str], rows_list:
         for rows in rows_list:
             xs = {k: torch.randn(rows, k, dtype=DENSE.get(kind, torch.float32)) for k in {p.lin.k for p in layers}}
             reads = []
-            best = best_of_rounds(libs, lambda lib: [cpu_native.product(lib, p.lin, xs[p.lin.k]) for p in layers],
+            best = best_of_rounds(libs, wall(lambda lib: [cpu_native.product(lib, p.lin, xs[p.lin.k]) for p in layers]),
                                   lambda: reads.append(read_bandwidth()))
             b, t = best[base], best["working tree"]
             print(f"| {kind} | {rows} | {b * 1e3:.1f} | {t * 1e3:.1f} | {b / t:.2f}x | {nbytes / b / 1e9:.1f} / "
@@ -126,16 +133,12 @@ def compare_model(libs: dict, base: str, model_path: str, dtype: str, rows_list:
     for rows in rows_list:
         reads = []
 
-        def run(lib):
+        def median_step(lib) -> float:
             native.lib = lib
             return ours.decode(rows, 16, steps, seed=rows)
 
         ours.decode(rows, 16, 2, seed=rows)  # warm-up
-        best = dict.fromkeys(libs, float("inf"))
-        for r in range(ROUNDS):
-            reads.append(read_bandwidth())
-            for name, lib in list(libs.items())[:: 1 if r % 2 == 0 else -1]:
-                best[name] = min(best[name], run(lib))
+        best = best_of_rounds(libs, median_step, lambda: reads.append(read_bandwidth()))
         b, t = best[base], best["working tree"]
         print(f"| {rows} | {b * 1e3:.1f} | {t * 1e3:.1f} | {b / t:.2f}x | {nbytes / b / 1e9:.1f} / "
               f"{nbytes / t / 1e9:.1f} | {max(reads) / 1e9:.1f} |", flush=True)
@@ -177,8 +180,8 @@ def main() -> None:
                 a, b = (cpu_native.product(lib, lins[0], x) for lib in libs.values())
                 apart = float((a - b).norm() / a.norm())
                 reps = max(1, 64 // rows)
-                best = best_of_rounds(libs, lambda lib: [cpu_native.product(lib, lin, x) for _ in range(reps)
-                                                         for lin in lins])
+                best = best_of_rounds(libs, wall(lambda lib: [cpu_native.product(lib, lin, x) for _ in range(reps)
+                                                              for lin in lins]))
                 base, tree = (best[name] / (reps * COPIES) for name in (args.base, "working tree"))
                 print(f"| {kind} | {rows} | {base * 1e3:.3f} | {tree * 1e3:.3f} | {base / tree:.2f}x | {apart:.2e} |",
                       flush=True)

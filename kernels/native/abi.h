@@ -67,6 +67,7 @@ inline int row_len(const Step& st, int m) { return int(st.lens[m]); }
 constexpr int kDense = 0, kQ8 = 1, kQ4 = 2, kQ8G16 = 3, kQ4K = 4, kQ6K = 5, kParts = 6, kQ5 = 7, kQ5K = 8,
               kQ8H = 9;  // Linear.format
 constexpr bool k_quant(int format) { return format == kQ4K || format == kQ5K || format == kQ6K; }  // k per 256
+constexpr bool byte_quant(int format) { return format == kQ8 || format == kQ8H || format == kQ8G16; }  // a byte a weight
 constexpr int kInt8Codes = 1, kE4M3Codes = 2, kE5M2Codes = 3;  // Model.kv_codes
 constexpr int kBlock = 32;                   // weights per quantization block (along k)
 constexpr int kSuper = 256;                  // weights per K-quant super-block (along k)

@@ -391,7 +391,7 @@ inline void group_bytes(const uint8_t* wb, int g, I16* lo, I16* hi) {
 
 template <int Format, int MR, int NB>
 void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc, bool lead) {
-  constexpr bool q8 = Format == kQ8 || Format == kQ8G16 || Format == kQ8H;
+  constexpr bool q8 = byte_quant(Format);
   constexpr bool fifth = Format == kQ5 || Format == kQ5K;  // a fifth bit per weight after the nibbles
   constexpr int halves = Format == kQ8G16 || Format == kQ6K ? 2 : 1;  // dot products (and scales) per 32 k
   const int blocks = k / kBlock;
@@ -583,7 +583,7 @@ using QuantTileFn = void (*)(const QuantRows&, int, int, const Linear&, int, Acc
 // (Q4_0 0.94x; Q4_K's and Q6_K's super-block tiles read slower with their blocks' streams interleaved: 0.88-0.90x):
 // their software prefetch (ahead) keeps the memory busy instead. Nor several rows: the sums outgrow AVX2's registers.
 inline int q8_cols(int rows, int format) {
-  return rows == 1 && (format == kQ8 || format == kQ8H || format == kQ8G16) ? kQ8Cols : kQColTile;
+  return rows == 1 && byte_quant(format) ? kQ8Cols : kQColTile;
 }
 
 template <int Format>
@@ -597,7 +597,7 @@ struct QuantTiles {
 
 template <int Format>
 QuantTileFn quant_tile_for(int mr, int nb, bool super) {
-  if constexpr (Format == kQ8 || Format == kQ8H || Format == kQ8G16)
+  if constexpr (byte_quant(Format))
     if (nb > kQColTile) return TileTable<QuantTiles<Format>, 1, kQ8Cols>::at(mr, nb);  // (mr 1: q8_cols)
 #if !RS_AVX512
   if constexpr (k_quant(Format))
