@@ -120,7 +120,7 @@ def pack_q4k(q: torch.Tensor, fb: FileBlocks) -> tuple[torch.Tensor, ...]:
 
 def pack_q6k(q: torch.Tensor, fb: FileBlocks) -> tuple[torch.Tensor, ...]:
     """A Q6_K layer (q in -32..31) in its own bits: (per 16 rows and 32 k, q4's nibbles of u = q + 32 then its top
-    two bits, two groups of 8 k to 64 bytes (products.h): [N/16, K/32, 384]; i8 sc [N/16, K/16, 16]; the file's fp16 d
+    two bits, two groups of 8 k to 64 bytes (quant_tiles.h): [N/16, K/32, 384]; i8 sc [N/16, K/16, 16]; the file's fp16 d
     [N/16, K/256, 16]) -- w = d sc (u - 32)."""
     n16 = (q.shape[0] + 15) // 16 * 16
     v = _nibble_groups(q.to(torch.int16) + 32, n16)

@@ -33,7 +33,7 @@
 
 #include "abi.h"
 #include "attention.h"
-#include "products.h"
+#include "dense_tiles.h"
 #include "simd.h"
 
 namespace rs {

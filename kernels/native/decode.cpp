@@ -9,8 +9,10 @@
 //   abi.h        the structures Python fills (pointers into its tensors) and the bounds both sides check
 //   simd.h       bf16/fp32 storage; the vector vocabulary (16 fp32 lanes, bf16 pairs, int8 quads) on AVX-512 or
 //                AVX2, loads and stores with torch's rounding, exp
-//   products.h   linear layers: AMX tiles or BF16/FP32 vector tiles over weights packed in 16-row blocks;
-//                int8/int4 blocks times activations quantized to int8 (VNNI or AVX2), as llama.cpp computes them
+//   dense_tiles.h  AMX tiles or BF16/FP32 vector tiles over weights packed in 16-row blocks
+//   quant_tiles.h  int8/int4 blocks (GGUF's formats, the engine's own) times activations quantized to int8 (VNNI
+//                  or AVX2), as llama.cpp computes them
+//   products.h   linear layers: a product's tiles, each thread's share of W's blocks
 //   attention.h  decode attention over the slot pool (online softmax; a row's keys split among threads when
 //                rows are few)
 //   decode.cpp   the element-wise pieces between the products, and the step

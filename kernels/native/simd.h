@@ -134,7 +134,7 @@ inline void split_nibbles(I16 v, I16* lo, I16* hi) {
   *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 }
 inline V16 to_float(I16 v) { return _mm512_cvtepi32_ps(v); }
-// Q6_K's top two bits, two groups of 8 k to a vector (products.h): bits 4s .. 4s + 1 of each byte become bits 4-5
+// Q6_K's top two bits, two groups of 8 k to a vector (quant_tiles.h): bits 4s .. 4s + 1 of each byte become bits 4-5
 // of lo's byte, bits 4s + 2 .. 4s + 3 those of hi's (16-bit shifts: the mask drops what crosses a byte)
 template <int S>
 inline void add_top_bits(I16 bits, I16* lo, I16* hi) {
@@ -144,7 +144,7 @@ inline void add_top_bits(I16 bits, I16* lo, I16* hi) {
   *lo = _mm512_or_si512(*lo, _mm512_and_si512(l, m));
   *hi = _mm512_or_si512(*hi, _mm512_and_si512(h, m));
 }
-// q5 / q5k's fifth bits, four groups of 8 k to a vector (products.h): bit 2G of each byte becomes bit 4 of lo's
+// q5 / q5k's fifth bits, four groups of 8 k to a vector (quant_tiles.h): bit 2G of each byte becomes bit 4 of lo's
 // byte, bit 2G + 1 that of hi's (16-bit shifts: the mask drops what crosses a byte)
 template <int S>
 inline __m512i shift16(__m512i v) {
@@ -365,7 +365,7 @@ inline void split_nibbles(I16 v, I16* lo, I16* hi) {
   *hi = {_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), low), _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), low)};
 }
 inline V16 to_float(I16 v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
-// K-quant super-blocks (products.h, tile_ksuper): a block's scale folded into the pair sums -- madd by (s, s) in
+// K-quant super-blocks (quant_tiles.h, tile_ksuper): a block's scale folded into the pair sums -- madd by (s, s) in
 // each 32-bit lane instead of (1, 1) -- so a super-block sums in integers
 inline I16 scale_pairs(const uint8_t* p) {  // 16 scales 0..255, one per lane, as (s, s) int16 pairs
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
