@@ -433,11 +433,14 @@ def test_each_product_format_computes_what_it_promises(n, k):
         torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("values", ["random", "extreme"])
 @pytest.mark.parametrize("n,k", [(40, 256), (200, 768)])
-def test_k_quant_formats_compute_what_they_promise(n, k):
+def test_k_quant_formats_compute_what_they_promise(n, k, values):
     """GGUF's Q4_K, Q5_K and Q6_K in their own bits (a 6- or 8-bit scale per 32 or 16 weights times the
     super-block's float; Q5_K's fifth bits and Q6_K's top two beside the nibbles), against the formula: the same
-    sums as int8 blocks whose scale is d sc, exact in float32, with the activations quantized per super-block."""
+    sums as int8 blocks whose scale is d sc, exact in float32, with the activations quantized per super-block.
+    "extreme": every weight and scale at its largest and every activation at +-127 (rows alternating in sign),
+    where the integer sums are largest (the AVX2 tiles add a run of groups' pair sums as int16)."""
     from radixserve.kernels.cpu_quant import FileBlocks
     from radixserve.model.native_decode import pack_q4k, pack_q6k
 
@@ -445,17 +448,25 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
     g = torch.Generator().manual_seed(n + k)
     supers = k // 256
     fp16 = lambda t: t.half().float()  # noqa: E731 (a file's super-block scales are fp16)
+
+    def draw(low, high, size, generator, dtype=torch.int64):  # torch.randint, or its largest value
+        if values == "extreme":
+            return torch.full(size, high - 1, dtype=dtype)
+        return torch.randint(low, high, size, generator=generator, dtype=dtype)
+
     for rows in (1, 3, 16, 19):
         x = torch.randn(rows, k, generator=g)
+        if values == "extreme":
+            x = torch.ones(rows, k) * (1 - 2 * (torch.arange(rows) % 2))[:, None]
         xq, dx = _quantize_rows(x, 256)  # K-quant layers: one scale per super-block
         dx = dx.double()
         # Q4_K / Q5_K: w = d sc q - dmin mn per 32, q 0..15 / 0..31, sc and mn 0..63
         for kind, top, form in (("Q5_K", 32, cpu_native.Q5K), ("Q4_K", 16, cpu_native.Q4K)):
-            q = torch.randint(0, top, (n, k), generator=g)
+            q = draw(0, top, (n, k), generator=g)
             sb = FileBlocks(kind, fp16(torch.rand(n, supers, generator=g) * 1e-3),
-                             torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
+                             draw(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
                              fp16(torch.rand(n, supers, generator=g) * 1e-3),
-                             torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
+                             draw(0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
             packed = pack_q4k(q, sb)
             lin = cpu_native.Linear(form, n, k, 0, *(t.data_ptr() for t in packed[:3]), None,
                                     *(t.data_ptr() for t in packed[3:]))
@@ -467,9 +478,9 @@ def test_k_quant_formats_compute_what_they_promise(n, k):
             torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
         q4k, q4k_tensors, want_q4k = lin, packed, want  # (the tensors kept: the parts below point into them)
         # Q6_K: w = d sc q per 16, q -32..31, sc int8
-        q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+        q = draw(-32, 32, (n, k), generator=g, dtype=torch.int8)
         sb = FileBlocks("Q6_K", fp16(torch.rand(n, supers, generator=g) * 1e-3),
-                         torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8))
+                         draw(-128, 128, (n, k // 16), generator=g, dtype=torch.int8))
         data, sc, d = packed = pack_q6k(q, sb)
         lin = cpu_native.Linear(cpu_native.Q6K, n, k, 0, data.data_ptr(), sc.data_ptr(), None, None, d.data_ptr(),
                                 None)

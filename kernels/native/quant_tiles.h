@@ -202,7 +202,7 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
 
 #if !RS_AVX512
 // K-quant blocks on AVX2, their activations quantized per super-block (one dx per 256 k): each block's integer
-// scale is folded into its pair sums (dot_u4_scaled), so a super-block sums in integers and the float step runs
+// scale multiplies its pair sums (add_scaled), so a super-block sums in integers and the float step runs
 // once per 256 k, not once per 32 (Q6_K: 16) -- maddubs and madd, which sum pairs anyway, do the scaling. Bounds:
 // a pair of maddubs at most 2 x 63 x 127 < 2^15; a super-block's sum at most 256 x 63 x 127 x 127 < 2^31 (Q6_K,
 // |sc| <= 128: 256 x 63 x 127 x 128). The offsets' terms (Q4_K, Q5_K: dmin mn per 32 k; Q6_K: -32 d sc per 16 k)
@@ -235,16 +235,28 @@ void tile_ksuper(const QuantRows& x, int m0, int k, const Linear& lin, int b, Ac
         } else {
           sc[0] = scale_pairs(static_cast<const uint8_t*>(lin.scale) + at);
         }
+        // groups of 8 k whose pair sums add up as int16 before their scale multiplies them (simd.h's pair_sums:
+        // each maddubs pair at most 2 x 15 x 127 for Q4_K's nibbles, 2 x 31 x 127 for Q5_K, 2 x 63 x 127 for Q6_K;
+        // a group has 2 to a lane, and their sum must stay below 2^15) -- one scaling madd per run, not per group
+        constexpr int run = Format == kQ4K ? 4 : Format == kQ5K ? 2 : 1;
 #pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {
-          I16 lo, hi;
-          group_bytes<Format>(wb, g, &lo, &hi);
-          const I16& scale = sc[g * halves / 4];  // q6k: groups 0-1 make the first 16 k, 2-3 the second
+        for (int g0 = 0; g0 < 4; g0 += run) {
+          I16 sums[MR];  // int16 lanes
 #pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) {
-            const Quads q = group_quads(x, m0 + r, k, blk, g);
-            dot[r] = dot_u4_scaled(dot_u4_scaled(dot[r], lo, q.lo, scale), hi, q.hi, scale);
+          for (int r = 0; r < MR; ++r) sums[r] = izero16();
+#pragma GCC unroll 4
+          for (int g = g0; g < g0 + run; ++g) {
+            I16 lo, hi;
+            group_bytes<Format>(wb, g, &lo, &hi);
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) {
+              const Quads q = group_quads(x, m0 + r, k, blk, g);
+              sums[r] = pair_sums(pair_sums(sums[r], lo, q.lo), hi, q.hi);
+            }
           }
+          const I16& scale = sc[g0 * halves / 4];  // q6k: groups 0-1 make the first 16 k, 2-3 the second
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) dot[r] = add_scaled(dot[r], sums[r], scale);
         }
       }
       // the offsets' term: Q4_K / Q5_K sum mn x (sums per 32 k) over 8 blocks, Q6_K sc x (sums per 16 k) over 16

@@ -379,10 +379,16 @@ inline I16 scale_pairs(const int8_t* p) {  // -128..127
   return {_mm256_or_si256(_mm256_and_si256(lo, low16), _mm256_slli_epi32(lo, 16)),
           _mm256_or_si256(_mm256_and_si256(hi, low16), _mm256_slli_epi32(hi, 16))};
 }
-inline I16 dot_u4_scaled(I16 acc, I16 w, int32_t quad, I16 sc) {  // lane += s (4 nibbles x int8); pairs < 2^15
+// K-quant blocks: the maddubs pair sums of a run of groups added up as int16 (while their sum stays below 2^15:
+// quant_tiles.h's tile_ksuper), then their scale multiplied in once (add_scaled) instead of once per group
+inline I16 pair_sums(I16 acc, I16 w, int32_t quad) {  // each int16 lane += its pair of u8 x s8 products
   const __m256i x = _mm256_set1_epi32(quad);
-  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x), sc.lo)),
-          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x), sc.hi))};
+  return {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(w.lo, x)),
+          _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(w.hi, x))};
+}
+inline I16 add_scaled(I16 acc, I16 pairs, I16 sc) {  // lane += s x (its two int16 pair sums)
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(pairs.lo, sc.lo)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs.hi, sc.hi))};
 }
 template <class B>  // uint8_t or int8_t
 inline I16 byte_pairs(const B* a, const B* b) {  // lane i: (a[i], b[i]) as int16
