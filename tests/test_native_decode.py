@@ -365,6 +365,20 @@ def _quantize_rows(x: torch.Tensor, span: int = 32) -> tuple[torch.Tensor, torch
     return xq, (amax / 127.0).repeat_interleave(span // 32, dim=1)
 
 
+def _draw(values: str, low: int, high: int, size: tuple, generator, dtype=torch.int64) -> torch.Tensor:
+    """torch.randint, or ("extreme") its largest value everywhere: where a product's integer sums are largest."""
+    if values == "extreme":
+        return torch.full(size, high - 1, dtype=dtype)
+    return torch.randint(low, high, size, generator=generator, dtype=dtype)
+
+
+def _activations(values: str, rows: int, k: int, generator) -> torch.Tensor:
+    """Gaussian rows, or ("extreme") rows of +-1 alternating in sign: quantized to +-127 everywhere."""
+    if values == "extreme":
+        return torch.ones(rows, k) * (1 - 2 * (torch.arange(rows) % 2))[:, None]
+    return torch.randn(rows, k, generator=generator)
+
+
 def _run_linear(lib, lin, x: torch.Tensor, amx: bool) -> torch.Tensor:
     rows = x.shape[0]
     y = torch.empty(rows, lin.n, dtype=x.dtype)
@@ -374,10 +388,12 @@ def _run_linear(lib, lin, x: torch.Tensor, amx: bool) -> torch.Tensor:
     return y
 
 
+@pytest.mark.parametrize("values", ["random", "extreme"])
 @pytest.mark.parametrize("n,k", [(40, 64), (80, 96), (1000, 576)])
-def test_each_product_format_computes_what_it_promises(n, k):
+def test_each_product_format_computes_what_it_promises(n, k, values):
     """One linear product through every format, against the formula the kernel documents, on shapes whose rows
-    fill no 16-row block or tile evenly and 1..19 rows of input."""
+    fill no 16-row block or tile evenly and 1..19 rows of input; "extreme": every quantized weight at its largest
+    and the activations at +-127, where the integer sums are largest (AVX2 adds a block's nibble products as int16)."""
     from radixserve.model.native_decode import _blocks, pack_dense, pack_q4, pack_q8
 
     lib = cpu_native.load(cpu_native.default_cache_dir())
@@ -386,7 +402,7 @@ def test_each_product_format_computes_what_it_promises(n, k):
     w = torch.randn(n, k, generator=g) * 0.1
     bias = torch.randn(n, generator=g)
     for rows in (1, 3, 16, 19):
-        x = torch.randn(rows, k, generator=g)
+        x = _activations(values, rows, k, g)
         for dtype in (torch.float32, torch.bfloat16):
             wt, bt, xt = w.to(dtype), bias.to(dtype), x.to(dtype)
             packed = pack_dense(wt)
@@ -398,7 +414,7 @@ def test_each_product_format_computes_what_it_promises(n, k):
                                            atol=1e-4 if dtype == torch.float32 else 8e-3)
         # quantized: int8 blocks of 32 (scale per block), int4 blocks with scale and offset (fp16, as stored)
         xq, dx = _quantize_rows(x)
-        q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        q8 = _draw(values, -127, 128, (n, k), g, dtype=torch.int8)
         d8 = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3
         data, scale = pack_q8(q8, d8)
         lin = cpu_native.Linear(cpu_native.Q8, n, k, 0, data.data_ptr(), scale.data_ptr(), None, None)
@@ -422,7 +438,7 @@ def test_each_product_format_computes_what_it_promises(n, k):
             dx_g = dx.double().repeat_interleave(32 // group, dim=1)[:, None, :]
             want = ((dots * d.double()[None] + m.double()[None] * sums) * dx_g).sum(-1)
             torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
-        q4 = torch.randint(0, 16, (n, k), generator=g)
+        q4 = _draw(values, 0, 16, (n, k), g)
         d4, m4 = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3, torch.randn(n, k // 32, generator=g) * 0.05
         data, d16, m16 = pack_q4(q4, d4, m4)
         lin = cpu_native.Linear(cpu_native.Q4, n, k, 0, data.data_ptr(), d16.data_ptr(), m16.data_ptr(), None)
@@ -448,25 +464,17 @@ def test_k_quant_formats_compute_what_they_promise(n, k, values):
     g = torch.Generator().manual_seed(n + k)
     supers = k // 256
     fp16 = lambda t: t.half().float()  # noqa: E731 (a file's super-block scales are fp16)
-
-    def draw(low, high, size, generator, dtype=torch.int64):  # torch.randint, or its largest value
-        if values == "extreme":
-            return torch.full(size, high - 1, dtype=dtype)
-        return torch.randint(low, high, size, generator=generator, dtype=dtype)
-
     for rows in (1, 3, 16, 19):
-        x = torch.randn(rows, k, generator=g)
-        if values == "extreme":
-            x = torch.ones(rows, k) * (1 - 2 * (torch.arange(rows) % 2))[:, None]
+        x = _activations(values, rows, k, g)
         xq, dx = _quantize_rows(x, 256)  # K-quant layers: one scale per super-block
         dx = dx.double()
         # Q4_K / Q5_K: w = d sc q - dmin mn per 32, q 0..15 / 0..31, sc and mn 0..63
         for kind, top, form in (("Q5_K", 32, cpu_native.Q5K), ("Q4_K", 16, cpu_native.Q4K)):
-            q = draw(0, top, (n, k), generator=g)
+            q = _draw(values, 0, top, (n, k), generator=g)
             sb = FileBlocks(kind, fp16(torch.rand(n, supers, generator=g) * 1e-3),
-                             draw(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
+                             _draw(values, 0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
                              fp16(torch.rand(n, supers, generator=g) * 1e-3),
-                             draw(0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
+                             _draw(values, 0, 64, (n, k // 32), generator=g, dtype=torch.uint8))
             packed = pack_q4k(q, sb)
             lin = cpu_native.Linear(form, n, k, 0, *(t.data_ptr() for t in packed[:3]), None,
                                     *(t.data_ptr() for t in packed[3:]))
@@ -478,9 +486,9 @@ def test_k_quant_formats_compute_what_they_promise(n, k, values):
             torch.testing.assert_close(_run_linear(lib, lin, x, False).double(), want, rtol=1e-5, atol=1e-5)
         q4k, q4k_tensors, want_q4k = lin, packed, want  # (the tensors kept: the parts below point into them)
         # Q6_K: w = d sc q per 16, q -32..31, sc int8
-        q = draw(-32, 32, (n, k), generator=g, dtype=torch.int8)
+        q = _draw(values, -32, 32, (n, k), generator=g, dtype=torch.int8)
         sb = FileBlocks("Q6_K", fp16(torch.rand(n, supers, generator=g) * 1e-3),
-                         draw(-128, 128, (n, k // 16), generator=g, dtype=torch.int8))
+                         _draw(values, -128, 128, (n, k // 16), generator=g, dtype=torch.int8))
         data, sc, d = packed = pack_q6k(q, sb)
         lin = cpu_native.Linear(cpu_native.Q6K, n, k, 0, data.data_ptr(), sc.data_ptr(), None, None, d.data_ptr(),
                                 None)

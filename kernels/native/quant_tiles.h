@@ -110,6 +110,7 @@ template <int Format, int MR, int NB>
 void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc, bool lead) {
   constexpr bool q8 = byte_quant(Format);
   constexpr bool fifth = Format == kQ5 || Format == kQ5K;  // a fifth bit per weight after the nibbles
+  constexpr bool nibbles = Format == kQ4 || Format == kQ4K;  // 0..15: a block's sums (simd.h's block_sums)
   constexpr int halves = Format == kQ8G16 || Format == kQ6K ? 2 : 1;  // dot products (and scales) per 32 k
   const int blocks = k / kBlock;
   const int64_t wbytes = q8 ? 512 : Format == kQ6K ? 384 : fifth ? 320 : 256;  // per 16 rows x 32 k
@@ -157,10 +158,16 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
 #pragma GCC unroll 4
           for (int j = 0; j < NB; ++j) {
             I16& into = dot[g * halves / 4][r][j];  // q6k: groups 0-1 make the first 16 k, 2-3 the second
-            into = dot_u4(dot_u4(into, lo[j], q.lo), hi[j], q.hi);
+            if constexpr (nibbles) into = block_sums(block_sums(into, lo[j], q.lo), hi[j], q.hi);
+            else into = dot_u4(dot_u4(into, lo[j], q.lo), hi[j], q.hi);
           }
         }
       }
+      if constexpr (nibbles)
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+          for (int j = 0; j < NB; ++j) dot[0][r][j] = block_total(dot[0][r][j]);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j)

@@ -128,6 +128,9 @@ inline I16 izero16() { return _mm512_setzero_si512(); }
 inline I16 load_i16(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline I16 dot_q8(I16 acc, I16 w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
 inline I16 dot_u4(I16 acc, I16 w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
+// A block of nibbles (32 k: 4 groups, lo and hi): VNNI sums its products in the int32 lanes at once
+inline I16 block_sums(I16 acc, I16 w, int32_t quad) { return dot_u4(acc, w, quad); }
+inline I16 block_total(I16 sums) { return sums; }
 inline void split_nibbles(I16 v, I16* lo, I16* hi) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   *lo = _mm512_and_si512(v, low);
@@ -389,6 +392,13 @@ inline I16 pair_sums(I16 acc, I16 w, int32_t quad) {  // each int16 lane += its 
 inline I16 add_scaled(I16 acc, I16 pairs, I16 sc) {  // lane += s x (its two int16 pair sums)
   return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(pairs.lo, sc.lo)),
           _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs.hi, sc.hi))};
+}
+// A block of nibbles (32 k: 4 groups, lo and hi; Q4_0 / Q4_1, Q4_K): its products' pair sums added as int16 (8
+// of them to a lane, at most 8 x 2 x 15 x 127 = 30480 < 2^15), widened to int32 once (block_total), not per group
+inline I16 block_sums(I16 acc, I16 w, int32_t quad) { return pair_sums(acc, w, quad); }
+inline I16 block_total(I16 sums) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(sums.lo, ones), _mm256_madd_epi16(sums.hi, ones)};
 }
 template <class B>  // uint8_t or int8_t
 inline I16 byte_pairs(const B* a, const B* b) {  // lane i: (a[i], b[i]) as int16
