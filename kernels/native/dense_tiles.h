@@ -76,6 +76,16 @@ inline void ahead(const void* p, int bytes) {
   for (int i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + kAhead + i);
 }
 
+// k-pair p of NB blocks of bf16 weights (what both bf16 tiles meet x with), asking ahead for what follows
+template <int NB>
+inline void weight_pairs(const bf16* w, int64_t bstride, int p, bool lead, BF32 (&wv)[NB]) {
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    if (lead) ahead(w + j * bstride + p * 32, 64);
+    wv[j] = load_bf32(w + j * bstride + p * 32);
+  }
+}
+
 // AVX-512 BF16: one vdpbf16ps per block, row and k-pair of x (x read as bf16 pairs)
 template <int MR, int NB>
 void tile_bf16(const bf16* x, int64_t ldx, int k, const bf16* w, int64_t bstride, Acc& acc, bool lead) {
@@ -84,11 +94,7 @@ void tile_bf16(const bf16* x, int64_t ldx, int k, const bf16* w, int64_t bstride
   const int pairs = k / 2;
   for (int p = 0; p < pairs; ++p) {
     BF32 wv[NB];
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) {
-      if (lead) ahead(w + j * bstride + p * 32, 64);
-      wv[j] = load_bf32(w + j * bstride + p * 32);
-    }
+    weight_pairs(w, bstride, p, lead, wv);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
       int32_t pair;
@@ -111,11 +117,7 @@ void tile_wide(const float* x, int64_t ldx, int k, const bf16* w, int64_t bstrid
   const int pairs = k / 2;
   for (int p = 0; p < pairs; ++p) {
     BF32 wv[NB];
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) {
-      if (lead) ahead(w + j * bstride + p * 32, 64);
-      wv[j] = load_bf32(w + j * bstride + p * 32);
-    }
+    weight_pairs(w, bstride, p, lead, wv);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
       const V16 xo = set1(x[r * ldx + 2 * p + 1]);
