@@ -380,7 +380,7 @@ inline I16 scale_pairs_of(const void* p) {
     alignas(32) char m[32];
     for (int i = 0; i < 8; ++i) {  // 32-bit lane i: s as both int16 halves, in the low byte (u8) or high (s8)
       const char s = char(r + i), z = char(0x80);  // z: a zero byte
-      const char lane[4] = {Signed ? z : s, Signed ? s : z, Signed ? z : s, Signed ? s : z};
+      const char low = Signed ? z : s, high = Signed ? s : z, lane[4] = {low, high, low, high};
       std::memcpy(m + 4 * i, lane, 4);
     }
     const __m256i v = _mm256_shuffle_epi8(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(m)));
