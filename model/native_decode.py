@@ -33,6 +33,7 @@ from radixserve.model.causal_lm import CausalLM
 log = logging.getLogger(__name__)
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's bounds (kMaxGroup, kMaxHeadDim)
+AMX_SHARED_DIM = 64  # the head dim whose shared prefixes AMX tiles score (kSharedDim)
 BLOCK = 32  # weights per quantization block (kBlock)
 
 
@@ -211,7 +212,9 @@ class NativeDecode:
         # multiples of 16, a pool in the model's dtype; False: every row scores its whole context itself
         self.shares = cfg.head_dim % 16 == 0 and not self.desc.kv_codes
         self._head_dim = cfg.head_dim
-        self.extend_keys, self.shared_gain = budget(self.isa, dtype)  # a prefill step's most cost; a shared pair's gain
+        # a prefill step's most cost; a shared pair's gain (larger where AMX tiles score the shared slots)
+        amx_shared = self.amx and self.shares and cfg.head_dim == AMX_SHARED_DIM
+        self.extend_keys, self.shared_gain = budget(self.isa, dtype, amx_shared)
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
         for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
             layer.native = functools.partial(self._product, lin)

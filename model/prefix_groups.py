@@ -20,13 +20,19 @@ SHARED_MIN = 128  # shared context slots from which a group of rows scores them 
 # A prefill step runs native while its attention costs at most this many (token, key) pairs visited row by row, a
 # group's shared slots counted at 1 / SHARED_GAIN (``step_cost``): the kernel beats torch's per-request SDPA plus
 # its small ops for short prompts and short continuations of cached ones, and loses for long prompts. Measured
-# (SmolLM2, bf16, 2 cores of a Xeon with AMX): 128 new tokens 34 vs 56 ms, 30 after 1500 cached 50 vs 55 ms (45k
-# pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs).
+# (SmolLM2, bf16, 2 cores of a Xeon with AMX, before prefill rows were grouped): 128 new tokens 34 vs 56 ms, 30
+# after 1500 cached 50 vs 55 ms (45k pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs). Used where the
+# kernel is built for AVX-512 but AMX tiles are not granted (the vector shared path; not measured since).
 EXTEND_KEYS = 40_000
-# A group's shared slots are scored once for all its rows: each such pair costs about this many times less than
-# one the per-row path visits (Zen 3, 512 tokens on 860 cached: 2.1; the attention alone, one layer, 32 rows on one
-# prefix: 3.1-3.6 there, 3.1 on a Xeon with AMX, 2 cores)
 SHARED_GAIN = 2
+# ... where AMX tiles score the shared slots (tile products for all a group's rows): a shared pair costs next to
+# nothing beside the step's products, so what decides is the rows' own pairs. Measured on a Xeon with AMX (SmolLM2,
+# bf16, 2 threads; benchmarks/shared_extend.py, torch / native grouped ms, cost as counted here with these two):
+# on 860 cached slots 31 x 16 2.83-2.94x (11k), 31 x 32 2.14-2.22x (30k), 1 x 128 1.49-1.84x (10k), 1 x 256 1.47x
+# (36k), 2 x 256 1.28x (73k), 1 x 512 0.75-0.88x (138k); on 2000 cached, 31 x 32 1.88x (47k); fresh prompts 1 x 384
+# 1.09-1.21x (42k), 1 x 448 0.96x (60k), 1 x 512 0.74-0.90x (83k)
+EXTEND_KEYS_AMX = 75_000
+SHARED_GAIN_AMX = 64
 # ... where the kernel is built for AVX2 (no AVX-512), against torch, whose bf16 products go through float32 copies
 # there and whose float32 SDPA over a long gathered prefix is slow: measured on Zen 3, 2 threads
 # (benchmarks/shared_extend.py, torch / native ms, cost as counted here): bf16 fresh prompts 1 x 512 1.20x (85k),
@@ -37,12 +43,12 @@ EXTEND_KEYS_AVX2 = {torch.bfloat16: 160_000, torch.float32: 100_000}
 SHARED_GAIN_AVX2 = 16
 
 
-def budget(isa: str, dtype: torch.dtype) -> tuple[float, float]:
+def budget(isa: str, dtype: torch.dtype, amx: bool) -> tuple[float, float]:
     """(the most a prefill step may cost and still run native, a shared pair's gain) for a kernel built for
-    ``isa`` (cpu_native.isa) running ``dtype``."""
+    ``isa`` (cpu_native.isa) running ``dtype``, with AMX tiles granted or not."""
     if isa == "avx2":
         return EXTEND_KEYS_AVX2[dtype], SHARED_GAIN_AVX2
-    return EXTEND_KEYS, SHARED_GAIN
+    return (EXTEND_KEYS_AMX, SHARED_GAIN_AMX) if amx else (EXTEND_KEYS, SHARED_GAIN)
 
 
 def step_cost(length: np.ndarray, groups: native.PrefixGroups, shared_gain: float) -> float:

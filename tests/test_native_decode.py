@@ -660,16 +660,17 @@ def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
     (row, key) pairs, a group's shared slots at 1 / shared_gain -- a request's tokens on its cached prefix, several
     requests' tokens on one prefix (one token each too), a long prompt's rows on its first SHARED_MIN slots. The
     budget and the gain are larger where the kernel is built for AVX2 (torch multiplies bf16 through float32 there,
-    and its float32 SDPA over a gathered prefix is slow)."""
-    from radixserve.model.prefix_groups import (EXTEND_KEYS, EXTEND_KEYS_AVX2, SHARED_GAIN, SHARED_GAIN_AVX2,
-                                                SHARED_MIN)
+    and its float32 SDPA over a gathered prefix is slow) and where AMX tiles score the shared slots."""
+    from radixserve.model.prefix_groups import (EXTEND_KEYS, EXTEND_KEYS_AMX, EXTEND_KEYS_AVX2, SHARED_GAIN,
+                                                SHARED_GAIN_AMX, SHARED_GAIN_AVX2, SHARED_MIN)
 
     for dtype in ("float32", "bfloat16"):
         engine = _engine(tiny_models["llama"], dtype)
         native = engine.runner.native
-        avx2 = native.isa == "avx2"
-        assert native.extend_keys == (EXTEND_KEYS_AVX2[native.dtype] if avx2 else EXTEND_KEYS)
-        assert native.shared_gain == (SHARED_GAIN_AVX2 if avx2 else SHARED_GAIN)
+        want = ((EXTEND_KEYS_AVX2[native.dtype], SHARED_GAIN_AVX2) if native.isa == "avx2" else
+                (EXTEND_KEYS_AMX, SHARED_GAIN_AMX) if native.amx and native._head_dim == 64 else
+                (EXTEND_KEYS, SHARED_GAIN))
+        assert (native.extend_keys, native.shared_gain) == want
         engine.shutdown()
     native.extend_keys, native.shared_gain = EXTEND_KEYS, SHARED_GAIN
     fresh = iter(range(100_000, 200_000))  # new slots
