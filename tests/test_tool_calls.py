@@ -146,8 +146,9 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, body, param):
 
 def test_the_eos_that_ended_an_output_is_not_its_text(server):
     """With skip_special_tokens false (as the Mistral format needs) the EOS is still no part of the text, as in
-    SGLang: a parser reads the text up to it."""
-    prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+    SGLang: a parser reads the text up to it. (A question whose greedy answer ends early on every kernel: "Say hi"
+    ran past 60 tokens on AMX tiles, a near tie at its 20th token -- 0.125 apart in eager -- taken the other way.)"""
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     out = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {
         "max_new_tokens": 60, "temperature": 0, "skip_special_tokens": False}}, timeout=60).json()
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
