@@ -213,8 +213,9 @@ class NativeDecode:
         self.shares = cfg.head_dim % 16 == 0 and not self.desc.kv_codes
         self._head_dim = cfg.head_dim
         # a prefill step's most cost; a shared pair's gain (larger where AMX tiles score the shared slots)
-        amx_shared = self.amx and self.shares and cfg.head_dim == AMX_SHARED_DIM
-        self.extend_keys, self.shared_gain = budget(self.isa, dtype, amx_shared)
+        # AMX tiles score the shared slots (attention_shared.h's tile path: bf16, head dim AMX_SHARED_DIM)
+        self.amx_shared = self.amx and self.shares and cfg.head_dim == AMX_SHARED_DIM
+        self.extend_keys, self.shared_gain = budget(self.isa, dtype, self.amx_shared)
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
         for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
             layer.native = functools.partial(self._product, lin)

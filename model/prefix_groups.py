@@ -24,7 +24,7 @@ SHARED_MIN = 128  # shared context slots from which a group of rows scores them 
 # after 1500 cached 50 vs 55 ms (45k pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs). Used where the
 # kernel is built for AVX-512 but AMX tiles are not granted (the vector shared path; not measured since).
 EXTEND_KEYS = 40_000
-SHARED_GAIN = 2
+SHARED_GAIN = 2  # a per-row pair / a shared one: 2.1 (Zen 3, 512 tokens on 860 cached), 3.1 for the attention alone
 # ... where AMX tiles score the shared slots (tile products for all a group's rows): a shared pair costs next to
 # nothing beside the step's products, so what decides is the rows' own pairs. Measured on a Xeon with AMX (SmolLM2,
 # bf16, 2 threads; benchmarks/shared_extend.py, torch / native grouped ms, cost as counted here with these two):

@@ -669,7 +669,7 @@ def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
         engine = _engine(tiny_models["llama"], dtype)
         native = engine.runner.native
         want = ((EXTEND_KEYS_AVX2[native.dtype], SHARED_GAIN_AVX2) if native.isa == "avx2" else
-                (EXTEND_KEYS_AMX, SHARED_GAIN_AMX) if native.amx and native._head_dim == 64 else
+                (EXTEND_KEYS_AMX, SHARED_GAIN_AMX) if native.amx_shared else
                 (EXTEND_KEYS, SHARED_GAIN))
         assert (native.extend_keys, native.shared_gain) == want
         engine.shutdown()

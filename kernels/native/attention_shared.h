@@ -350,8 +350,9 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
     for (int kpair = 0; kpair < 16; ++kpair) {
       const int ja = j0 + 2 * kpair, jb = ja + 1;
       for (int h = 0; h < 2; ++h) {  // dims 32h .. 32h + 31 of both keys
-        const __m512i a = ja < shared ? _mm512_loadu_si512(vp + (head[ja] * nkv + g) * D + 32 * h) : _mm512_setzero_si512();
-        const __m512i b = jb < shared ? _mm512_loadu_si512(vp + (head[jb] * nkv + g) * D + 32 * h) : _mm512_setzero_si512();
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i a = ja < shared ? _mm512_loadu_si512(vp + (head[ja] * nkv + g) * D + 32 * h) : zero;
+        const __m512i b = jb < shared ? _mm512_loadu_si512(vp + (head[jb] * nkv + g) * D + 32 * h) : zero;
         _mm512_store_si512(v + (2 * h) * 256 + kpair * 16, _mm512_permutex2var_epi16(a, low, b));
         _mm512_store_si512(v + (2 * h + 1) * 256 + kpair * 16, _mm512_permutex2var_epi16(a, high, b));
       }
