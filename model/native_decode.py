@@ -303,7 +303,9 @@ class NativeDecode:
         return step_cost(length, groups, self.shared_gain)
 
     def _groups(self, slots: torch.Tensor, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
-        return prefix_groups(slots, first, length) if self.shares else native.PrefixGroups(len(length))
+        if not self.shares:
+            return native.PrefixGroups(len(length))
+        return prefix_groups(slots, first, length, tiled=self.amx_shared)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)

@@ -15,6 +15,10 @@ import torch
 
 from radixserve.kernels import cpu_native as native
 
+# A group's rows of one request TILE or more slots past its shared run are split off in groups of TILE slots'
+# steps (_tiled), at most TILES of them (a longer run: longer steps, so that the packed shared slots stay within
+# TILES x the request's context), each of TILE_ROWS rows at least
+TILE, TILES, TILE_ROWS = 128, 16, 16
 SHARED_MIN = 128  # shared context slots from which a group of rows scores them once for all (fewer: the per-row
 # path is as fast)
 # A prefill step runs native while its attention costs at most this many (token, key) pairs visited row by row, a
@@ -25,13 +29,14 @@ SHARED_MIN = 128  # shared context slots from which a group of rows scores them 
 # kernel is built for AVX-512 but AMX tiles are not granted (the vector shared path; not measured since).
 EXTEND_KEYS = 40_000
 SHARED_GAIN = 2  # a per-row pair / a shared one: 2.1 (Zen 3, 512 tokens on 860 cached), 3.1 for the attention alone
-# ... where AMX tiles score the shared slots (tile products for all a group's rows): a shared pair costs next to
-# nothing beside the step's products, so what decides is the rows' own pairs. Measured on a Xeon with AMX (SmolLM2,
-# bf16, 2 threads; benchmarks/shared_extend.py, torch / native grouped ms, cost as counted here with these two):
-# on 860 cached slots 31 x 16 2.83-2.94x (11k), 31 x 32 2.14-2.22x (30k), 1 x 128 1.49-1.84x (10k), 1 x 256 1.47x
-# (36k), 2 x 256 1.28x (73k), 1 x 512 0.75-0.88x (138k); on 2000 cached, 31 x 32 1.88x (47k); fresh prompts 1 x 384
-# 1.09-1.21x (42k), 1 x 448 0.96x (60k), 1 x 512 0.74-0.90x (83k)
-EXTEND_KEYS_AMX = 75_000
+# ... where AMX tiles score the shared slots (tile products for all a group's rows, and a request's rows far into
+# its own context in tiles of their own: _tiled): a shared pair costs little beside the step's products. Measured
+# on a Xeon with AMX (SmolLM2, bf16, 2 threads; benchmarks/shared_extend.py, torch / native ms, the cost as counted
+# here): on 860 cached slots 31 x 32 2.2x (30k), 1 x 512 1.29x (41k), 1 x 1024 1.21x (86k); on 6000 cached, 16 x
+# 128 1.72x (324k), 1 x 2048 1.13x (353k); fresh prompts 1 x 1024 1.00-1.14x (73k), 2 x 880 1.12x (121k), 1 x 2048
+# 1.01x (163k), 4 x 1024 0.99-1.03x (292k), 1 x 4096 0.88x (629k), 1 x 8000 0.87x (2.4M); before the tiles, a fresh
+# 512-token prompt already went to torch (0.74-0.90x at 83k)
+EXTEND_KEYS_AMX = 400_000
 SHARED_GAIN_AMX = 64
 # ... where the kernel is built for AVX2 (no AVX-512), against torch, whose bf16 products go through float32 copies
 # there and whose float32 SDPA over a long gathered prefix is slow: measured on Zen 3, 2 threads
@@ -59,7 +64,8 @@ def step_cost(length: np.ndarray, groups: native.PrefixGroups, shared_gain: floa
     return float(length.sum()) - shared + shared / shared_gain
 
 
-def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
+def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray,
+                  tiled: bool = False) -> native.PrefixGroups:
     """The rows whose contexts start with the same run of at least SHARED_MIN slots (a system prompt, a document,
     few-shot examples, a request's own cached prefix under its new tokens), one group per run, which the kernel
     scores once for all the group's rows. Row m's context: ``slots[first[m] : first[m] + length[m]]``
@@ -69,7 +75,8 @@ def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray) ->
     first slots in the radix tree and land in one bucket, so a bucket is split: a group is the rows sharing at
     least SHARED_MIN slots with the bucket's first row (its shared run the shortest they have in common with it),
     and the rows it leaves out are grouped the same way among themselves. The rows of one request share their
-    context's start, so each distinct start is compared once, not each row."""
+    context's start, so each distinct start is compared once, not each row. ``tiled``: a request's rows far past
+    their group's shared run split off in groups of their own (_tiled), where AMX tiles score shared slots."""
     rows = len(length)
     if rows < 2:
         return native.PrefixGroups(rows)
@@ -87,7 +94,39 @@ def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray) ->
                 members.append(left[keep].tolist())
                 shared.append(int(common[keep].min()))
             left = left[~keep]
+    if tiled:
+        members, shared = _tiled(members, shared, first, length)
     return native.PrefixGroups(rows, members, shared)
+
+
+def _tiled(members: list[list[int]], shared: list[int], first: np.ndarray,
+           length: np.ndarray) -> tuple[list[list[int]], list[int]]:
+    """Each group with the rows of one request that reach TILE or more slots past its shared run split off: one
+    group per TILE-slot step they reach, sharing their request's context up to it. A long prompt's or continuation's
+    rows then score at most TILE of their own slots each, row by row; the rest, their request's earlier slots, goes
+    through the shared path (the causal attention in tiles). Rows of one request share their context's start
+    (``first``); a split-off group needs TILE_ROWS rows (fewer: they stay, packing would cost what it saves)."""
+    out_members, out_shared = [], []
+    for rows, n in zip(members, shared):
+        rows = np.asarray(rows)
+        stay = length[rows] - n < TILE
+        for start in np.unique(first[rows[~stay]]):
+            mine = ~stay & (first[rows] == start)
+            past = length[rows[mine]] - n
+            tile = max(TILE, -(-int(past.max()) // (TILES * 16)) * 16)  # at most TILES groups a request
+            level = np.zeros(len(rows), dtype=np.int64)
+            level[mine] = past // tile
+            for k in np.unique(level[mine]):
+                split = mine & (level == k)
+                if k > 0 and split.sum() >= TILE_ROWS:
+                    out_members.append(rows[split].tolist())
+                    out_shared.append(n + int(k) * tile)
+                else:
+                    stay |= split
+        if stay.any():
+            out_members.append(rows[stay].tolist())
+            out_shared.append(n)
+    return out_members, out_shared
 
 
 def _common_run(slots: np.ndarray, first: np.ndarray, length: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -286,6 +286,103 @@ def test_prefix_groups_are_the_runs_rows_share():
     assert groups.row_shared[:7].tolist() == [250] * 6 + [0] and groups.row_shared[-1] == 0
 
 
+def _extend_contexts(rows_of: list[list[int]], prefix: list[int]):
+    """(flat slots, first, length) of a prefill step whose request i holds ``rows_of[i]``, ``prefix[i]`` cached."""
+    flat = torch.tensor([s for r in rows_of for s in r])
+    extend = [len(r) - p for r, p in zip(rows_of, prefix)]
+    first, length = AttentionBatch(mode="extend", prefix_lens=prefix, extend_lens=extend, slots=flat,
+                                   out_slots=flat[:sum(extend)]).contexts()
+    return flat, first, length
+
+
+def test_long_requests_split_off_in_tiles():
+    """prefix_groups(tiled=True): a request's rows TILE or more slots past their group's shared run form groups of
+    their own, one per TILE-slot step, sharing their request's context up to it, so that no row scores more than
+    TILE - 1 + (its group's remainder) of its own slots; at most TILES steps a request (a longer run: longer
+    steps); a step with fewer than TILE_ROWS rows stays in the group; requests sharing a cached prefix keep
+    sharing it in one group for their rows near it, and decode rows (one a request) are never split."""
+    from radixserve.model.prefix_groups import SHARED_MIN, TILE, TILE_ROWS, TILES, prefix_groups
+
+    assert SHARED_MIN == TILE == 128 and TILE_ROWS == 16  # the figures below
+    # a fresh 700-token prompt: rows 127.. on its first 128 slots, then steps of 128
+    flat, first, length = _extend_contexts([list(range(1000, 1700))], [0])
+    plain, tiled = prefix_groups(flat, first, length), prefix_groups(flat, first, length, tiled=True)
+    assert plain.shared.tolist() == [128] and plain.row_shared[127:].tolist() == [128] * 573
+    assert sorted(tiled.shared.tolist()) == [128, 256, 384, 512, 640]
+    assert tiled.row_shared.tolist() == [0] * 127 + [n // 128 * 128 for n in length[127:]]
+    # 650 tokens: the last step would hold 11 rows (lengths 640..650): they stay on the first 128
+    flat, first, length = _extend_contexts([list(range(1000, 1650))], [0])
+    tiled = prefix_groups(flat, first, length, tiled=True)
+    assert sorted(tiled.shared.tolist()) == [128, 256, 384, 512]
+    assert tiled.row_shared[-11:].tolist() == [128] * 11 and tiled.row_shared[-12] == 512
+    # 5000 tokens: 4872 past the shared run, in at most 16 steps of 320 (a multiple of 16)
+    flat, first, length = _extend_contexts([list(range(10_000, 15_000))], [0])
+    tiled = prefix_groups(flat, first, length, tiled=True)
+    assert len(tiled) <= TILES + 1 and tiled.row_shared[-1] == 128 + 15 * 320
+    assert tiled.row_shared[127:].tolist() == [128 + (n - 128) // 320 * 320 for n in length[127:]]
+    # two requests of 300 new tokens on a cached 200-slot prefix, one of 20: the rows less than 128 past it
+    # (all 20 of the short one's) one group on it, each long request's later rows a group on its own slots
+    a = list(range(1000, 1200))
+    rows_of = [a + list(range(2000, 2300)), a + list(range(3000, 3300)), a + list(range(4000, 4020))]
+    flat, first, length = _extend_contexts(rows_of, [200, 200, 200])
+    tiled = prefix_groups(flat, first, length, tiled=True)
+    groups = {int(tiled.shared[i]): tiled.rows[tiled.start[i]: tiled.start[i + 1]].tolist()
+              for i in range(len(tiled))}
+    assert sorted(groups.values(), key=len)[-1] == [*range(127), *range(300, 427), *range(600, 620)]
+    assert tiled.row_shared.tolist() == [200 + (n - 200) // 128 * 128 for n in length]
+    assert sorted(tiled.shared.tolist()) == [200, 328, 328, 456, 456]
+    # decode rows: one a request, each 600 past a shared 300-slot prefix -- no tiles
+    b = list(range(5000, 5300))
+    flat = torch.tensor([s for i in range(20) for s in b + list(range(10_000 * (i + 1), 10_000 * (i + 1) + 600))])
+    length = np.full(20, 900)
+    first = np.arange(20) * 900
+    tiled = prefix_groups(flat, first, length, tiled=True)
+    assert tiled.shared.tolist() == [300] and len(tiled.rows) == 20
+
+
+@pytest.mark.parametrize("path", ["amx", "vector"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_prompts_are_scored_in_tiles(smollm2_path, dtype, path):
+    """A prefill step of long new prompts -- a fresh one, two long continuations of one cached prefix, a short one
+    on it -- with the request's rows in tiles (tiled groups: forced on the vector path, where the budget does not
+    take them) gives every token the logits of the per-row path (float32: to float32 rounding, the same argmax;
+    the same K/V) and eager's (bf16: to its rounding noise)."""
+    engine = _engine(smollm2_path, dtype, chunked_prefill_size=4096)
+    native, runner, sched = engine.runner.native, engine.runner, engine.scheduler
+    if path == "amx" and not (native.amx and dtype == "bfloat16"):
+        pytest.skip("AMX tiles score bf16 only, where the CPU and kernel grant them")
+    native.desc.amx = int(path == "amx")
+    native.amx_shared = True  # rows in tiles (prefix_groups(tiled=True)), on either path
+    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    rng = random.Random(5)
+    ids = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]  # noqa: E731
+    head = ids(150)
+    sched.add_request("head", head, one)
+    while sched.has_work:
+        sched.process(runner.forward(sched.schedule()))
+    prompts = [ids(530), head + ids(300), head + ids(290), head + ids(20)]
+    for i, p in enumerate(prompts):
+        sched.add_request(f"p{i}", p, one, top_logprobs=0, logprob_start=151 if i else 0)
+    plan = sched.schedule()
+    assert plan.mode == "extend" and len(plan.extend_lens) == 4
+    outs = {}
+    for shares in (False, True):
+        native.shares = shares
+        outs[shares] = _eager_and_native(runner, plan)
+    assert native.last_groups >= 8  # the fresh prompt's 4 tiles (128 .. 512), the continuations' 2 each, the prefix
+    (eager, alone, _, kv_alone), (_, tiled, _, kv_tiled) = outs[False], outs[True]
+    if dtype == "float32":
+        torch.testing.assert_close(tiled, alone, rtol=1e-4, atol=1e-4)
+        assert torch.equal(tiled.argmax(-1), alone.argmax(-1))
+        for a, b in zip(kv_tiled, kv_alone):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert (tiled - eager).norm() <= 0.02 * eager.norm(), "beyond bf16 rounding noise"
+    assert (tiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.85
+    sched.process(runner.forward(plan))
+    sched.check()
+    engine.shutdown()
+
+
 def test_shapes_that_fill_no_tile_evenly(odd_model):
     for dtype, tol in (("float32", 1e-4), ("bfloat16", None)):
         engine = _engine(odd_model, dtype)
