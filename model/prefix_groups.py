@@ -110,7 +110,10 @@ def _tiled(members: list[list[int]], shared: list[int], first: np.ndarray,
     for rows, n in zip(members, shared):
         rows = np.asarray(rows)
         stay = length[rows] - n < TILE
-        for start in np.unique(first[rows[~stay]]):
+        starts, count = np.unique(first[rows[~stay]], return_counts=True)
+        starts = starts[count >= TILE_ROWS]  # fewer rows far out (a decode step's one a request): no tile to split
+        stay |= ~np.isin(first[rows], starts)
+        for start in starts:
             mine = ~stay & (first[rows] == start)
             past = length[rows[mine]] - n
             tile = max(TILE, -(-int(past.max()) // (TILES * 16)) * 16)  # at most TILES groups a request
