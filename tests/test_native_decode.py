@@ -241,6 +241,35 @@ def test_groups_keep_the_tokens_under_chunked_prefill_eviction_and_retraction(sm
     assert all(n > 0 for n in stats[True]), stats  # grouped decode steps, grouped prefill chunks, retractions
 
 
+def test_tiles_keep_the_tokens_under_chunked_prefill_eviction_and_retraction(smollm2_path, monkeypatch):
+    """float32, prompts long enough for tiles (prefixes of 420, 300 and 150 tokens), prefilled in chunks of 512
+    into a pool too small for the batch, every prefill step native with its rows in tiles (forced on the vector
+    path): the greedy tokens are those of the per-row path, and tiles were split off."""
+    from radixserve.model import prefix_groups as pg
+
+    split = []
+    plain_tiled = pg._tiled
+
+    def counted(members, shared, first, length):
+        out = plain_tiled(members, shared, first, length)
+        split.append(len(out[0]) - len(members))
+        return out
+
+    monkeypatch.setattr(pg, "_tiled", counted)
+    rows = _grouped_rows([420, 300, 150], per_group=3, loners=2, seed=13)
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    outs, stats = {}, {}
+    for shares in (False, True):
+        engine = _engine(smollm2_path, "float32", max_total_tokens=1100, chunked_prefill_size=512)
+        native = engine.runner.native
+        native.shares, native.amx_shared, native.extend_keys = shares, shares, float("inf")
+        outs[shares] = [r["output_ids"] for r in engine.generate(input_ids=rows, sampling_params=params)]
+        stats[shares] = (native.shared_prefill_steps, engine.scheduler.stats.retractions)
+        engine.shutdown()
+    assert outs[True] == outs[False]
+    assert all(n > 0 for n in stats[True]) and max(split) > 0, (stats, split)
+
+
 def test_prefix_groups_are_the_runs_rows_share():
     """prefix_groups: rows grouped by the slots their contexts start with, each group's shared run the shortest
     any member has in common with its first row; members sharing under SHARED_MIN slots with it are grouped among
