@@ -16,8 +16,9 @@ import torch
 from radixserve.kernels import cpu_native as native
 
 # A group's rows of one request TILE or more slots past its shared run are split off in groups of TILE slots'
-# steps (_tiled), at most TILES of them (a longer run: longer steps, so that the packed shared slots stay within
-# TILES x the request's context), each of TILE_ROWS rows at least
+# steps (_tiled), each of TILE_ROWS rows at least. Each such group packs its whole shared context, so their number
+# is held to TILES x span / (shared run + span) (longer steps where it would be more): all together they pack at
+# most TILES x the rows' span, however long the cached prefix under them
 TILE, TILES, TILE_ROWS = 128, 16, 16
 SHARED_MIN = 128  # shared context slots from which a group of rows scores them once for all (fewer: the per-row
 # path is as fast)
@@ -33,7 +34,8 @@ SHARED_GAIN = 2  # a per-row pair / a shared one: 2.1 (Zen 3, 512 tokens on 860 
 # its own context in tiles of their own: _tiled): a shared pair costs little beside the step's products. Measured
 # on a Xeon with AMX (SmolLM2, bf16, 2 threads; benchmarks/shared_extend.py, torch / native ms, the cost as counted
 # here): on 860 cached slots 31 x 32 2.2x (30k), 1 x 512 1.29x (41k), 1 x 1024 1.21x (86k); on 6000 cached, 16 x
-# 128 1.72x (324k), 1 x 2048 1.13x (353k); fresh prompts 1 x 1024 1.00-1.14x (73k), 2 x 880 1.12x (121k), 1 x 2048
+# 128 1.72-1.87x (324k), 1 x 2048 1.13x in 16 steps of 128 (353k), 1.17x in the 4 of 512 it now takes (740k: on
+# torch); fresh prompts 1 x 1024 1.00-1.14x (73k), 2 x 880 1.12x (121k), 1 x 2048
 # 1.01x (163k), 4 x 1024 0.99-1.03x (292k), 1 x 4096 0.88x (629k), 1 x 8000 0.87x (2.4M); before the tiles, a fresh
 # 512-token prompt already went to torch (0.74-0.90x at 83k)
 EXTEND_KEYS_AMX = 400_000
@@ -115,8 +117,10 @@ def _tiled(members: list[list[int]], shared: list[int], first: np.ndarray,
         stay |= ~np.isin(first[rows], starts)
         for start in starts:
             mine = ~stay & (first[rows] == start)
+            span = int((length[rows[mine]] - n).max())  # the rows' reach past the shared run
+            tiles = max(1, TILES * span // (n + span))  # so that they pack at most TILES x span slots in all
+            tile = max(TILE, -(-span // (tiles * 16)) * 16)
             past = length[rows[mine]] - n
-            tile = max(TILE, -(-int(past.max()) // (TILES * 16)) * 16)  # at most TILES groups a request
             level = np.zeros(len(rows), dtype=np.int64)
             level[mine] = past // tile
             for k in np.unique(level[mine]):

@@ -327,9 +327,10 @@ def _extend_contexts(rows_of: list[list[int]], prefix: list[int]):
 def test_long_requests_split_off_in_tiles():
     """prefix_groups(tiled=True): a request's rows TILE or more slots past their group's shared run form groups of
     their own, one per TILE-slot step, sharing their request's context up to it, so that no row scores more than
-    TILE - 1 + (its group's remainder) of its own slots; at most TILES steps a request (a longer run: longer
-    steps); a step with fewer than TILE_ROWS rows stays in the group; requests sharing a cached prefix keep
-    sharing it in one group for their rows near it, and decode rows (one a request) are never split."""
+    TILE - 1 + (its group's remainder) of its own slots; the steps longer where more would pack more than TILES x
+    the rows' span in all (a long prompt, a long cached prefix); a step with fewer than TILE_ROWS rows stays in
+    the group; requests sharing a cached prefix keep sharing it in one group for their rows near it, and decode
+    rows (one a request) are never split."""
     from radixserve.model.prefix_groups import SHARED_MIN, TILE, TILE_ROWS, TILES, prefix_groups
 
     assert SHARED_MIN == TILE == 128 and TILE_ROWS == 16  # the figures below
@@ -344,11 +345,18 @@ def test_long_requests_split_off_in_tiles():
     tiled = prefix_groups(flat, first, length, tiled=True)
     assert sorted(tiled.shared.tolist()) == [128, 256, 384, 512]
     assert tiled.row_shared[-11:].tolist() == [128] * 11 and tiled.row_shared[-12] == 512
-    # 5000 tokens: 4872 past the shared run, in at most 16 steps of 320 (a multiple of 16)
+    # 5000 tokens: 4872 past the shared run, in 15 steps (16 x 4872 // 5000) of 336 (a multiple of 16)
     flat, first, length = _extend_contexts([list(range(10_000, 15_000))], [0])
     tiled = prefix_groups(flat, first, length, tiled=True)
-    assert len(tiled) <= TILES + 1 and tiled.row_shared[-1] == 128 + 15 * 320
-    assert tiled.row_shared[127:].tolist() == [128 + (n - 128) // 320 * 320 for n in length[127:]]
+    assert len(tiled) == 15 and tiled.row_shared[-1] == 128 + 14 * 336
+    assert tiled.row_shared[127:].tolist() == [128 + (n - 128) // 336 * 336 for n in length[127:]]
+    assert tiled.slots() - 128 <= TILES * 4872
+    # 2048 new tokens on a cached 6000-slot prefix: 4 steps (16 x 2048 // 8048) of 512, not 16 of 128
+    cached = list(range(20_000, 26_000))
+    flat, first, length = _extend_contexts([cached + list(range(30_000, 32_048))], [6000])
+    tiled = prefix_groups(flat, first, length, tiled=True)
+    assert sorted(tiled.shared.tolist()) == [6001, 6513, 7025, 7537]  # the first row reaches 6001
+    assert tiled.slots() - 6001 <= TILES * 2048
     # two requests of 300 new tokens on a cached 200-slot prefix, one of 20: the rows less than 128 past it
     # (all 20 of the short one's) one group on it, each long request's later rows a group on its own slots
     a = list(range(1000, 1200))
