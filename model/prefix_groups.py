@@ -117,10 +117,10 @@ def _tiled(members: list[list[int]], shared: list[int], first: np.ndarray,
         stay |= ~np.isin(first[rows], starts)
         for start in starts:
             mine = ~stay & (first[rows] == start)
-            span = int((length[rows[mine]] - n).max())  # the rows' reach past the shared run
+            past = length[rows[mine]] - n  # the rows' reach past the shared run
+            span = int(past.max())
             tiles = max(1, TILES * span // (n + span))  # so that they pack at most TILES x span slots in all
             tile = max(TILE, -(-span // (tiles * 16)) * 16)
-            past = length[rows[mine]] - n
             level = np.zeros(len(rows), dtype=np.int64)
             level[mine] = past // tile
             for k in np.unique(level[mine]):

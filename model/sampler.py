@@ -75,9 +75,15 @@ def filtered_probs(logits: torch.Tensor, s: SamplingInputs, rows: torch.Tensor) 
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``, the first of equal maxima, in the time of ``max``: torch's CPU argmax over a 49k vocabulary
+    is 2.7x slower (32 rows of float32: 1.1 ms vs 0.41 ms, 2 threads), a twentieth of a 32-row decode step."""
+    return x.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """``logits``: float32 ``[S, vocab]``, one row per request that samples (in batch order)."""
-    out = logits.argmax(dim=-1)
+    out = argmax(logits)
     if s.all_greedy:
         return out
     greedy = (s.temperature == 0) | (s.top_k == 1)
@@ -89,7 +95,7 @@ def sample(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     for j, r in enumerate(rows.tolist()):
         if s.seeds[r] is not None:
             noise[j] = seeded_noise(s.seeds[r], s.output_index[r], probs.shape[-1], probs.device)
-    out[rows] = (probs / noise).argmax(dim=-1)
+    out[rows] = argmax(probs / noise)
     return out
 
 
@@ -108,7 +114,7 @@ def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], s: 
         kids.setdefault(p, []).append(a)
     greedy = bool(s.temperature[row] == 0 or s.top_k[row] == 1)
     if greedy:
-        ids = logits.argmax(dim=-1).tolist()
+        ids = argmax(logits).tolist()
     else:
         rows = torch.full((len(logits),), row, dtype=torch.long, device=logits.device)
         probs = filtered_probs(logits.float(), s, rows)

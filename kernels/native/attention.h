@@ -168,6 +168,12 @@ inline void online_softmax(V16 scores, M16 real, float& best, float& total, V16*
   for (int i = 0; i < AV; ++i) av[i] = av[i] * set1(fix);
 }
 
+// The cache lines of ``bytes`` from p (a head's key or value row) asked for from memory: a row's slots are
+// scattered over the pool, which the hardware's prefetchers cannot follow
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+}
+
 // bf16, head dim HD (64 or 128), HS query heads of a group: queries and value sums kept in registers, the scores
 // of 16 keys at a time summed by one tree.
 template <int HD, int HS>
@@ -187,6 +193,9 @@ inline void attend_heads_bf16(const bf16* q, const bf16* kp, const bf16* vp, int
     const M16 real = mask16(nj);
     const bf16* key[16];
     for (int j = 0; j < 16; ++j) key[j] = kp + (row[j0 + std::min(j, nj - 1)] * nkv + g) * HD;
+    // this block's values and the next block's keys on their way while the keys are scored
+    for (int j = 0; j < nj; ++j) prefetch_lines(vp + (row[j0 + j] * nkv + g) * HD, HD * 2);
+    for (int j = j0 + 16; j < std::min(j0 + 32, len); ++j) prefetch_lines(kp + (row[j] * nkv + g) * HD, HD * 2);
     for (int h = 0; h < HS; ++h) {
       SumTree tree;
       for (int j = 0; j < 16; j += 2) {
@@ -258,6 +267,8 @@ inline void attend_heads_codes(const T* q, const CodedKV<F>& kv, int nkv, int g,
       at[j] = row[j0 + std::min(j, nj - 1)] * nkv + g;
       kscale[j] = kv.key_scale(at[j]) * scale;
     }
+    for (int j = 0; j < nj; ++j) prefetch_lines(kv.v + at[j] * HD, HD);  // as attend_heads_bf16
+    for (int j = j0 + 16; j < std::min(j0 + 32, len); ++j) prefetch_lines(kv.k + (row[j] * nkv + g) * HD, HD);
     for (int h = 0; h < HS; ++h) {
       SumTree tree;
       for (int j = 0; j < 16; j += 2) {

@@ -107,6 +107,16 @@ inline int group_query(const Step& st, int g, int i, int group) {
   return st.group_rows[st.group_start[g] + i / group] * group + i % group;
 }
 
+// The key and value rows (``width`` = kv heads x head dim each) of shared slots j0 .. j1 - 1 asked for from
+// memory: step 1 packs a block's kv heads one after another while the next block's rows arrive
+template <class T>
+inline void prefetch_rows(const T* kp, const T* vp, const int64_t* head, int j0, int j1, int64_t width) {
+  for (int j = j0; j < j1; ++j) {
+    prefetch_lines(kp + head[j] * width, width * sizeof(T));
+    prefetch_lines(vp + head[j] * width, width * sizeof(T));
+  }
+}
+
 // ---- the vector path: steps 1 and 2 ----
 template <class T>
 inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
@@ -121,12 +131,14 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
   float* qf = static_cast<float*>(sc.q);
   // 1. each group's shared keys transposed and values widened, 16 keys a task; the queries gathered, scaled
 #pragma omp for schedule(static) nowait
-  for (int t = 0; t < nkv * blocks; ++t) {
-    const int g = t / blocks, blk = t % blocks, grp = group_of(sc.block_at, groups, blk);
+  for (int t = 0; t < nkv * blocks; ++t) {  // a block's kv heads one after another: its slots' rows read whole
+    const int g = t % nkv, blk = t / nkv, grp = group_of(sc.block_at, groups, blk);
+    const int64_t at = int64_t(g) * blocks + blk;  // kv head-major in the scratch, as step 2 reads it
     const int shared = st.group_shared[grp], j0 = (blk - sc.block_at[grp]) * 16;
     const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
-    float* kb = kt + int64_t(t) * D * 16;
-    float* vb = vf + int64_t(t) * 16 * D;
+    float* kb = kt + at * D * 16;
+    float* vb = vf + at * 16 * D;
+    if (g == 0) prefetch_rows(kp, vp, head, j0 + 16, std::min(j0 + 32, shared), nkv * D);
     alignas(64) float key[16];
     for (int n = 0; n < 16; ++n) {
       const int j = j0 + n;
@@ -327,12 +339,14 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
   // 1. each group's shared keys transposed for S = Q K^T, the values paired for O = P V, 32 keys a task; the
   //    queries gathered into tiles
 #pragma omp for schedule(static) nowait
-  for (int t = 0; t < nkv * blocks; ++t) {
-    const int g = t / blocks, blk = t % blocks, grp = group_of(sc.block_at, groups, blk);
+  for (int t = 0; t < nkv * blocks; ++t) {  // a block's kv heads one after another: its slots' rows read whole
+    const int g = t % nkv, blk = t / nkv, grp = group_of(sc.block_at, groups, blk);
+    const int64_t at = int64_t(g) * blocks + blk;  // kv head-major in the scratch, as step 2 reads it
     const int shared = st.group_shared[grp], j0 = (blk - sc.block_at[grp]) * 32;
     const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
+    if (g == 0) prefetch_rows(kp, vp, head, j0 + 32, std::min(j0 + 64, shared), nkv * D);
     for (int sub = 0; sub < 2; ++sub) {  // 16 keys' 32 dim pairs, as two 16 x 16 transposes of dwords
-      uint32_t* kt = static_cast<uint32_t*>(sc.kt) + (int64_t(t) * 2 + sub) * 2 * 256;
+      uint32_t* kt = static_cast<uint32_t*>(sc.kt) + (at * 2 + sub) * 2 * 256;
       __m512i half[2][16];
       for (int n = 0; n < 16; ++n) {
         const int j = j0 + sub * 16 + n;
@@ -345,7 +359,7 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
         for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + h * 256 + p * 16, half[h][p]);
       }
     }
-    uint32_t* v = static_cast<uint32_t*>(sc.v) + int64_t(t) * 4 * 256;
+    uint32_t* v = static_cast<uint32_t*>(sc.v) + at * 4 * 256;
     const __m512i low = pair_words(0), high = pair_words(16);  // two keys' values interleaved, 16 dims at a time
     for (int kpair = 0; kpair < 16; ++kpair) {
       const int ja = j0 + 2 * kpair, jb = ja + 1;
