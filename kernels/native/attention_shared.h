@@ -15,13 +15,13 @@
 //    would rescale them after every block);
 //  - vector registers (AVX-512 or AVX2; any model dtype, head dims that are multiples of 16, a pool in the model's
 //    dtype), an online softmax per tile of kVecQueries queries over blocks of 16 shared keys:
-//      per kv head:  Q  [query tiles][kVecQueries][head dim] float, times the softmax scale
-//      per task:     Kt [head dim][16 keys] float, one block: its scores, 16 keys to a vector, are the sum over
-//                       dims of a query's value (broadcast) times a row of Kt
-//                    V  [16 keys][head dim] float, the same block: the value sums, 16 dims to a vector
-//    a task takes a run of up to kVecRun query tiles of one group: each block widened to float once for the run,
-//    in L1, each load serving a tile's queries (the per-row path loads every key once per row, and on AVX2 sums
-//    each key's dot product across lanes). Sums in float32 in another order than the per-row path: the same values to float32
+//      per kv head:  Kt [shared keys / 16][head dim][16 keys] float: a block's scores, 16 keys to a vector, are
+//                       sum over dims of a query's value (broadcast) times a row of Kt
+//                    V  [shared keys][head dim] float: the value sums, 16 dims to a vector
+//                    Q  [query tiles][kVecQueries][head dim] float, times the softmax scale
+//    every key and value widened to float once per step, then read from cache by each query tile, each load
+//    serving the tile's queries (the per-row path loads every key once per row, and on AVX2 sums each key's dot
+//    product across lanes). Sums in float32 in another order than the per-row path: the same values to float32
 //    rounding, and bf16 outputs rounded once from them (tests/test_native_decode.py).
 #pragma once
 
@@ -50,8 +50,8 @@ inline bool shared_path(const Model& md, const Step& st) {
 }
 
 struct SharedScratch {
-  void* kt;     // AMX: uint32_t [nkv][blocks32][2][2][16][16]; vector: none (each task widens its own blocks)
-  void* v;      // AMX: uint32_t [nkv][blocks32][4][16][16];     vector: none
+  void* kt;     // AMX: uint32_t [nkv][blocks32][2][2][16][16]; vector: float [nkv][blocks16][head dim][16]
+  void* v;      // AMX: uint32_t [nkv][blocks32][4][16][16];     vector: float [nkv][blocks16 x 16][head dim]
   void* q;      // AMX: bf16 [nkv][qtiles of 16][16][64];        vector: float [nkv][qtiles][kVecQueries][head dim]
   float* part;  // [2][nkv][rows * group][2 + head dim]: max, sum, value sums -- of the shared keys, of each row's own
   int32_t* block_at;  // [groups + 1]: group g's key blocks (32 keys for AMX, else 16) are block_at[g] .. [g + 1]
@@ -69,7 +69,8 @@ inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t groups,
   const int64_t queries = rows * group, blocks = shared / shared_block(md) + groups;
   const int64_t tiles = queries / query_tile(md) + groups;
   const int64_t part = 2 * nkv * queries * (2 + D) * 4;  // the shared part's, then each row's own
-  int64_t sizes[6] = {0, 0, nkv * tiles * kVecQueries * D * 4, part, (groups + 1) * 4, (groups + 1) * 4};
+  int64_t sizes[6] = {nkv * blocks * 16 * D * 4, nkv * blocks * 16 * D * 4, nkv * tiles * kVecQueries * D * 4, part,
+                      (groups + 1) * 4, (groups + 1) * 4};
   if (amx_shared(md)) {
     sizes[0] = nkv * blocks * 2 * 2 * 1024;
     sizes[1] = nkv * blocks * 4 * 1024;
@@ -117,57 +118,42 @@ inline void prefetch_rows(const T* kp, const T* vp, const int64_t* head, int j0,
 }
 
 // ---- the vector path: steps 1 and 2 ----
-constexpr int kVecRun = 8;  // query tiles a vector-path task scores each widened block of shared keys for
-
-// One tile of kVecQueries queries (q: float, scaled) over one block of nj <= 16 shared keys (kb: the keys
-// transposed, [head dim][16]; vb: the values, [16][head dim]): its online softmax's maxima, sums and value sums
-inline void vector_block(const float* q, const float* kb, const float* vb, int nj, int D, float* best,
-                         float* total, float (*acc)[kMaxHeadDim]) {
-  alignas(64) float p[kVecQueries][16];
-  V16 s[kVecQueries];
-#pragma GCC unroll 8
-  for (int r = 0; r < kVecQueries; ++r) s[r] = zero16();
-  for (int d = 0; d < D; ++d) {
-    const V16 k = loadu(kb + d * 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < kVecQueries; ++r) s[r] = fmadd(set1(q[r * D + d]), k, s[r]);
-  }
-  const M16 real = mask16(nj);
-  for (int r = 0; r < kVecQueries; ++r) {
-    const V16 sr = blend(set1(-INFINITY), real, s[r]);
-    const float top = std::max(best[r], reduce_max(sr));
-    const float fix = std::exp(best[r] - top);  // 0 on the first block
-    best[r] = top;
-    const V16 w = select(real, exp16(sr - set1(top)));
-    total[r] = total[r] * fix + reduce_add(w);
-    storeu(p[r], w);
-    if (fix != 1.0f)
-      for (int d = 0; d < D; d += 16) storeu(&acc[r][d], loadu(&acc[r][d]) * set1(fix));
-  }
-  for (int d = 0; d < D; d += 16) {
-    V16 o[kVecQueries];
-#pragma GCC unroll 8
-    for (int r = 0; r < kVecQueries; ++r) o[r] = loadu(&acc[r][d]);
-    for (int j = 0; j < nj; ++j) {
-      const V16 v = loadu(vb + j * D + d);
-#pragma GCC unroll 8
-      for (int r = 0; r < kVecQueries; ++r) o[r] = fmadd(set1(p[r][j]), v, o[r]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < kVecQueries; ++r) storeu(&acc[r][d], o[r]);
-  }
-}
-
 template <class T>
 inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
                                  const SharedScratch& sc) {
   const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
-  const int groups = st.groups, qtiles = sc.tile_at[groups];
+  const int groups = st.groups, blocks = sc.block_at[groups], qtiles = sc.tile_at[groups];
   const int queries = st.rows * group;
   const T* kp = static_cast<const T*>(ly.k_pool);
   const T* vp = static_cast<const T*>(ly.v_pool);
+  float* kt = static_cast<float*>(sc.kt);
+  float* vf = static_cast<float*>(sc.v);
   float* qf = static_cast<float*>(sc.q);
-  // 1. the queries gathered, scaled
+  // 1. each group's shared keys transposed and values widened, 16 keys a task; the queries gathered, scaled
+#pragma omp for schedule(static) nowait
+  for (int t = 0; t < nkv * blocks; ++t) {  // a block's kv heads one after another: its slots' rows read whole
+    const int g = t % nkv, blk = t / nkv, grp = group_of(sc.block_at, groups, blk);
+    const int64_t at = int64_t(g) * blocks + blk;  // kv head-major in the scratch, as step 2 reads it
+    const int shared = st.group_shared[grp], j0 = (blk - sc.block_at[grp]) * 16;
+    const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
+    float* kb = kt + at * D * 16;
+    float* vb = vf + at * 16 * D;
+    if (g == 0) prefetch_rows(kp, vp, head, j0 + 16, std::min(j0 + 32, shared), nkv * D);
+    alignas(64) float key[16];
+    for (int n = 0; n < 16; ++n) {
+      const int j = j0 + n;
+      for (int d = 0; d < D; d += 16) {
+        if (j < shared) {
+          storeu(key, load16(kp + (head[j] * nkv + g) * D + d, 0xffff));
+          storeu(vb + n * D + d, load16(vp + (head[j] * nkv + g) * D + d, 0xffff));
+        } else {
+          storeu(key, zero16());
+          storeu(vb + n * D + d, zero16());
+        }
+        for (int i = 0; i < 16; ++i) kb[(d + i) * 16 + n] = key[i];
+      }
+    }
+  }
 #pragma omp for schedule(static)
   for (int t = 0; t < nkv * qtiles; ++t) {
     const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
@@ -180,64 +166,66 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
       for (int d = 0; d < D; d += 16) storeu(q + d, i < mine ? load16(from + d, 0xffff) * set1(md.scale) : zero16());
     }
   }
-  // 2. a task per run of up to kVecRun query tiles of a group and kv head (a run's kv heads one after another, so
-  //    the threads read the same slots' rows): each block of 16 shared keys widened from the pool into the task's
-  //    own buffers (keys transposed), then scored for every tile of the run while it sits in L1 -- an online softmax
-  //    per tile. No float copy of the prefix goes through memory, and a block is widened once per run, not read
-  //    back once per tile. No barrier after: step 3's tasks run beside these.
-  int runs = 0;
-  for (int grp = 0; grp < groups; ++grp) runs += (sc.tile_at[grp + 1] - sc.tile_at[grp] + kVecRun - 1) / kVecRun;
+  // 2. per tile of queries, an online softmax over its group's shared blocks (no barrier after: step 3's tasks run
+  //    beside these)
 #pragma omp for schedule(dynamic, 1) nowait
-  for (int t = 0; t < nkv * runs; ++t) {
-    const int g = t % nkv;
-    int run = t / nkv, grp = 0;
-    for (;; ++grp) {  // the run's group
-      const int n = (sc.tile_at[grp + 1] - sc.tile_at[grp] + kVecRun - 1) / kVecRun;
-      if (run < n) break;
-      run -= n;
+  for (int t = 0; t < nkv * qtiles; ++t) {
+    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
+    const int shared = st.group_shared[grp], b16 = sc.block_at[grp + 1] - sc.block_at[grp];
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group, i0 = (qt - sc.tile_at[grp]) * kVecQueries;
+    const float* q = qf + int64_t(t) * kVecQueries * D;
+    const float* kg = kt + (int64_t(g) * blocks + sc.block_at[grp]) * D * 16;
+    const float* vg = vf + (int64_t(g) * blocks + sc.block_at[grp]) * 16 * D;
+    float best[kVecQueries], total[kVecQueries];
+    alignas(64) float acc[kVecQueries][kMaxHeadDim];
+    alignas(64) float p[kVecQueries][16];
+    for (int r = 0; r < kVecQueries; ++r) {
+      best[r] = -INFINITY;
+      total[r] = 0.0f;
+      for (int d = 0; d < D; ++d) acc[r][d] = 0.0f;
     }
-    const int qt0 = sc.tile_at[grp] + run * kVecRun, qt1 = std::min(sc.tile_at[grp + 1], qt0 + kVecRun);
-    const int shared = st.group_shared[grp], mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
-    const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
-    float best[kVecRun][kVecQueries], total[kVecRun][kVecQueries];
-    alignas(64) float acc[kVecRun][kVecQueries][kMaxHeadDim];
-    alignas(64) float kb[kMaxHeadDim * 16], vb[16 * kMaxHeadDim], key[16];
-    for (int u = 0; u < qt1 - qt0; ++u)
+    for (int b = 0; b < b16; ++b) {
+      const float* kb = kg + int64_t(b) * D * 16;
+      V16 s[kVecQueries];
+#pragma GCC unroll 8
+      for (int r = 0; r < kVecQueries; ++r) s[r] = zero16();
+      for (int d = 0; d < D; ++d) {
+        const V16 k = loadu(kb + d * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < kVecQueries; ++r) s[r] = fmadd(set1(q[r * D + d]), k, s[r]);
+      }
+      const int nj = std::min(16, shared - b * 16);
+      const M16 real = mask16(nj);
       for (int r = 0; r < kVecQueries; ++r) {
-        best[u][r] = -INFINITY;
-        total[u][r] = 0.0f;
-        for (int d = 0; d < D; ++d) acc[u][r][d] = 0.0f;
+        const V16 sr = blend(set1(-INFINITY), real, s[r]);
+        const float top = std::max(best[r], reduce_max(sr));
+        const float fix = std::exp(best[r] - top);  // 0 on the first block
+        best[r] = top;
+        const V16 w = select(real, exp16(sr - set1(top)));
+        total[r] = total[r] * fix + reduce_add(w);
+        storeu(p[r], w);
+        if (fix != 1.0f)
+          for (int d = 0; d < D; d += 16) storeu(&acc[r][d], loadu(&acc[r][d]) * set1(fix));
       }
-    for (int j0 = 0; j0 < shared; j0 += 16) {
-      const int nj = std::min(16, shared - j0);
-      for (int j = j0 + 16; j < std::min(j0 + 32, shared); ++j) {  // the next block's rows on their way
-        prefetch_lines(kp + (head[j] * nkv + g) * D, D * sizeof(T));
-        prefetch_lines(vp + (head[j] * nkv + g) * D, D * sizeof(T));
-      }
-      for (int n = 0; n < 16; ++n) {
-        for (int d = 0; d < D; d += 16) {
-          if (n < nj) {
-            storeu(key, load16(kp + (head[j0 + n] * nkv + g) * D + d, 0xffff));
-            storeu(vb + n * D + d, load16(vp + (head[j0 + n] * nkv + g) * D + d, 0xffff));
-          } else {
-            storeu(key, zero16());
-            storeu(vb + n * D + d, zero16());
-          }
-          for (int i = 0; i < 16; ++i) kb[(d + i) * 16 + n] = key[i];
+      const float* vb = vg + int64_t(b) * 16 * D;
+      for (int d = 0; d < D; d += 16) {
+        V16 o[kVecQueries];
+#pragma GCC unroll 8
+        for (int r = 0; r < kVecQueries; ++r) o[r] = loadu(&acc[r][d]);
+        for (int j = 0; j < nj; ++j) {
+          const V16 v = loadu(vb + j * D + d);
+#pragma GCC unroll 8
+          for (int r = 0; r < kVecQueries; ++r) o[r] = fmadd(set1(p[r][j]), v, o[r]);
         }
+#pragma GCC unroll 8
+        for (int r = 0; r < kVecQueries; ++r) storeu(&acc[r][d], o[r]);
       }
-      for (int qt = qt0; qt < qt1; ++qt)
-        vector_block(qf + (int64_t(g) * qtiles + qt) * kVecQueries * D, kb, vb, nj, D, best[qt - qt0],
-                     total[qt - qt0], acc[qt - qt0]);
     }
-    for (int qt = qt0; qt < qt1; ++qt) {
-      const int i0 = (qt - sc.tile_at[grp]) * kVecQueries;
-      for (int r = 0; r < kVecQueries && i0 + r < mine; ++r) {
-        float* part = sc.part + (int64_t(g) * queries + group_query(st, grp, i0 + r, group)) * (2 + D);
-        part[0] = best[qt - qt0][r];
-        part[1] = total[qt - qt0][r];
-        std::memcpy(part + 2, acc[qt - qt0][r], D * 4);
-      }
+    for (int r = 0; r < kVecQueries && i0 + r < mine; ++r) {
+      float* part = sc.part + (int64_t(g) * queries + group_query(st, grp, i0 + r, group)) * (2 + D);
+      part[0] = best[r];
+      part[1] = total[r];
+      std::memcpy(part + 2, acc[r], D * 4);
     }
   }
 }
