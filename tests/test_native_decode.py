@@ -172,6 +172,25 @@ def test_shared_prefixes_are_scored_once_per_group(smollm2_path, dtype, path):
     engine.shutdown()
 
 
+def test_large_groups_take_runs_of_query_tiles(smollm2_path):
+    """float32, vector path: groups of 8 to 20 rows (24 to 60 queries, past one task's run of kVecRun query tiles
+    on AVX-512 and on AVX2, so a group's queries are split over several tasks, each widening the prefix's blocks for
+    its own run) give the per-row path's logits to float32 rounding and its tokens."""
+    engine = _engine(smollm2_path, "float32", max_total_tokens=32768)
+    native = engine.runner.native
+    native.desc.amx = 0
+    for prefixes, per_group, loners in (([200], 20, 0), ([300, 150], 17, 1), ([130, 260, 200], 8, 2)):
+        rows = _grouped_rows(prefixes, per_group=per_group, loners=loners, seed=sum(prefixes) + per_group)
+        native.shares = False
+        per_row = [out for _, out, _, _ in _compare_steps(engine, rows, steps=2)]
+        native.shares = True
+        for (_, out, _, _), alone in zip(_compare_steps(engine, rows, steps=2), per_row):
+            assert native.last_groups == len(prefixes)
+            torch.testing.assert_close(out, alone, rtol=1e-4, atol=1e-4)
+            assert torch.equal(out.argmax(-1), alone.argmax(-1))
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("path", ["amx", "vector"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_extend_rows_on_shared_prefixes_are_scored_once_per_group(smollm2_path, dtype, path):

@@ -15,6 +15,8 @@
 //   products.h   linear layers: a product's tiles, each thread's share of W's blocks
 //   attention.h  decode attention over the slot pool (online softmax; a row's keys split among threads when
 //                rows are few)
+//   attention_shared.h  the same where groups of rows share a prefix: its keys scored once for all their queries
+//                (shared_groups.h the groups' scratch; shared_amx.h in AMX tiles, shared_vector.h in vectors)
 //   decode.cpp   the element-wise pieces between the products, and the step
 //
 // Numerics follow the eager model: values are rounded to the storage type (bf16 or fp32) wherever an eager op

@@ -1,0 +1,206 @@
+// Shared-prefix attention in AMX tiles (bf16, head dim 64), steps 1 and 2 (attention_shared.h): the shared
+// keys and values packed as B tiles, then two passes over them per tile of 16 queries
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "dense_tiles.h"
+#include "shared_groups.h"
+
+namespace rs {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+// A 16 x 16 matrix of dwords, a row to a register, transposed in place: pairs of rows interleaved by dwords, then
+// by qwords, then 128-bit lanes exchanged twice
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// The indices that interleave words from+0 .. from+15 of two registers (permutex2var): a's word, then b's
+inline __m512i pair_words(int from) {
+  alignas(64) int16_t at[32];
+  for (int i = 0; i < 16; ++i) {
+    at[2 * i] = int16_t(from + i);
+    at[2 * i + 1] = int16_t(32 + from + i);
+  }
+  return _mm512_load_si512(at);
+}
+
+// S[16 queries][16 keys] of one 16-key block: two tile products over the halves of the head dim
+inline void shared_scores(const bf16* qt, const uint32_t* kt_block, float (*s)[16]) {
+  _tile_zero(0);
+  _tile_loadd(1, qt, kSharedDim * 2);
+  _tile_loadd(2, kt_block, 64);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_loadd(1, qt + 32, kSharedDim * 2);
+  _tile_loadd(2, kt_block + 256, 64);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_stored(0, s, 64);
+}
+
+template <class T>
+inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
+                              const SharedScratch& sc) {
+  constexpr int D = kSharedDim;
+  const int nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D, rows = st.rows;
+  const int groups = st.groups, blocks = sc.block_at[groups], qtiles = sc.tile_at[groups];
+  const int queries = rows * group;
+  const bf16* kp = static_cast<const bf16*>(ly.k_pool);
+  const bf16* vp = static_cast<const bf16*>(ly.v_pool);
+  // 1. each group's shared keys transposed for S = Q K^T, the values paired for O = P V, 32 keys a task; the
+  //    queries gathered into tiles
+#pragma omp for schedule(static) nowait
+  for (int t = 0; t < nkv * blocks; ++t) {  // a block's kv heads one after another: its slots' rows read whole
+    const int g = t % nkv, blk = t / nkv, grp = group_of(sc.block_at, groups, blk);
+    const int64_t at = int64_t(g) * blocks + blk;  // kv head-major in the scratch, as step 2 reads it
+    const int shared = st.group_shared[grp], j0 = (blk - sc.block_at[grp]) * 32;
+    const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
+    if (g == 0) prefetch_rows(kp, vp, head, j0 + 32, std::min(j0 + 64, shared), nkv * D);
+    for (int sub = 0; sub < 2; ++sub) {  // 16 keys' 32 dim pairs, as two 16 x 16 transposes of dwords
+      uint32_t* kt = static_cast<uint32_t*>(sc.kt) + (at * 2 + sub) * 2 * 256;
+      __m512i half[2][16];
+      for (int n = 0; n < 16; ++n) {
+        const int j = j0 + sub * 16 + n;
+        const bf16* key = kp + (j < shared ? head[j] * nkv + g : 0) * D;
+        for (int h = 0; h < 2; ++h)
+          half[h][n] = j < shared ? _mm512_loadu_si512(key + 32 * h) : _mm512_setzero_si512();
+      }
+      for (int h = 0; h < 2; ++h) {
+        transpose16(half[h]);
+        for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + h * 256 + p * 16, half[h][p]);
+      }
+    }
+    uint32_t* v = static_cast<uint32_t*>(sc.v) + at * 4 * 256;
+    const __m512i low = pair_words(0), high = pair_words(16);  // two keys' values interleaved, 16 dims at a time
+    for (int kpair = 0; kpair < 16; ++kpair) {
+      const int ja = j0 + 2 * kpair, jb = ja + 1;
+      for (int h = 0; h < 2; ++h) {  // dims 32h .. 32h + 31 of both keys
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i a = ja < shared ? _mm512_loadu_si512(vp + (head[ja] * nkv + g) * D + 32 * h) : zero;
+        const __m512i b = jb < shared ? _mm512_loadu_si512(vp + (head[jb] * nkv + g) * D + 32 * h) : zero;
+        _mm512_store_si512(v + (2 * h) * 256 + kpair * 16, _mm512_permutex2var_epi16(a, low, b));
+        _mm512_store_si512(v + (2 * h + 1) * 256 + kpair * 16, _mm512_permutex2var_epi16(a, high, b));
+      }
+    }
+  }
+#pragma omp for schedule(static)
+  for (int t = 0; t < nkv * qtiles; ++t) {
+    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;  // the group's queries
+    bf16* q = static_cast<bf16*>(sc.q) + int64_t(t) * 16 * D;
+    for (int r = 0; r < 16; ++r) {
+      const int i = (qt - sc.tile_at[grp]) * 16 + r;
+      if (i < mine) {
+        const int qi = group_query(st, grp, i, group);
+        std::memcpy(q + r * D, qkv + int64_t(qi / group) * width + (g * group + qi % group) * D, D * 2);
+      } else {
+        std::memset(q + r * D, 0, D * 2);
+      }
+    }
+  }
+  // 2. the shared keys for every query tile: the maxima, then exp, sums and value sums (tiles 3-6)
+  const __m512 scale = _mm512_set1_ps(md.scale);
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int t = 0; t < nkv * qtiles; ++t) {
+    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
+    const int shared = st.group_shared[grp], b16 = (shared + 15) / 16, b32 = (shared + 31) / 32;
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group, i0 = (qt - sc.tile_at[grp]) * 16;
+    const int live = std::min(16, mine - i0);  // the tile's queries (a group's last tile may hold fewer)
+    const bf16* q = static_cast<bf16*>(sc.q) + int64_t(t) * 16 * D;
+    const int64_t first = int64_t(g) * blocks + sc.block_at[grp];  // the group's first block of this kv head
+    const uint32_t* kt = static_cast<uint32_t*>(sc.kt) + first * 2 * 2 * 256;
+    const uint32_t* vg = static_cast<uint32_t*>(sc.v) + first * 4 * 256;
+    configure_tiles(16);
+    alignas(64) float s[2][16][16];
+    // each query's maximum kept across its 16 lanes until the end (scale > 0: taken after)
+    alignas(64) float top[16], sum[16];
+    __m512 most[16], total[16];
+    for (int r = 0; r < 16; ++r) {
+      most[r] = _mm512_set1_ps(-INFINITY);
+      total[r] = _mm512_setzero_ps();
+    }
+    for (int b = 0; b < b16; ++b) {
+      shared_scores(q, kt + int64_t(b) * 2 * 256, s[0]);
+      const __mmask16 real = mask16(shared - b * 16);
+      for (int r = 0; r < live; ++r) most[r] = _mm512_mask_max_ps(most[r], real, most[r], _mm512_load_ps(s[0][r]));
+    }
+    for (int r = 0; r < live; ++r) top[r] = _mm512_reduce_max_ps(most[r]) * md.scale;
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    alignas(64) bf16 p[16][32] = {};  // rows past the live ones stay 0
+    for (int blk = 0; blk < b32; ++blk) {
+      for (int sub = 0; sub < 2; ++sub) shared_scores(q, kt + (int64_t(blk) * 2 + sub) * 2 * 256, s[sub]);
+      for (int r = 0; r < live; ++r) {
+        __m512 e[2];
+        for (int sub = 0; sub < 2; ++sub) {
+          const __mmask16 real = mask16(shared - blk * 32 - sub * 16);
+          e[sub] = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(s[sub][r]), scale),
+                                                                 _mm512_set1_ps(top[r]))));
+        }
+        total[r] = _mm512_add_ps(total[r], _mm512_add_ps(e[0], e[1]));
+        store16(&p[r][0], e[0], 0xffff);  // probabilities as bf16: the A tile of O += P V
+        store16(&p[r][16], e[1], 0xffff);
+      }
+      _tile_loadd(1, p, 64);
+      const uint32_t* vb = vg + int64_t(blk) * 4 * 256;
+      _tile_loadd(2, vb, 64);
+      _tile_dpbf16ps(3, 1, 2);
+      _tile_loadd(2, vb + 256, 64);
+      _tile_dpbf16ps(4, 1, 2);
+      _tile_loadd(2, vb + 512, 64);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_loadd(2, vb + 768, 64);
+      _tile_dpbf16ps(6, 1, 2);
+    }
+    for (int r = 0; r < live; ++r) sum[r] = _mm512_reduce_add_ps(total[r]);
+    alignas(64) float o[16][D];
+    _tile_stored(3, &o[0][0], D * 4);
+    _tile_stored(4, &o[0][16], D * 4);
+    _tile_stored(5, &o[0][32], D * 4);
+    _tile_stored(6, &o[0][48], D * 4);
+    for (int r = 0; r < live; ++r) {
+      float* part = sc.part + (int64_t(g) * queries + group_query(st, grp, i0 + r, group)) * (2 + D);
+      part[0] = top[r];
+      part[1] = sum[r];
+      std::memcpy(part + 2, o[r], D * 4);
+    }
+  }
+}
+
+#else
+
+template <class T>
+inline void amx_shared_scores(const Model&, const Layer&, const Step&, const T*, const SharedScratch&) {}
+
+#endif
+
+}  // namespace rs

@@ -1,0 +1,112 @@
+// The prefix groups of a step, for shared-prefix attention (attention_shared.h): the scratch's parts, where each
+// group's key blocks and query tiles start, and the helpers both ways of scoring shared keys use
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "abi.h"
+#include "attention.h"
+#include "simd.h"
+
+namespace rs {
+
+constexpr int kSharedDim = 64;   // the head dim the AMX path takes
+constexpr int kVecQueries = RS_AVX512 ? 4 : 6;  // queries a vector-path task scores together
+constexpr int kVecRun = 8;  // query tiles a vector-path task scores each widened block of shared keys for
+
+inline bool amx_shared(const Model& md) {
+  return kHaveAmx && md.amx && md.bf16 && !md.kv_codes && md.head_dim == kSharedDim;
+}
+inline bool vector_shared(const Model& md) { return !md.kv_codes && md.head_dim % 16 == 0; }
+inline bool shared_path(const Model& md, const Step& st) {
+  return st.groups > 0 && (amx_shared(md) || vector_shared(md));
+}
+
+struct SharedScratch {
+  void* kt;     // AMX: uint32_t [nkv][blocks32][2][2][16][16]; vector: none (each task widens its own blocks)
+  void* v;      // AMX: uint32_t [nkv][blocks32][4][16][16];     vector: none
+  void* q;      // AMX: bf16 [nkv][qtiles of 16][16][64];        vector: float [nkv][qtiles][kVecQueries][head dim]
+  float* part;  // [2][nkv][rows * group][2 + head dim]: max, sum, value sums -- of the shared keys, of each row's own
+  int32_t* block_at;  // [groups + 1]: group g's key blocks (32 keys for AMX, else 16) are block_at[g] .. [g + 1]
+  int32_t* tile_at;   // [groups + 1]: its query tiles (16 queries for AMX, else kVecQueries), the same way
+  float* runs;  // vector: each thread's RunState, run_floats(head dim) apiece; AMX: none
+};
+
+// A vector-path task's working set, in the scratch (not on the OpenMP thread's stack: ~80 KB at head dim 256):
+// its run's softmax states -- maxima, sums [kVecRun x kVecQueries], value sums [kVecRun x kVecQueries][head dim] --
+// and one block of shared keys (transposed, [head dim][16]) and values ([16][head dim]) widened to float
+struct RunState {
+  float *best, *total, *acc, *kb, *vb;
+};
+inline int64_t run_floats(int64_t D) { return (2 + D) * kVecRun * kVecQueries + 2 * 16 * D; }
+inline RunState run_state_of(const SharedScratch& sc, int D) {
+  float* at = sc.runs + omp_get_thread_num() * run_floats(D);
+  const int n = kVecRun * kVecQueries;
+  return {at, at + n, at + 2 * n, at + (2 + D) * n, at + (2 + D) * n + 16 * D};
+}
+
+inline int shared_block(const Model& md) { return amx_shared(md) ? 32 : 16; }
+inline int query_tile(const Model& md) { return amx_shared(md) ? 16 : kVecQueries; }
+
+// The scratch of a step of ``rows`` rows in ``groups`` groups sharing ``shared`` slots in all: each group's blocks
+// and tiles rounded up, so at most one more of each per group than the totals need
+inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t groups, int64_t shared, void* base,
+                                  int64_t* total) {
+  const int64_t nkv = md.kv_heads, group = md.heads / std::max(1, md.kv_heads), D = md.head_dim;
+  const int64_t queries = rows * group, blocks = shared / shared_block(md) + groups;
+  const int64_t tiles = queries / query_tile(md) + groups;
+  const int64_t part = 2 * nkv * queries * (2 + D) * 4;  // the shared part's, then each row's own
+  int64_t sizes[7] = {0, 0, nkv * tiles * kVecQueries * D * 4, part, (groups + 1) * 4, (groups + 1) * 4,
+                      omp_get_max_threads() * run_floats(D) * 4};
+  if (amx_shared(md)) {
+    sizes[0] = nkv * blocks * 2 * 2 * 1024;
+    sizes[1] = nkv * blocks * 4 * 1024;
+    sizes[2] = nkv * tiles * 16 * kSharedDim * 2;
+    sizes[6] = 0;
+  }
+  void* parts[7];
+  const int64_t off = lay_out(sizes, 7, base, parts);
+  if (total) *total = off;
+  return {parts[0], parts[1], parts[2], static_cast<float*>(parts[3]), static_cast<int32_t*>(parts[4]),
+          static_cast<int32_t*>(parts[5]), static_cast<float*>(parts[6])};
+}
+
+// Where each group's blocks and tiles start (before the step's parallel region); 0 if the step has no groups
+inline void plan_groups(const Model& md, const Step& st, const SharedScratch& sc) {
+  if (!shared_path(md, st)) return;
+  const int unit = shared_block(md), per = query_tile(md), group = md.heads / md.kv_heads;
+  sc.block_at[0] = sc.tile_at[0] = 0;
+  for (int g = 0; g < st.groups; ++g) {
+    const int queries = (st.group_start[g + 1] - st.group_start[g]) * group;
+    sc.block_at[g + 1] = sc.block_at[g] + (st.group_shared[g] + unit - 1) / unit;
+    sc.tile_at[g + 1] = sc.tile_at[g] + (queries + per - 1) / per;
+  }
+}
+
+// The group whose range of ``at`` (block_at or tile_at) holds i
+inline int group_of(const int32_t* at, int groups, int i) {
+  int g = 0;
+  while (g + 1 < groups && at[g + 1] <= i) ++g;
+  return g;
+}
+
+// Query i of group g (its rows' heads in order): the row's query index, row * group + head
+inline int group_query(const Step& st, int g, int i, int group) {
+  return st.group_rows[st.group_start[g] + i / group] * group + i % group;
+}
+
+// The key and value rows (``width`` = kv heads x head dim each) of shared slots j0 .. j1 - 1 asked for from
+// memory: step 1 packs a block's kv heads one after another while the next block's rows arrive
+template <class T>
+inline void prefetch_rows(const T* kp, const T* vp, const int64_t* head, int j0, int j1, int64_t width) {
+  for (int j = j0; j < j1; ++j) {
+    prefetch_lines(kp + head[j] * width, width * sizeof(T));
+    prefetch_lines(vp + head[j] * width, width * sizeof(T));
+  }
+}
+
+}  // namespace rs

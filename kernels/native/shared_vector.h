@@ -1,0 +1,138 @@
+// Shared-prefix attention in vector registers (AVX-512 or AVX2), steps 1 and 2 (attention_shared.h): the
+// queries gathered, then a task per run of query tiles scoring each block of shared keys widened once for it
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "shared_groups.h"
+
+namespace rs {
+
+// One tile of kVecQueries queries (q: float, scaled) over one block of nj <= 16 shared keys (kb: the keys
+// transposed, [head dim][16]; vb: the values, [16][head dim]): its online softmax's maxima, sums and value sums
+inline void vector_block(const float* q, const float* kb, const float* vb, int nj, int D, float* best,
+                         float* total, float* acc) {
+  alignas(64) float p[kVecQueries][16];
+  V16 s[kVecQueries];
+#pragma GCC unroll 8
+  for (int r = 0; r < kVecQueries; ++r) s[r] = zero16();
+  for (int d = 0; d < D; ++d) {
+    const V16 k = loadu(kb + d * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < kVecQueries; ++r) s[r] = fmadd(set1(q[r * D + d]), k, s[r]);
+  }
+  const M16 real = mask16(nj);
+  for (int r = 0; r < kVecQueries; ++r) {
+    const V16 sr = blend(set1(-INFINITY), real, s[r]);
+    const float top = std::max(best[r], reduce_max(sr));
+    const float fix = std::exp(best[r] - top);  // 0 on the first block
+    best[r] = top;
+    const V16 w = select(real, exp16(sr - set1(top)));
+    total[r] = total[r] * fix + reduce_add(w);
+    storeu(p[r], w);
+    if (fix != 1.0f)
+      for (int d = 0; d < D; d += 16) storeu(acc + r * D + d, loadu(acc + r * D + d) * set1(fix));
+  }
+  for (int d = 0; d < D; d += 16) {
+    V16 o[kVecQueries];
+#pragma GCC unroll 8
+    for (int r = 0; r < kVecQueries; ++r) o[r] = loadu(acc + r * D + d);
+    for (int j = 0; j < nj; ++j) {
+      const V16 v = loadu(vb + j * D + d);
+#pragma GCC unroll 8
+      for (int r = 0; r < kVecQueries; ++r) o[r] = fmadd(set1(p[r][j]), v, o[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kVecQueries; ++r) storeu(acc + r * D + d, o[r]);
+  }
+}
+
+template <class T>
+inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
+                                 const SharedScratch& sc) {
+  const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
+  const int groups = st.groups, qtiles = sc.tile_at[groups];
+  const int queries = st.rows * group;
+  const T* kp = static_cast<const T*>(ly.k_pool);
+  const T* vp = static_cast<const T*>(ly.v_pool);
+  float* qf = static_cast<float*>(sc.q);
+  // 1. the queries gathered, scaled
+#pragma omp for schedule(static)
+  for (int t = 0; t < nkv * qtiles; ++t) {
+    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;  // the group's queries
+    for (int r = 0; r < kVecQueries; ++r) {
+      const int i = (qt - sc.tile_at[grp]) * kVecQueries + r;
+      float* q = qf + (int64_t(t) * kVecQueries + r) * D;
+      const int qi = i < mine ? group_query(st, grp, i, group) : 0;
+      const T* from = qkv + int64_t(qi / group) * width + (g * group + qi % group) * D;
+      for (int d = 0; d < D; d += 16) storeu(q + d, i < mine ? load16(from + d, 0xffff) * set1(md.scale) : zero16());
+    }
+  }
+  // 2. a task per run of up to kVecRun query tiles of a group and kv head (a run's kv heads one after another, so
+  //    the threads read the same slots' rows): each block of 16 shared keys widened from the pool into the task's
+  //    own buffers (keys transposed), then scored for every tile of the run while it sits in L1 -- an online softmax
+  //    per tile. No float copy of the prefix goes through memory, and a block is widened once per run, not read
+  //    back once per tile. No barrier after: step 3's tasks run beside these.
+  int runs = 0;
+  for (int grp = 0; grp < groups; ++grp) runs += (sc.tile_at[grp + 1] - sc.tile_at[grp] + kVecRun - 1) / kVecRun;
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int t = 0; t < nkv * runs; ++t) {
+    const int g = t % nkv;
+    int run = t / nkv, grp = 0;
+    for (;; ++grp) {  // the run's group
+      const int n = (sc.tile_at[grp + 1] - sc.tile_at[grp] + kVecRun - 1) / kVecRun;
+      if (run < n) break;
+      run -= n;
+    }
+    const int qt0 = sc.tile_at[grp] + run * kVecRun, qt1 = std::min(sc.tile_at[grp + 1], qt0 + kVecRun);
+    const int shared = st.group_shared[grp], mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
+    const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
+    const RunState run_state = run_state_of(sc, D);
+    float *best = run_state.best, *total = run_state.total, *acc = run_state.acc, *kb = run_state.kb, *vb = run_state.vb;
+    alignas(64) float key[16];
+    for (int i = 0; i < (qt1 - qt0) * kVecQueries; ++i) {
+      best[i] = -INFINITY;
+      total[i] = 0.0f;
+    }
+    std::memset(acc, 0, sizeof(float) * (qt1 - qt0) * kVecQueries * D);
+    for (int j0 = 0; j0 < shared; j0 += 16) {
+      const int nj = std::min(16, shared - j0);
+      for (int j = j0 + 16; j < std::min(j0 + 32, shared); ++j) {  // the next block's rows on their way
+        prefetch_lines(kp + (head[j] * nkv + g) * D, D * sizeof(T));
+        prefetch_lines(vp + (head[j] * nkv + g) * D, D * sizeof(T));
+      }
+      for (int n = 0; n < 16; ++n) {
+        for (int d = 0; d < D; d += 16) {
+          if (n < nj) {
+            storeu(key, load16(kp + (head[j0 + n] * nkv + g) * D + d, 0xffff));
+            storeu(vb + n * D + d, load16(vp + (head[j0 + n] * nkv + g) * D + d, 0xffff));
+          } else {
+            storeu(key, zero16());
+            storeu(vb + n * D + d, zero16());
+          }
+          for (int i = 0; i < 16; ++i) kb[(d + i) * 16 + n] = key[i];
+        }
+      }
+      for (int qt = qt0; qt < qt1; ++qt)
+        vector_block(qf + (int64_t(g) * qtiles + qt) * kVecQueries * D, kb, vb, nj, D, best + (qt - qt0) * kVecQueries,
+                     total + (qt - qt0) * kVecQueries, acc + int64_t(qt - qt0) * kVecQueries * D);
+    }
+    for (int qt = qt0; qt < qt1; ++qt) {
+      const int i0 = (qt - sc.tile_at[grp]) * kVecQueries;
+      for (int r = 0; r < kVecQueries && i0 + r < mine; ++r) {
+        float* part = sc.part + (int64_t(g) * queries + group_query(st, grp, i0 + r, group)) * (2 + D);
+        const int u = (qt - qt0) * kVecQueries + r;
+        part[0] = best[u];
+        part[1] = total[u];
+        std::memcpy(part + 2, acc + int64_t(u) * D, D * 4);
+      }
+    }
+  }
+}
+
+}  // namespace rs
