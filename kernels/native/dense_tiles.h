@@ -234,16 +234,21 @@ inline void release_tiles() {
 }
 
 constexpr int kAmxRowChunk = 128;
+constexpr int64_t kAmxWeightChunk = 1 << 20;  // bytes of W a pass over the rows takes (beside a row chunk, in L2)
 
 template <class F>
 inline void product_amx(const bf16* x, int rows, const Linear& lin, const bf16* w, int b0, int b1, F&& out) {
   const int64_t bstride = int64_t(lin.k) * 16, lda = int64_t(lin.k) * 2;
   alignas(64) float c[kColTile][16][16];
-  // rows in chunks that stay in L2 while every block of this thread's share passes over them (a prefill's x would
-  // otherwise stream from memory once per block group)
+  // this thread's share of W in chunks of up to kAmxWeightChunk bytes, each passing over the rows in chunks of
+  // kAmxRowChunk: a row chunk and a W chunk stay in L2 while every block of the one meets every row of the other
+  // (a prefill's x would otherwise stream from memory once per block group, and a share of W larger than L2 --
+  // an MLP's 3072 x 576 halved -- once per row chunk)
+  const int span = std::max<int>(kColTile, int(kAmxWeightChunk / (bstride * 2)) / kColTile * kColTile);
+  for (int w0 = b0; w0 < b1; w0 += span)
   for (int m0 = 0; m0 < rows; m0 += kAmxRowChunk)
-  for (int b = b0; b < b1; b += kColTile) {
-    const int nb = std::min(kColTile, b1 - b);
+  for (int b = w0; b < std::min(b1, w0 + span); b += kColTile) {
+    const int nb = std::min(kColTile, std::min(b1, w0 + span) - b);
     const bf16* wb = w + b * bstride;
     for (int m = m0; m < std::min(rows, m0 + kAmxRowChunk); m += 16) {
       const int mr = std::min(16, rows - m);

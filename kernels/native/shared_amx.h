@@ -53,8 +53,9 @@ inline __m512i pair_words(int from) {
   return _mm512_load_si512(at);
 }
 
-// S[16 queries][16 keys] of one 16-key block: two tile products over the halves of the head dim
-inline void shared_scores(const bf16* qt, const uint32_t* kt_block, float (*s)[16]) {
+// S[16 queries][16 keys] of one 16-key block: two tile products over the halves of the head dim, stored at s
+// (rows ``stride`` bytes apart)
+inline void shared_scores(const bf16* qt, const uint32_t* kt_block, float* s, int stride) {
   _tile_zero(0);
   _tile_loadd(1, qt, kSharedDim * 2);
   _tile_loadd(2, kt_block, 64);
@@ -62,7 +63,7 @@ inline void shared_scores(const bf16* qt, const uint32_t* kt_block, float (*s)[1
   _tile_loadd(1, qt + 32, kSharedDim * 2);
   _tile_loadd(2, kt_block + 256, 64);
   _tile_dpbf16ps(0, 1, 2);
-  _tile_stored(0, s, 64);
+  _tile_stored(0, s, stride);
 }
 
 template <class T>
@@ -138,7 +139,9 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
     const uint32_t* kt = static_cast<uint32_t*>(sc.kt) + first * 2 * 2 * 256;
     const uint32_t* vg = static_cast<uint32_t*>(sc.v) + first * 4 * 256;
     configure_tiles(16);
-    alignas(64) float s[2][16][16];
+    // the tile's scores against every shared key, kept from the first pass for the second: [16][b32 x 32]
+    const int cols = b32 * 32;
+    float* s = sc.runs + int64_t(omp_get_thread_num()) * 16 * 32 * blocks;
     // each query's maximum kept across its 16 lanes until the end (scale > 0: taken after)
     alignas(64) float top[16], sum[16];
     __m512 most[16], total[16];
@@ -147,9 +150,10 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
       total[r] = _mm512_setzero_ps();
     }
     for (int b = 0; b < b16; ++b) {
-      shared_scores(q, kt + int64_t(b) * 2 * 256, s[0]);
+      shared_scores(q, kt + int64_t(b) * 2 * 256, s + b * 16, cols * 4);
       const __mmask16 real = mask16(shared - b * 16);
-      for (int r = 0; r < live; ++r) most[r] = _mm512_mask_max_ps(most[r], real, most[r], _mm512_load_ps(s[0][r]));
+      for (int r = 0; r < live; ++r)
+        most[r] = _mm512_mask_max_ps(most[r], real, most[r], _mm512_loadu_ps(s + int64_t(r) * cols + b * 16));
     }
     for (int r = 0; r < live; ++r) top[r] = _mm512_reduce_max_ps(most[r]) * md.scale;
     _tile_zero(3);
@@ -158,13 +162,12 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
     _tile_zero(6);
     alignas(64) bf16 p[16][32] = {};  // rows past the live ones stay 0
     for (int blk = 0; blk < b32; ++blk) {
-      for (int sub = 0; sub < 2; ++sub) shared_scores(q, kt + (int64_t(blk) * 2 + sub) * 2 * 256, s[sub]);
       for (int r = 0; r < live; ++r) {
         __m512 e[2];
-        for (int sub = 0; sub < 2; ++sub) {
+        for (int sub = 0; sub < 2; ++sub) {  // (a block past the last 16 keys was never scored: masked out)
           const __mmask16 real = mask16(shared - blk * 32 - sub * 16);
-          e[sub] = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(s[sub][r]), scale),
-                                                                 _mm512_set1_ps(top[r]))));
+          const __m512 sr = _mm512_maskz_loadu_ps(real, s + int64_t(r) * cols + blk * 32 + sub * 16);
+          e[sub] = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_mul_ps(sr, scale), _mm512_set1_ps(top[r]))));
         }
         total[r] = _mm512_add_ps(total[r], _mm512_add_ps(e[0], e[1]));
         store16(&p[r][0], e[0], 0xffff);  // probabilities as bf16: the A tile of O += P V

@@ -33,7 +33,8 @@ struct SharedScratch {
   float* part;  // [2][nkv][rows * group][2 + head dim]: max, sum, value sums -- of the shared keys, of each row's own
   int32_t* block_at;  // [groups + 1]: group g's key blocks (32 keys for AMX, else 16) are block_at[g] .. [g + 1]
   int32_t* tile_at;   // [groups + 1]: its query tiles (16 queries for AMX, else kVecQueries), the same way
-  float* runs;  // vector: each thread's RunState, run_floats(head dim) apiece; AMX: none
+  float* runs;  // vector: each thread's RunState, run_floats(head dim) apiece; AMX: each thread's scores of a
+                // query tile against its group's shared keys, float [16][up to all the step's blocks x 32]
 };
 
 // A vector-path task's working set, in the scratch (not on the OpenMP thread's stack: ~80 KB at head dim 256):
@@ -66,7 +67,7 @@ inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t groups,
     sizes[0] = nkv * blocks * 2 * 2 * 1024;
     sizes[1] = nkv * blocks * 4 * 1024;
     sizes[2] = nkv * tiles * 16 * kSharedDim * 2;
-    sizes[6] = 0;
+    sizes[6] = omp_get_max_threads() * 16 * 32 * blocks * 4;
   }
   void* parts[7];
   const int64_t off = lay_out(sizes, 7, base, parts);
