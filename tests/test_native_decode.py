@@ -172,22 +172,35 @@ def test_shared_prefixes_are_scored_once_per_group(smollm2_path, dtype, path):
     engine.shutdown()
 
 
-def test_large_groups_take_runs_of_query_tiles(smollm2_path):
-    """float32, vector path: groups of 8 to 20 rows (24 to 60 queries, past one task's run of kVecRun query tiles
-    on AVX-512 and on AVX2, so a group's queries are split over several tasks, each widening the prefix's blocks for
-    its own run) give the per-row path's logits to float32 rounding and its tokens."""
-    engine = _engine(smollm2_path, "float32", max_total_tokens=32768)
+@pytest.mark.parametrize("path", ["vector", "amx"])
+def test_large_groups_take_runs_of_query_tiles(smollm2_path, path):
+    """Decode groups of 8 to 44 rows (24 to 132 queries). Vector path, float32: a group's query tiles are split
+    over several tasks (runs of kVecRun tiles on AVX-512 and on AVX2), each widening the prefix's blocks for its
+    own run -- the per-row path's logits to float32 rounding and its tokens. AMX tiles (bf16, where granted): a
+    group of up to kAmxRun tiles of 16 queries is scored by one task packing the prefix itself, a larger one (44
+    rows) by the step's packing and a task per tile -- eager's logits to bf16 rounding noise, its tokens for most
+    rows (near ties aside, as in test_shared_prefixes_are_scored_once_per_group)."""
+    dtype = "float32" if path == "vector" else "bfloat16"
+    engine = _engine(smollm2_path, dtype, max_total_tokens=32768)
     native = engine.runner.native
-    native.desc.amx = 0
-    for prefixes, per_group, loners in (([200], 20, 0), ([300, 150], 17, 1), ([130, 260, 200], 8, 2)):
+    if path == "amx" and not native.amx:
+        pytest.skip("AMX tiles are not granted here")
+    native.desc.amx = int(path == "amx")
+    agree = total = 0
+    for prefixes, per_group, loners in (([200], 44, 0), ([300, 150], 17, 1), ([130, 260, 200], 8, 2)):
         rows = _grouped_rows(prefixes, per_group=per_group, loners=loners, seed=sum(prefixes) + per_group)
         native.shares = False
         per_row = [out for _, out, _, _ in _compare_steps(engine, rows, steps=2)]
         native.shares = True
-        for (_, out, _, _), alone in zip(_compare_steps(engine, rows, steps=2), per_row):
+        for (eager, out, _, _), alone in zip(_compare_steps(engine, rows, steps=2), per_row):
             assert native.last_groups == len(prefixes)
-            torch.testing.assert_close(out, alone, rtol=1e-4, atol=1e-4)
-            assert torch.equal(out.argmax(-1), alone.argmax(-1))
+            if dtype == "float32":
+                torch.testing.assert_close(out, alone, rtol=1e-4, atol=1e-4)
+                assert torch.equal(out.argmax(-1), alone.argmax(-1))
+            assert (out - eager).abs().max() <= 0.05 * eager.abs().max(), "beyond bf16 rounding noise"
+            agree += int((out.argmax(-1) == eager.argmax(-1)).sum())
+            total += len(eager)
+    assert agree >= 0.8 * total, (agree, total)
     engine.shutdown()
 
 

@@ -11,8 +11,10 @@
 //                    Kt [shared keys / 16][2 halves of the head dim][16 dim pairs][16 keys]   (B tiles of S = Q K^T)
 //                    Vp [shared keys / 32][4 groups of 16 dims][16 key pairs][16 dims]       (B tiles of O = P V)
 //    (each group's blocks and query tiles one after another), two passes over the shared keys per query tile --
-//    the rows' maxima first, then exp and the value sums -- so the value sums can stay in tiles (an online softmax
-//    would rescale them after every block);
+//    the scores and the rows' maxima first (the scores kept), then exp and the value sums -- so the value sums can
+//    stay in tiles (an online softmax would rescale them after every block). Where every group's queries fit
+//    kAmxRun tiles (decode) a task per group and kv head packs Kt and Vp itself, block by block, reading the
+//    prefix from the pool once; otherwise (prefill) they are packed once for the step and a task scores each tile;
 //  - vector registers (AVX-512 or AVX2; any model dtype, head dims that are multiples of 16, a pool in the model's
 //    dtype), an online softmax per tile of kVecQueries queries over blocks of 16 shared keys:
 //      per kv head:  Q  [query tiles][kVecQueries][head dim] float, times the softmax scale
@@ -21,8 +23,8 @@
 //                    V  [16 keys][head dim] float, the same block: the value sums, 16 dims to a vector
 //    a task takes a run of up to kVecRun query tiles of one group: each block widened to float once for the run,
 //    in L1, each load serving a tile's queries (the per-row path loads every key once per row, and on AVX2 sums
-//    each key's dot product across lanes). Sums in float32 in another order than the per-row path: the same values to float32
-//    rounding, and bf16 outputs rounded once from them (tests/test_native_decode.py).
+//    each key's dot product across lanes). Sums in float32 in another order than the per-row path: the same values
+//    to float32 rounding, and bf16 outputs rounded once from them (tests/test_native_decode.py).
 #pragma once
 
 #include <omp.h>

@@ -1,5 +1,6 @@
-// Shared-prefix attention in AMX tiles (bf16, head dim 64), steps 1 and 2 (attention_shared.h): the shared
-// keys and values packed as B tiles, then two passes over them per tile of 16 queries
+// Shared-prefix attention in AMX tiles (bf16, head dim 64), steps 1 and 2 (attention_shared.h): the queries
+// gathered into tiles, then a task per run of query tiles packing the shared keys and values as B tiles and
+// taking two passes over them per tile of 16 queries
 #pragma once
 
 #include <omp.h>
@@ -66,49 +67,148 @@ inline void shared_scores(const bf16* qt, const uint32_t* kt_block, float* s, in
   _tile_stored(0, s, stride);
 }
 
+// 32 shared keys j0 .. j0 + 31 of kv head g (zeros past ``shared``) as the B tiles of S = Q K^T, two per 16 keys:
+// kt [2 sub-blocks][2 halves of the head dim][16 dim pairs][16 keys] dwords
+inline void pack_keys(const bf16* kp, const int64_t* head, int j0, int shared, int g, int nkv, uint32_t* kt) {
+  constexpr int D = kSharedDim;
+  for (int sub = 0; sub < 2; ++sub) {  // 16 keys' 32 dim pairs, as two 16 x 16 transposes of dwords
+    __m512i half[2][16];
+    for (int n = 0; n < 16; ++n) {
+      const int j = j0 + sub * 16 + n;
+      const bf16* key = kp + (j < shared ? head[j] * nkv + g : 0) * D;
+      for (int h = 0; h < 2; ++h) half[h][n] = j < shared ? _mm512_loadu_si512(key + 32 * h) : _mm512_setzero_si512();
+    }
+    for (int h = 0; h < 2; ++h) {
+      transpose16(half[h]);
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + (sub * 2 + h) * 256 + p * 16, half[h][p]);
+    }
+  }
+}
+
+// The same keys' values, paired as the B tiles of O = P V: v [4 groups of 16 dims][16 key pairs][16 dims x 2]
+inline void pack_values(const bf16* vp, const int64_t* head, int j0, int shared, int g, int nkv, uint32_t* v) {
+  constexpr int D = kSharedDim;
+  const __m512i low = pair_words(0), high = pair_words(16);  // two keys' values interleaved, 16 dims at a time
+  for (int kpair = 0; kpair < 16; ++kpair) {
+    const int ja = j0 + 2 * kpair, jb = ja + 1;
+    for (int h = 0; h < 2; ++h) {  // dims 32h .. 32h + 31 of both keys
+      const __m512i zero = _mm512_setzero_si512();
+      const __m512i a = ja < shared ? _mm512_loadu_si512(vp + (head[ja] * nkv + g) * D + 32 * h) : zero;
+      const __m512i b = jb < shared ? _mm512_loadu_si512(vp + (head[jb] * nkv + g) * D + 32 * h) : zero;
+      _mm512_store_si512(v + (2 * h) * 256 + kpair * 16, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_store_si512(v + (2 * h + 1) * 256 + kpair * 16, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
+// Pass 1 over one packed block of 32 shared keys (kt, from key j0) for ``tiles`` query tiles (q: bf16 [tiles][16][64];
+// live(u): the rows tile u holds): their scores kept in s (float [tiles][16][cols]), each query's maximum in most
+// (float [tiles][16][16 lanes]: the maximum across them; scale > 0, so taken before scaling)
+template <class Live>
+inline void score_block(const bf16* q, int tiles, Live&& live, const uint32_t* kt, int j0, int shared, int cols,
+                        float* s, float* most) {
+  for (int u = 0; u < tiles; ++u) {
+    float* su = s + int64_t(u) * 16 * cols;
+    const int rows = live(u);
+    for (int sub = 0; sub < 2 && j0 + sub * 16 < shared; ++sub) {
+      shared_scores(q + int64_t(u) * 16 * kSharedDim, kt + sub * 512, su + j0 + sub * 16, cols * 4);
+      const __mmask16 real = mask16(shared - j0 - sub * 16);
+      for (int r = 0; r < rows; ++r) {
+        float* m = most + (u * 16 + r) * 16;
+        const __m512 was = _mm512_load_ps(m);
+        _mm512_store_ps(m, _mm512_mask_max_ps(was, real, was, _mm512_loadu_ps(su + int64_t(r) * cols + j0 + sub * 16)));
+      }
+    }
+  }
+}
+
+// Pass 2 for one tile of ``live`` queries: exp of its kept scores s (float [16][cols]) less each query's maximum
+// (most), the sums, and the value sums as tile products over the packed values v (uint32 [blocks][4][16][16]),
+// written to the queries' parts (query i0 + r of group grp)
+inline void tile_values(const Model& md, const Step& st, const SharedScratch& sc, int g, int grp, int i0, int live,
+                        const float* s, const float* most, const uint32_t* v, int shared, int cols) {
+  constexpr int D = kSharedDim;
+  const int group = md.heads / md.kv_heads, queries = st.rows * group;
+  const __m512 scale = _mm512_set1_ps(md.scale);
+  alignas(64) float top[16], sum[16];
+  __m512 total[16];
+  for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
+  for (int r = 0; r < live; ++r) top[r] = _mm512_reduce_max_ps(_mm512_load_ps(most + r * 16)) * md.scale;
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  alignas(64) bf16 p[16][32] = {};  // rows past the live ones stay 0
+  for (int blk = 0; blk < cols / 32; ++blk) {
+    for (int r = 0; r < live; ++r) {
+      __m512 e[2];
+      for (int sub = 0; sub < 2; ++sub) {  // (16 keys past the last scored ones are masked out, never read)
+        const __mmask16 real = mask16(shared - blk * 32 - sub * 16);
+        const __m512 sr = _mm512_maskz_loadu_ps(real, s + int64_t(r) * cols + blk * 32 + sub * 16);
+        e[sub] = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_mul_ps(sr, scale), _mm512_set1_ps(top[r]))));
+      }
+      total[r] = _mm512_add_ps(total[r], _mm512_add_ps(e[0], e[1]));
+      store16(&p[r][0], e[0], 0xffff);  // probabilities as bf16: the A tile of O += P V
+      store16(&p[r][16], e[1], 0xffff);
+    }
+    _tile_loadd(1, p, 64);
+    const uint32_t* vb = v + int64_t(blk) * 4 * 256;
+    _tile_loadd(2, vb, 64);
+    _tile_dpbf16ps(3, 1, 2);
+    _tile_loadd(2, vb + 256, 64);
+    _tile_dpbf16ps(4, 1, 2);
+    _tile_loadd(2, vb + 512, 64);
+    _tile_dpbf16ps(5, 1, 2);
+    _tile_loadd(2, vb + 768, 64);
+    _tile_dpbf16ps(6, 1, 2);
+  }
+  for (int r = 0; r < live; ++r) sum[r] = _mm512_reduce_add_ps(total[r]);
+  alignas(64) float o[16][D];
+  _tile_stored(3, &o[0][0], D * 4);
+  _tile_stored(4, &o[0][16], D * 4);
+  _tile_stored(5, &o[0][32], D * 4);
+  _tile_stored(6, &o[0][48], D * 4);
+  for (int r = 0; r < live; ++r) {
+    float* part = sc.part + (int64_t(g) * queries + group_query(st, grp, i0 + r, group)) * (2 + D);
+    part[0] = top[r];
+    part[1] = sum[r];
+    std::memcpy(part + 2, o[r], D * 4);
+  }
+}
+
+// Whether every group's query tiles fit one run (as in decode, a few rows a group): then a task per run packs its
+// group's keys and values itself (read from the pool once a run, nothing packed through memory the step shares);
+// otherwise (prefill: a request's hundreds of rows on one prefix) each group's keys and values are packed once for
+// the step, a task per block of 32, and scored by a task per query tile
+inline bool amx_runs(const SharedScratch& sc, int groups) {
+  for (int grp = 0; grp < groups; ++grp)
+    if (sc.tile_at[grp + 1] - sc.tile_at[grp] > kAmxRun) return false;
+  return true;
+}
+
 template <class T>
 inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
                               const SharedScratch& sc) {
   constexpr int D = kSharedDim;
-  const int nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D, rows = st.rows;
+  const int nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
   const int groups = st.groups, blocks = sc.block_at[groups], qtiles = sc.tile_at[groups];
-  const int queries = rows * group;
   const bf16* kp = static_cast<const bf16*>(ly.k_pool);
   const bf16* vp = static_cast<const bf16*>(ly.v_pool);
-  // 1. each group's shared keys transposed for S = Q K^T, the values paired for O = P V, 32 keys a task; the
-  //    queries gathered into tiles
+  const bool runs = amx_runs(sc, groups);
+  uint32_t* kt = static_cast<uint32_t*>(sc.kt);
+  uint32_t* vt = static_cast<uint32_t*>(sc.v);
+  // 1. (prefill) each group's shared keys and values packed for the step, 32 keys a task; the queries gathered
+  //    into tiles
+  if (!runs) {
 #pragma omp for schedule(static) nowait
-  for (int t = 0; t < nkv * blocks; ++t) {  // a block's kv heads one after another: its slots' rows read whole
-    const int g = t % nkv, blk = t / nkv, grp = group_of(sc.block_at, groups, blk);
-    const int64_t at = int64_t(g) * blocks + blk;  // kv head-major in the scratch, as step 2 reads it
-    const int shared = st.group_shared[grp], j0 = (blk - sc.block_at[grp]) * 32;
-    const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
-    if (g == 0) prefetch_rows(kp, vp, head, j0 + 32, std::min(j0 + 64, shared), nkv * D);
-    for (int sub = 0; sub < 2; ++sub) {  // 16 keys' 32 dim pairs, as two 16 x 16 transposes of dwords
-      uint32_t* kt = static_cast<uint32_t*>(sc.kt) + (at * 2 + sub) * 2 * 256;
-      __m512i half[2][16];
-      for (int n = 0; n < 16; ++n) {
-        const int j = j0 + sub * 16 + n;
-        const bf16* key = kp + (j < shared ? head[j] * nkv + g : 0) * D;
-        for (int h = 0; h < 2; ++h)
-          half[h][n] = j < shared ? _mm512_loadu_si512(key + 32 * h) : _mm512_setzero_si512();
-      }
-      for (int h = 0; h < 2; ++h) {
-        transpose16(half[h]);
-        for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + h * 256 + p * 16, half[h][p]);
-      }
-    }
-    uint32_t* v = static_cast<uint32_t*>(sc.v) + at * 4 * 256;
-    const __m512i low = pair_words(0), high = pair_words(16);  // two keys' values interleaved, 16 dims at a time
-    for (int kpair = 0; kpair < 16; ++kpair) {
-      const int ja = j0 + 2 * kpair, jb = ja + 1;
-      for (int h = 0; h < 2; ++h) {  // dims 32h .. 32h + 31 of both keys
-        const __m512i zero = _mm512_setzero_si512();
-        const __m512i a = ja < shared ? _mm512_loadu_si512(vp + (head[ja] * nkv + g) * D + 32 * h) : zero;
-        const __m512i b = jb < shared ? _mm512_loadu_si512(vp + (head[jb] * nkv + g) * D + 32 * h) : zero;
-        _mm512_store_si512(v + (2 * h) * 256 + kpair * 16, _mm512_permutex2var_epi16(a, low, b));
-        _mm512_store_si512(v + (2 * h + 1) * 256 + kpair * 16, _mm512_permutex2var_epi16(a, high, b));
-      }
+    for (int t = 0; t < nkv * blocks; ++t) {  // a block's kv heads one after another: its slots' rows read whole
+      const int g = t % nkv, blk = t / nkv, grp = group_of(sc.block_at, groups, blk);
+      const int64_t at = int64_t(g) * blocks + blk;  // kv head-major in the scratch, as step 2 reads it
+      const int shared = st.group_shared[grp], j0 = (blk - sc.block_at[grp]) * 32;
+      const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
+      prefetch_rows(kp, vp, head, j0 + 32, std::min(j0 + 64, shared), nkv, g, D);
+      pack_keys(kp, head, j0, shared, g, nkv, kt + at * 1024);
+      pack_values(vp, head, j0, shared, g, nkv, vt + at * 1024);
     }
   }
 #pragma omp for schedule(static)
@@ -126,76 +226,37 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
       }
     }
   }
-  // 2. the shared keys for every query tile: the maxima, then exp, sums and value sums (tiles 3-6)
-  const __m512 scale = _mm512_set1_ps(md.scale);
+  // 2. a task per run of query tiles of a group and kv head -- all the group's (runs), or one -- pass 1 over the
+  //    group's blocks (in runs: each packed by the task as it goes, its values kept for pass 2), then pass 2 per
+  //    tile. No barrier after: step 3's tasks run beside these.
+  const int tasks = runs ? groups : qtiles;
 #pragma omp for schedule(dynamic, 1) nowait
-  for (int t = 0; t < nkv * qtiles; ++t) {
-    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
-    const int shared = st.group_shared[grp], b16 = (shared + 15) / 16, b32 = (shared + 31) / 32;
-    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group, i0 = (qt - sc.tile_at[grp]) * 16;
-    const int live = std::min(16, mine - i0);  // the tile's queries (a group's last tile may hold fewer)
-    const bf16* q = static_cast<bf16*>(sc.q) + int64_t(t) * 16 * D;
-    const int64_t first = int64_t(g) * blocks + sc.block_at[grp];  // the group's first block of this kv head
-    const uint32_t* kt = static_cast<uint32_t*>(sc.kt) + first * 2 * 2 * 256;
-    const uint32_t* vg = static_cast<uint32_t*>(sc.v) + first * 4 * 256;
+  for (int t = 0; t < nkv * tasks; ++t) {
+    const int g = t % nkv, grp = runs ? t / nkv : group_of(sc.tile_at, groups, t / nkv);
+    const int qt0 = runs ? sc.tile_at[grp] : t / nkv, tiles = runs ? sc.tile_at[grp + 1] - qt0 : 1;
+    const int shared = st.group_shared[grp], cols = (shared + 31) / 32 * 32;
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
+    const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
+    const int64_t first = int64_t(g) * blocks + sc.block_at[grp];  // (packed for the step) the group's first block
+    const AmxRun w = amx_run_of(sc, blocks);
+    const bf16* q = static_cast<bf16*>(sc.q) + (int64_t(g) * qtiles + qt0) * 16 * D;
+    auto live = [&](int u) { return std::min(16, mine - (qt0 + u - sc.tile_at[grp]) * 16); };
+    const uint32_t* values = runs ? w.v : vt + first * 1024;
     configure_tiles(16);
-    // the tile's scores against every shared key, kept from the first pass for the second: [16][b32 x 32]
-    const int cols = b32 * 32;
-    float* s = sc.runs + int64_t(omp_get_thread_num()) * 16 * 32 * blocks;
-    // each query's maximum kept across its 16 lanes until the end (scale > 0: taken after)
-    alignas(64) float top[16], sum[16];
-    __m512 most[16], total[16];
-    for (int r = 0; r < 16; ++r) {
-      most[r] = _mm512_set1_ps(-INFINITY);
-      total[r] = _mm512_setzero_ps();
-    }
-    for (int b = 0; b < b16; ++b) {
-      shared_scores(q, kt + int64_t(b) * 2 * 256, s + b * 16, cols * 4);
-      const __mmask16 real = mask16(shared - b * 16);
-      for (int r = 0; r < live; ++r)
-        most[r] = _mm512_mask_max_ps(most[r], real, most[r], _mm512_loadu_ps(s + int64_t(r) * cols + b * 16));
-    }
-    for (int r = 0; r < live; ++r) top[r] = _mm512_reduce_max_ps(most[r]) * md.scale;
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    alignas(64) bf16 p[16][32] = {};  // rows past the live ones stay 0
-    for (int blk = 0; blk < b32; ++blk) {
-      for (int r = 0; r < live; ++r) {
-        __m512 e[2];
-        for (int sub = 0; sub < 2; ++sub) {  // (a block past the last 16 keys was never scored: masked out)
-          const __mmask16 real = mask16(shared - blk * 32 - sub * 16);
-          const __m512 sr = _mm512_maskz_loadu_ps(real, s + int64_t(r) * cols + blk * 32 + sub * 16);
-          e[sub] = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_mul_ps(sr, scale), _mm512_set1_ps(top[r]))));
-        }
-        total[r] = _mm512_add_ps(total[r], _mm512_add_ps(e[0], e[1]));
-        store16(&p[r][0], e[0], 0xffff);  // probabilities as bf16: the A tile of O += P V
-        store16(&p[r][16], e[1], 0xffff);
+    for (int i = 0; i < tiles * 16; ++i) _mm512_store_ps(w.most + i * 16, _mm512_set1_ps(-INFINITY));
+    for (int j0 = 0; j0 < shared; j0 += 32) {
+      const uint32_t* block = kt + (first + j0 / 32) * 1024;
+      if (runs) {
+        prefetch_rows(kp, vp, head, j0 + 32, std::min(j0 + 64, shared), nkv, g, D);
+        pack_keys(kp, head, j0, shared, g, nkv, w.kt);
+        pack_values(vp, head, j0, shared, g, nkv, w.v + int64_t(j0 / 32) * 1024);
+        block = w.kt;
       }
-      _tile_loadd(1, p, 64);
-      const uint32_t* vb = vg + int64_t(blk) * 4 * 256;
-      _tile_loadd(2, vb, 64);
-      _tile_dpbf16ps(3, 1, 2);
-      _tile_loadd(2, vb + 256, 64);
-      _tile_dpbf16ps(4, 1, 2);
-      _tile_loadd(2, vb + 512, 64);
-      _tile_dpbf16ps(5, 1, 2);
-      _tile_loadd(2, vb + 768, 64);
-      _tile_dpbf16ps(6, 1, 2);
+      score_block(q, tiles, live, block, j0, shared, cols, w.s, w.most);
     }
-    for (int r = 0; r < live; ++r) sum[r] = _mm512_reduce_add_ps(total[r]);
-    alignas(64) float o[16][D];
-    _tile_stored(3, &o[0][0], D * 4);
-    _tile_stored(4, &o[0][16], D * 4);
-    _tile_stored(5, &o[0][32], D * 4);
-    _tile_stored(6, &o[0][48], D * 4);
-    for (int r = 0; r < live; ++r) {
-      float* part = sc.part + (int64_t(g) * queries + group_query(st, grp, i0 + r, group)) * (2 + D);
-      part[0] = top[r];
-      part[1] = sum[r];
-      std::memcpy(part + 2, o[r], D * 4);
-    }
+    for (int u = 0; u < tiles; ++u)
+      tile_values(md, st, sc, g, grp, (qt0 + u - sc.tile_at[grp]) * 16, live(u), w.s + int64_t(u) * 16 * cols,
+                  w.most + u * 256, values, shared, cols);
   }
 }
 

@@ -17,6 +17,7 @@ namespace rs {
 constexpr int kSharedDim = 64;   // the head dim the AMX path takes
 constexpr int kVecQueries = RS_AVX512 ? 4 : 6;  // queries a vector-path task scores together
 constexpr int kVecRun = 8;  // query tiles a vector-path task scores each widened block of shared keys for
+constexpr int kAmxRun = 8;  // query tiles an AMX task scores each packed block of shared keys for
 
 inline bool amx_shared(const Model& md) {
   return kHaveAmx && md.amx && md.bf16 && !md.kv_codes && md.head_dim == kSharedDim;
@@ -27,14 +28,14 @@ inline bool shared_path(const Model& md, const Step& st) {
 }
 
 struct SharedScratch {
-  void* kt;     // AMX: uint32_t [nkv][blocks32][2][2][16][16]; vector: none (each task widens its own blocks)
-  void* v;      // AMX: uint32_t [nkv][blocks32][4][16][16];     vector: none
+  void* kt;     // AMX, prefill (amx_runs false): uint32_t [nkv][blocks32][2][2][16][16], each group's keys packed
+  void* v;      // ... and its values: uint32_t [nkv][blocks32][4][16][16]
   void* q;      // AMX: bf16 [nkv][qtiles of 16][16][64];        vector: float [nkv][qtiles][kVecQueries][head dim]
   float* part;  // [2][nkv][rows * group][2 + head dim]: max, sum, value sums -- of the shared keys, of each row's own
   int32_t* block_at;  // [groups + 1]: group g's key blocks (32 keys for AMX, else 16) are block_at[g] .. [g + 1]
   int32_t* tile_at;   // [groups + 1]: its query tiles (16 queries for AMX, else kVecQueries), the same way
-  float* runs;  // vector: each thread's RunState, run_floats(head dim) apiece; AMX: each thread's scores of a
-                // query tile against its group's shared keys, float [16][up to all the step's blocks x 32]
+  float* runs;  // each thread's working set: vector, a RunState (run_floats(head dim)); AMX, an AmxRun
+                // (amx_run_floats(blocks), blocks: the step's, a bound on any group's)
 };
 
 // A vector-path task's working set, in the scratch (not on the OpenMP thread's stack: ~80 KB at head dim 256):
@@ -48,6 +49,21 @@ inline RunState run_state_of(const SharedScratch& sc, int D) {
   float* at = sc.runs + omp_get_thread_num() * run_floats(D);
   const int n = kVecRun * kVecQueries;
   return {at, at + n, at + 2 * n, at + (2 + D) * n, at + (2 + D) * n + 16 * D};
+}
+
+// An AMX task's working set, in the scratch: the scores of each tile of its run against every key of its group
+// (s, float [kAmxRun][16][group's blocks x 32]) and each query's maximum (most, float [kAmxRun][16][16 lanes]);
+// where it packs its group's keys and values itself (amx_runs), one block of 32 keys packed (kt, uint32
+// [2][2][16][16]) and all the group's values (v, uint32 [blocks][4][16][16])
+struct AmxRun {
+  uint32_t *kt, *v;
+  float *s, *most;
+};
+inline int64_t amx_run_floats(int64_t blocks) { return 1024 + blocks * 1024 + kAmxRun * 512 * blocks + kAmxRun * 256; }
+inline AmxRun amx_run_of(const SharedScratch& sc, int64_t blocks) {
+  float* at = sc.runs + omp_get_thread_num() * amx_run_floats(blocks);
+  float* s = at + 1024 + blocks * 1024;
+  return {reinterpret_cast<uint32_t*>(at), reinterpret_cast<uint32_t*>(at + 1024), s, s + kAmxRun * 512 * blocks};
 }
 
 inline int shared_block(const Model& md) { return amx_shared(md) ? 32 : 16; }
@@ -64,10 +80,9 @@ inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t groups,
   int64_t sizes[7] = {0, 0, nkv * tiles * kVecQueries * D * 4, part, (groups + 1) * 4, (groups + 1) * 4,
                       omp_get_max_threads() * run_floats(D) * 4};
   if (amx_shared(md)) {
-    sizes[0] = nkv * blocks * 2 * 2 * 1024;
-    sizes[1] = nkv * blocks * 4 * 1024;
+    sizes[0] = sizes[1] = nkv * blocks * 4096;
     sizes[2] = nkv * tiles * 16 * kSharedDim * 2;
-    sizes[6] = omp_get_max_threads() * 16 * 32 * blocks * 4;
+    sizes[6] = omp_get_max_threads() * amx_run_floats(blocks) * 4;
   }
   void* parts[7];
   const int64_t off = lay_out(sizes, 7, base, parts);
@@ -100,13 +115,13 @@ inline int group_query(const Step& st, int g, int i, int group) {
   return st.group_rows[st.group_start[g] + i / group] * group + i % group;
 }
 
-// The key and value rows (``width`` = kv heads x head dim each) of shared slots j0 .. j1 - 1 asked for from
-// memory: step 1 packs a block's kv heads one after another while the next block's rows arrive
+// Kv head g's key and value rows (head dim D each) of shared slots j0 .. j1 - 1 asked for from memory: a task
+// packs or widens one block of shared keys while the next block's rows arrive
 template <class T>
-inline void prefetch_rows(const T* kp, const T* vp, const int64_t* head, int j0, int j1, int64_t width) {
+inline void prefetch_rows(const T* kp, const T* vp, const int64_t* head, int j0, int j1, int nkv, int g, int D) {
   for (int j = j0; j < j1; ++j) {
-    prefetch_lines(kp + head[j] * width, width * sizeof(T));
-    prefetch_lines(vp + head[j] * width, width * sizeof(T));
+    prefetch_lines(kp + (head[j] * nkv + g) * D, D * sizeof(T));
+    prefetch_lines(vp + (head[j] * nkv + g) * D, D * sizeof(T));
   }
 }
 

@@ -102,10 +102,7 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
     std::memset(acc, 0, sizeof(float) * (qt1 - qt0) * kVecQueries * D);
     for (int j0 = 0; j0 < shared; j0 += 16) {
       const int nj = std::min(16, shared - j0);
-      for (int j = j0 + 16; j < std::min(j0 + 32, shared); ++j) {  // the next block's rows on their way
-        prefetch_lines(kp + (head[j] * nkv + g) * D, D * sizeof(T));
-        prefetch_lines(vp + (head[j] * nkv + g) * D, D * sizeof(T));
-      }
+      prefetch_rows(kp, vp, head, j0 + 16, std::min(j0 + 32, shared), nkv, g, D);  // the next block's rows
       for (int n = 0; n < 16; ++n) {
         for (int d = 0; d < D; d += 16) {
           if (n < nj) {
