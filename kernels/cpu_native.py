@@ -72,21 +72,27 @@ class Step(ctypes.Structure):
 
 
 class PrefixGroups:
-    """Rows of a decode step whose contexts start with the same slots, as the kernel takes them (Step.groups):
-    ``members`` the rows of each group (each row in at most one), ``shared`` how many leading slots each group's
-    rows have in common (at most every member's context length; the kernel reads the first member's)."""
+    """Rows of a step whose contexts start with the same slots, as the kernel takes them (Step.groups): ``members``
+    the rows of each group (each row in at most one), ``shared`` each group's run of leading slots (the kernel reads
+    them from the group's first member's context, which must hold them all). ``reach``: for each group, how many
+    of its run each member sees (default: all of it; fewer where one request's rows score their own earlier slots
+    through the group, each its context -- a causal tile; from 1 up to the run)."""
 
-    def __init__(self, rows: int, members: Sequence[Sequence[int]] = (), shared: Sequence[int] = ()) -> None:
+    def __init__(self, rows: int, members: Sequence[Sequence[int]] = (), shared: Sequence[int] = (),
+                 reach: Sequence[Sequence[int]] | None = None) -> None:
         import numpy as np
 
-        if len(members) != len(shared):
+        if len(members) != len(shared) or (reach is not None and len(reach) != len(members)):
             raise ValueError(f"{len(members)} groups with {len(shared)} shared lengths")
         self.rows = np.array([m for group in members for m in group], dtype=np.int32)
         self.start = np.cumsum([0, *map(len, members)], dtype=np.int32)
         self.shared = np.array(shared, dtype=np.int32)
         self.row_shared = np.zeros(rows, dtype=np.int32)
-        for group, n in zip(members, shared):
-            self.row_shared[list(group)] = n
+        for i, (group, n) in enumerate(zip(members, shared)):
+            seen = n if reach is None else np.asarray(reach[i], dtype=np.int64)
+            if np.any(seen < 1) or np.any(seen > n) or np.shape(seen) not in ((), (len(group),)):
+                raise ValueError(f"group {i}: its members see {seen} of its {n} shared slots (1 .. {n} each)")
+            self.row_shared[list(group)] = seen
         listed = self.rows.tolist()
         if len(set(listed)) != len(listed) or any(not 0 <= m < rows for m in listed):
             raise ValueError(f"group rows {self.rows.tolist()}: each of rows 0..{rows - 1} in one group at most")

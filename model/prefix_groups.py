@@ -31,13 +31,15 @@ SHARED_MIN = 128  # shared context slots from which a group of rows scores them 
 EXTEND_KEYS = 40_000
 SHARED_GAIN = 2  # a per-row pair / a shared one: 2.1 (Zen 3, 512 tokens on 860 cached), 3.1 for the attention alone
 # ... where AMX tiles score the shared slots (tile products for all a group's rows, and a request's rows far into
-# its own context in tiles of their own: _tiled): a shared pair costs little beside the step's products. Measured
-# on a Xeon with AMX (SmolLM2, bf16, 2 threads; benchmarks/shared_extend.py, torch / native ms, the cost as counted
-# here): on 860 cached slots 31 x 32 2.2x (30k), 1 x 512 1.29x (41k), 1 x 1024 1.21x (86k); on 6000 cached, 16 x
-# 128 1.72-1.87x (324k), 1 x 2048 1.13x in 16 steps of 128 (353k), 1.17x in the 4 of 512 it now takes (740k: on
-# torch); fresh prompts 1 x 1024 1.00-1.14x (73k), 2 x 880 1.12x (121k), 1 x 2048
-# 1.01x (163k), 4 x 1024 0.99-1.03x (292k), 1 x 4096 0.88x (629k), 1 x 8000 0.87x (2.4M); before the tiles, a fresh
-# 512-token prompt already went to torch (0.74-0.90x at 83k)
+# its own context in causal tiles of their own: _tiled): a shared pair costs little beside the step's products.
+# Measured on a Xeon with AMX (SmolLM2, bf16, 2 threads; benchmarks/shared_extend.py, torch / native ms), with the
+# tiles' rows seeing their own slots through them: on 860 cached slots 31 x 32 2.39x, 4 x 64 1.94x, 1 x 512 1.53x,
+# 1 x 1024 1.47x; fresh prompts 1 x 512 1.26x, 1 x 1024 1.19-1.25x, 2 x 880 1.23x, 1 x 2048 1.14x, 4 x 1024
+# 1.13x, 1 x 4096 1.04x (within the budget now), 1 x 8000 1.03x (past it). Before (each row scoring its last
+# slots, up to TILE, row by row; the cost as counted then): on 860 cached 1 x 512 1.29x (41k), 1 x 1024 1.21x
+# (86k); on 6000 cached, 16 x 128 1.72-1.87x (324k), 1 x 2048 1.13x in 16 steps of 128 (353k), 1.17x in the 4 of
+# 512 it now takes (740k: on torch); fresh 1 x 1024 1.00-1.14x (73k), 1 x 4096 0.88x (629k), 1 x 8000 0.87x
+# (2.4M); before the tiles, a fresh 512-token prompt already went to torch (0.74-0.90x at 83k)
 EXTEND_KEYS_AMX = 400_000
 SHARED_GAIN_AMX = 64
 # ... where the kernel is built for AVX2 (no AVX-512), against torch, whose bf16 products go through float32 copies
@@ -97,43 +99,47 @@ def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray,
                 shared.append(int(common[keep].min()))
             left = left[~keep]
     if tiled:
-        members, shared = _tiled(members, shared, first, length)
+        return native.PrefixGroups(rows, *_tiled(members, shared, first, length))
     return native.PrefixGroups(rows, members, shared)
 
 
 def _tiled(members: list[list[int]], shared: list[int], first: np.ndarray,
-           length: np.ndarray) -> tuple[list[list[int]], list[int]]:
+           length: np.ndarray) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """Each group with the rows of one request that reach TILE or more slots past its shared run split off: one
-    group per TILE-slot step they reach, sharing their request's context up to it. A long prompt's or continuation's
-    rows then score at most TILE of their own slots each, row by row; the rest, their request's earlier slots, goes
-    through the shared path (the causal attention in tiles). Rows of one request share their context's start
-    (``first``); a split-off group needs TILE_ROWS rows (fewer: they stay, packing would cost what it saves)."""
-    out_members, out_shared = [], []
+    group per TILE-slot step they reach, its run their request's context up to its furthest row, each row seeing
+    its own context through it (a causal tile: members, runs and each member's reach, the longest row first, whose
+    context holds the run). A long prompt's or continuation's rows then score all their slots through the shared
+    path; only the rows left in the group score their own slots past its run row by row (fewer than TILE each). A
+    group of one request's rows alone (a long prompt on its own first slots) splits its rows near the run too.
+    Rows of one request share their context's start (``first``); a split-off group needs TILE_ROWS rows (fewer:
+    they stay, packing would cost what it saves)."""
+    out_members, out_shared, out_reach = [], [], []
     for rows, n in zip(members, shared):
         rows = np.asarray(rows)
-        stay = length[rows] - n < TILE
-        starts, count = np.unique(first[rows[~stay]], return_counts=True)
-        starts = starts[count >= TILE_ROWS]  # fewer rows far out (a decode step's one a request): no tile to split
-        stay |= ~np.isin(first[rows], starts)
-        for start in starts:
-            mine = ~stay & (first[rows] == start)
-            past = length[rows[mine]] - n  # the rows' reach past the shared run
-            span = int(past.max())
+        past = length[rows] - n  # each row's reach past the shared run
+        alone = bool(np.all(first[rows] == first[rows[0]]))
+        stay = np.ones(len(rows), dtype=bool)
+        for start in np.unique(first[rows]):
+            mine = first[rows] == start
+            span = int(past[mine].max())
+            if mine.sum() < TILE_ROWS or (span < TILE and not alone):
+                continue  # fewer rows far out (a decode step's one a request): no tile to split
             tiles = max(1, TILES * span // (n + span))  # so that they pack at most TILES x span slots in all
             tile = max(TILE, -(-span // (tiles * 16)) * 16)
-            level = np.zeros(len(rows), dtype=np.int64)
-            level[mine] = past // tile
+            level = past // tile
             for k in np.unique(level[mine]):
                 split = mine & (level == k)
-                if k > 0 and split.sum() >= TILE_ROWS:
-                    out_members.append(rows[split].tolist())
-                    out_shared.append(n + int(k) * tile)
-                else:
-                    stay |= split
+                if (k > 0 or alone) and split.sum() >= TILE_ROWS:
+                    tile_rows = rows[split][np.argsort(-length[rows[split]], kind="stable")]  # the longest first
+                    out_members.append(tile_rows.tolist())
+                    out_shared.append(int(length[tile_rows[0]]))
+                    out_reach.append(length[tile_rows].tolist())
+                    stay &= ~split
         if stay.any():
             out_members.append(rows[stay].tolist())
             out_shared.append(n)
-    return out_members, out_shared
+            out_reach.append([n] * int(stay.sum()))
+    return out_members, out_shared, out_reach
 
 
 def _common_run(slots: np.ndarray, first: np.ndarray, length: np.ndarray, rows: np.ndarray) -> np.ndarray:

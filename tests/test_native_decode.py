@@ -358,48 +358,59 @@ def _extend_contexts(rows_of: list[list[int]], prefix: list[int]):
 
 def test_long_requests_split_off_in_tiles():
     """prefix_groups(tiled=True): a request's rows TILE or more slots past their group's shared run form groups of
-    their own, one per TILE-slot step, sharing their request's context up to it, so that no row scores more than
-    TILE - 1 + (its group's remainder) of its own slots; the steps longer where more would pack more than TILES x
-    the rows' span in all (a long prompt, a long cached prefix); a step with fewer than TILE_ROWS rows stays in
-    the group; requests sharing a cached prefix keep sharing it in one group for their rows near it, and decode
-    rows (one a request) are never split."""
+    their own, one per TILE-slot step, each a causal tile: its run the request's context up to its furthest row
+    (listed first), each row seeing its own context through it, so that only the rows left in a group score their
+    own slots row by row; a request's rows alone in a group (a long prompt on its first slots) split near the run
+    too; the steps longer where more would pack more than TILES x the rows' span in all (a long prompt, a long
+    cached prefix); a step with fewer than TILE_ROWS rows stays in the group; requests sharing a cached prefix keep
+    sharing it in one group for their rows near it, and decode rows (one a request) are never split."""
     from radixserve.model.prefix_groups import SHARED_MIN, TILE, TILE_ROWS, TILES, prefix_groups
 
+    def causal(groups, length):  # every split-off group: its longest row first, each row seeing its whole context
+        for i in range(len(groups)):
+            rows = groups.rows[groups.start[i]: groups.start[i + 1]]
+            assert length[rows[0]] == groups.shared[i] == length[rows].max()
+            assert groups.row_shared[rows].tolist() == length[rows].tolist()
+
     assert SHARED_MIN == TILE == 128 and TILE_ROWS == 16  # the figures below
-    # a fresh 700-token prompt: rows 127.. on its first 128 slots, then steps of 128
+    # a fresh 700-token prompt: rows 127.. (on its first 128 slots) in causal tiles of 128 rows
     flat, first, length = _extend_contexts([list(range(1000, 1700))], [0])
     plain, tiled = prefix_groups(flat, first, length), prefix_groups(flat, first, length, tiled=True)
     assert plain.shared.tolist() == [128] and plain.row_shared[127:].tolist() == [128] * 573
-    assert sorted(tiled.shared.tolist()) == [128, 256, 384, 512, 640]
-    assert tiled.row_shared.tolist() == [0] * 127 + [n // 128 * 128 for n in length[127:]]
+    assert sorted(tiled.shared.tolist()) == [255, 383, 511, 639, 700]
+    assert tiled.row_shared.tolist() == [0] * 127 + length[127:].tolist()
+    causal(tiled, length)
     # 650 tokens: the last step would hold 11 rows (lengths 640..650): they stay on the first 128
     flat, first, length = _extend_contexts([list(range(1000, 1650))], [0])
     tiled = prefix_groups(flat, first, length, tiled=True)
-    assert sorted(tiled.shared.tolist()) == [128, 256, 384, 512]
-    assert tiled.row_shared[-11:].tolist() == [128] * 11 and tiled.row_shared[-12] == 512
+    assert sorted(tiled.shared.tolist()) == [128, 255, 383, 511, 639]
+    assert tiled.row_shared[-11:].tolist() == [128] * 11 and tiled.row_shared[-12] == 639
     # 5000 tokens: 4872 past the shared run, in 15 steps (16 x 4872 // 5000) of 336 (a multiple of 16)
     flat, first, length = _extend_contexts([list(range(10_000, 15_000))], [0])
     tiled = prefix_groups(flat, first, length, tiled=True)
-    assert len(tiled) == 15 and tiled.row_shared[-1] == 128 + 14 * 336
-    assert tiled.row_shared[127:].tolist() == [128 + (n - 128) // 336 * 336 for n in length[127:]]
-    assert tiled.slots() - 128 <= TILES * 4872
+    assert len(tiled) == 15 and sorted(tiled.shared.tolist())[:2] == [128 + 335, 128 + 671]
+    assert tiled.row_shared[127:].tolist() == length[127:].tolist()
+    assert tiled.slots() <= TILES * 4872
+    causal(tiled, length)
     # 2048 new tokens on a cached 6000-slot prefix: 4 steps (16 x 2048 // 8048) of 512, not 16 of 128
     cached = list(range(20_000, 26_000))
     flat, first, length = _extend_contexts([cached + list(range(30_000, 32_048))], [6000])
     tiled = prefix_groups(flat, first, length, tiled=True)
-    assert sorted(tiled.shared.tolist()) == [6001, 6513, 7025, 7537]  # the first row reaches 6001
-    assert tiled.slots() - 6001 <= TILES * 2048
+    assert sorted(tiled.shared.tolist()) == [6512, 7024, 7536, 8048]  # the first row reaches 6001
+    assert tiled.slots() - 4 * 6001 <= TILES * 2048
+    causal(tiled, length)
     # two requests of 300 new tokens on a cached 200-slot prefix, one of 20: the rows less than 128 past it
-    # (all 20 of the short one's) one group on it, each long request's later rows a group on its own slots
+    # (all 20 of the short one's) one group seeing just the prefix, each long request's later rows causal tiles on
+    # its own slots
     a = list(range(1000, 1200))
     rows_of = [a + list(range(2000, 2300)), a + list(range(3000, 3300)), a + list(range(4000, 4020))]
     flat, first, length = _extend_contexts(rows_of, [200, 200, 200])
     tiled = prefix_groups(flat, first, length, tiled=True)
     groups = {int(tiled.shared[i]): tiled.rows[tiled.start[i]: tiled.start[i + 1]].tolist()
               for i in range(len(tiled))}
-    assert sorted(groups.values(), key=len)[-1] == [*range(127), *range(300, 427), *range(600, 620)]
-    assert tiled.row_shared.tolist() == [200 + (n - 200) // 128 * 128 for n in length]
-    assert sorted(tiled.shared.tolist()) == [200, 328, 328, 456, 456]
+    assert groups[200] == [*range(127), *range(300, 427), *range(600, 620)]
+    assert tiled.row_shared.tolist() == [200 if n - 200 < 128 else n for n in length]
+    assert sorted(tiled.shared.tolist()) == [200, 455, 455, 500, 500]
     # decode rows: one a request, each 600 past a shared 300-slot prefix -- no tiles
     b = list(range(5000, 5300))
     flat = torch.tensor([s for i in range(20) for s in b + list(range(10_000 * (i + 1), 10_000 * (i + 1) + 600))])
@@ -684,16 +695,24 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
     split among threads), twenty rows sharing a 160-key prefix, and fourteen rows in three groups sharing
     prefixes of 160, 200 and 144 keys with two rows in none, interleaved (each group's prefix scored for its rows
     at once: AMX tiles where bf16 head dim 64 has them, else vector registers where the head dim is a multiple of
-    16 and the pool holds the model's dtype, else row by row), slots scattered over the pool; the pool in the
-    model's dtype or in 8-bit codes (model/kv_codes.py: the reference reads the values the codes stand for)."""
+    16 and the pool holds the model's dtype, else row by row), and groups whose rows see different amounts of
+    their prefix (reach: a causal tile's rows, each through its own context; here with own slots after it too),
+    slots scattered over the pool; the pool in the model's dtype or in 8-bit codes (model/kv_codes.py: the
+    reference reads the values the codes stand for)."""
     lib = cpu_native.load(cpu_native.default_cache_dir())
     g = torch.Generator().manual_seed(head_dim + heads)
     prefixes = [160, 200, 144]
-    # (each row's own slots, or random; each row's group, -1: none)
-    cases = [([700], [-1]), ([5, 300, 129], [-1] * 3), (None, [0] * 20),
-             (None, [0, 1, 2, -1, 0, 1, 2, 2, 1, 0, -1, 0, 1, 2])]
-    for own, member in cases:
+    # (each row's own slots, or random; each row's group, -1: none; whether rows see only part of their prefix)
+    cases = [([700], [-1], False), ([5, 300, 129], [-1] * 3, False), (None, [0] * 20, False),
+             (None, [0, 1, 2, -1, 0, 1, 2, 2, 1, 0, -1, 0, 1, 2], False), (None, [0] * 40 + [1, 2, 1, 2, -1], True),
+             (None, [0] * 60 + [1, 2], True)]
+    for own, member, partial in cases:
         own = own or [int(x) for x in torch.randint(1, 120, (len(member),), generator=g)]
+        seen = [prefixes[x] if x >= 0 else 0 for x in member]
+        if partial:  # each group's first row sees all of it (the kernel reads the prefix from its context)
+            seen = [n if m == member.index(x) else int(torch.randint(1, n + 1, (), generator=g))
+                    for m, (n, x) in enumerate(zip(seen, member))]
+            own = [n if m % 3 else 0 for m, n in enumerate(own)]  # some rows end where their reach does
         total = sum(own) + sum(prefixes) + 1
         k_pool = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(dtype)
         v_pool = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(dtype)
@@ -701,13 +720,14 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
         starts_at = torch.tensor([0, *prefixes]).cumsum(0)
         prefix = [order[starts_at[i]: starts_at[i + 1]] for i in range(len(prefixes))]
         rows, at = [], int(starts_at[-1])
-        for n, grp in zip(own, member):
-            rows.append(torch.cat([prefix[grp] if grp >= 0 else order[:0], order[at: at + n]]))
+        for n, grp, reach in zip(own, member, seen):
+            rows.append(torch.cat([prefix[grp][:reach] if grp >= 0 else order[:0], order[at: at + n]]))
             at += n
         lens = [len(r) for r in rows]
         used = sorted({x for x in member if x >= 0})
-        groups = cpu_native.PrefixGroups(len(rows), [[m for m, x in enumerate(member) if x == i] for i in used],
-                                         [prefixes[i] for i in used])
+        members = [[m for m, x in enumerate(member) if x == i] for i in used]
+        groups = cpu_native.PrefixGroups(len(rows), members, [prefixes[i] for i in used],
+                                         [[seen[m] for m in rows_of] for rows_of in members])
         slots = torch.cat(rows).to(torch.int64)
         lengths = torch.tensor(lens, dtype=torch.int64)
         starts = lengths.cumsum(0) - lengths

@@ -44,8 +44,10 @@ struct Step {
   int32_t groups, pad;      // decode: sets of rows whose contexts start with the same slots (shared prefixes)
   const int32_t* group_rows;    // [rows]: the rows of group 0, then of group 1, ... (rows in no group: not listed)
   const int32_t* group_start;   // [groups + 1]: group g's rows are group_rows[group_start[g] .. group_start[g + 1])
-  const int32_t* group_shared;  // [groups]: how many leading context slots group g's rows have in common
-  const int32_t* row_shared;    // [rows]: its group's group_shared for a row in a group, else 0
+  const int32_t* group_shared;  // [groups]: group g's run of leading context slots (read from its first row's)
+  const int32_t* row_shared;    // [rows]: how many of its group's run a row sees (the whole run, or fewer: one
+                                // request's rows scoring their own earlier slots through the group, causally;
+                                // at least 1), else 0
   void* h;                  // T [rows, hidden]: the embeddings in, the last layer's output out
   const void* cos;          // T [rows, head_dim]
   const void* sin;          // T [rows, head_dim] (the rotate-half sign folded in, as RopeTable keeps it)

@@ -101,34 +101,44 @@ inline void pack_values(const bf16* vp, const int64_t* head, int j0, int shared,
   }
 }
 
+// A query tile's rows: how many are live, how far into its group's shared run each sees (query_reach), the furthest
+struct TileReach {
+  int live, far, of[16];
+};
+inline TileReach tile_reach(const Step& st, int grp, int i0, int live, int group) {
+  TileReach t{live, 0, {}};
+  for (int r = 0; r < live; ++r) t.far = std::max(t.far, t.of[r] = query_reach(st, grp, i0 + r, group));
+  return t;
+}
+
 // Pass 1 over one packed block of 32 shared keys (kt, from key j0) for ``tiles`` query tiles (q: bf16 [tiles][16][64];
-// live(u): the rows tile u holds): their scores kept in s (float [tiles][16][cols]), each query's maximum in most
-// (float [tiles][16][16 lanes]: the maximum across them; scale > 0, so taken before scaling)
-template <class Live>
-inline void score_block(const bf16* q, int tiles, Live&& live, const uint32_t* kt, int j0, int shared, int cols,
+// reach[u]: tile u's rows): their scores kept in s (float [tiles][16][cols]), each query's maximum over the keys it
+// sees in most (float [tiles][16][16 lanes]: the maximum across them; scale > 0, so taken before scaling). A tile
+// whose rows all end before the block skips it.
+inline void score_block(const bf16* q, int tiles, const TileReach* reach, const uint32_t* kt, int j0, int cols,
                         float* s, float* most) {
   for (int u = 0; u < tiles; ++u) {
     float* su = s + int64_t(u) * 16 * cols;
-    const int rows = live(u);
-    for (int sub = 0; sub < 2 && j0 + sub * 16 < shared; ++sub) {
+    const TileReach& t = reach[u];
+    for (int sub = 0; sub < 2 && j0 + sub * 16 < t.far; ++sub) {
       shared_scores(q + int64_t(u) * 16 * kSharedDim, kt + sub * 512, su + j0 + sub * 16, cols * 4);
-      const __mmask16 real = mask16(shared - j0 - sub * 16);
-      for (int r = 0; r < rows; ++r) {
+      for (int r = 0; r < t.live; ++r) {
+        const __mmask16 seen = mask16(t.of[r] - j0 - sub * 16);
         float* m = most + (u * 16 + r) * 16;
         const __m512 was = _mm512_load_ps(m);
-        _mm512_store_ps(m, _mm512_mask_max_ps(was, real, was, _mm512_loadu_ps(su + int64_t(r) * cols + j0 + sub * 16)));
+        _mm512_store_ps(m, _mm512_mask_max_ps(was, seen, was, _mm512_loadu_ps(su + int64_t(r) * cols + j0 + sub * 16)));
       }
     }
   }
 }
 
-// Pass 2 for one tile of ``live`` queries: exp of its kept scores s (float [16][cols]) less each query's maximum
-// (most), the sums, and the value sums as tile products over the packed values v (uint32 [blocks][4][16][16]),
-// written to the queries' parts (query i0 + r of group grp)
-inline void tile_values(const Model& md, const Step& st, const SharedScratch& sc, int g, int grp, int i0, int live,
-                        const float* s, const float* most, const uint32_t* v, int shared, int cols) {
+// Pass 2 for one tile (reach: its rows): exp of its kept scores s (float [16][cols]) less each query's maximum
+// (most), over the keys each sees, the sums, and the value sums as tile products over the packed values v (uint32
+// [blocks][4][16][16]), written to the queries' parts (query i0 + r of group grp)
+inline void tile_values(const Model& md, const Step& st, const SharedScratch& sc, int g, int grp, int i0,
+                        const TileReach& reach, const float* s, const float* most, const uint32_t* v, int cols) {
   constexpr int D = kSharedDim;
-  const int group = md.heads / md.kv_heads, queries = st.rows * group;
+  const int group = md.heads / md.kv_heads, queries = st.rows * group, live = reach.live;
   const __m512 scale = _mm512_set1_ps(md.scale);
   alignas(64) float top[16], sum[16];
   __m512 total[16];
@@ -139,13 +149,13 @@ inline void tile_values(const Model& md, const Step& st, const SharedScratch& sc
   _tile_zero(5);
   _tile_zero(6);
   alignas(64) bf16 p[16][32] = {};  // rows past the live ones stay 0
-  for (int blk = 0; blk < cols / 32; ++blk) {
+  for (int blk = 0; blk < (reach.far + 31) / 32; ++blk) {
     for (int r = 0; r < live; ++r) {
       __m512 e[2];
-      for (int sub = 0; sub < 2; ++sub) {  // (16 keys past the last scored ones are masked out, never read)
-        const __mmask16 real = mask16(shared - blk * 32 - sub * 16);
-        const __m512 sr = _mm512_maskz_loadu_ps(real, s + int64_t(r) * cols + blk * 32 + sub * 16);
-        e[sub] = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_mul_ps(sr, scale), _mm512_set1_ps(top[r]))));
+      for (int sub = 0; sub < 2; ++sub) {  // (keys past the row's reach, never scored for it, are masked out)
+        const __mmask16 seen = mask16(reach.of[r] - blk * 32 - sub * 16);
+        const __m512 sr = _mm512_maskz_loadu_ps(seen, s + int64_t(r) * cols + blk * 32 + sub * 16);
+        e[sub] = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_mul_ps(sr, scale), _mm512_set1_ps(top[r]))));
       }
       total[r] = _mm512_add_ps(total[r], _mm512_add_ps(e[0], e[1]));
       store16(&p[r][0], e[0], 0xffff);  // probabilities as bf16: the A tile of O += P V
@@ -236,15 +246,21 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
     const int qt0 = runs ? sc.tile_at[grp] : t / nkv, tiles = runs ? sc.tile_at[grp + 1] - qt0 : 1;
     const int shared = st.group_shared[grp], cols = (shared + 31) / 32 * 32;
     const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
+    TileReach reach[kAmxRun];  // each tile's rows (where a request's rows see their own slots, fewer than the run)
+    int far = 0;
+    for (int u = 0; u < tiles; ++u) {
+      const int i0 = (qt0 + u - sc.tile_at[grp]) * 16;
+      reach[u] = tile_reach(st, grp, i0, std::min(16, mine - i0), group);
+      far = std::max(far, reach[u].far);
+    }
     const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
     const int64_t first = int64_t(g) * blocks + sc.block_at[grp];  // (packed for the step) the group's first block
     const AmxRun w = amx_run_of(sc, blocks);
     const bf16* q = static_cast<bf16*>(sc.q) + (int64_t(g) * qtiles + qt0) * 16 * D;
-    auto live = [&](int u) { return std::min(16, mine - (qt0 + u - sc.tile_at[grp]) * 16); };
     const uint32_t* values = runs ? w.v : vt + first * 1024;
     configure_tiles(16);
     for (int i = 0; i < tiles * 16; ++i) _mm512_store_ps(w.most + i * 16, _mm512_set1_ps(-INFINITY));
-    for (int j0 = 0; j0 < shared; j0 += 32) {
+    for (int j0 = 0; j0 < far; j0 += 32) {
       const uint32_t* block = kt + (first + j0 / 32) * 1024;
       if (runs) {
         prefetch_rows(kp, vp, head, j0 + 32, std::min(j0 + 64, shared), nkv, g, D);
@@ -252,11 +268,11 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
         pack_values(vp, head, j0, shared, g, nkv, w.v + int64_t(j0 / 32) * 1024);
         block = w.kt;
       }
-      score_block(q, tiles, live, block, j0, shared, cols, w.s, w.most);
+      score_block(q, tiles, reach, block, j0, cols, w.s, w.most);
     }
     for (int u = 0; u < tiles; ++u)
-      tile_values(md, st, sc, g, grp, (qt0 + u - sc.tile_at[grp]) * 16, live(u), w.s + int64_t(u) * 16 * cols,
-                  w.most + u * 256, values, shared, cols);
+      tile_values(md, st, sc, g, grp, (qt0 + u - sc.tile_at[grp]) * 16, reach[u], w.s + int64_t(u) * 16 * cols,
+                  w.most + u * 256, values, cols);
   }
 }
 

@@ -115,6 +115,12 @@ inline int group_query(const Step& st, int g, int i, int group) {
   return st.group_rows[st.group_start[g] + i / group] * group + i % group;
 }
 
+// How many of group g's shared slots its query i sees (Step.row_shared: the whole run, or a row's own context where
+// a request's rows score their earlier slots through the group)
+inline int query_reach(const Step& st, int g, int i, int group) {
+  return st.row_shared[st.group_rows[st.group_start[g] + i / group]];
+}
+
 // Kv head g's key and value rows (head dim D each) of shared slots j0 .. j1 - 1 asked for from memory: a task
 // packs or widens one block of shared keys while the next block's rows arrive
 template <class T>

@@ -13,9 +13,11 @@
 namespace rs {
 
 // One tile of kVecQueries queries (q: float, scaled) over one block of nj <= 16 shared keys (kb: the keys
-// transposed, [head dim][16]; vb: the values, [16][head dim]): its online softmax's maxima, sums and value sums
-inline void vector_block(const float* q, const float* kb, const float* vb, int nj, int D, float* best,
-                         float* total, float* acc) {
+// transposed, [head dim][16]; vb: the values, [16][head dim]), of which query r sees the first seen[r] (where a
+// request's rows see their own slots through the group; 0: none, a query past the group's): its online softmax's
+// maxima, sums and value sums
+inline void vector_block(const float* q, const float* kb, const float* vb, int nj, const int* seen, int D,
+                         float* best, float* total, float* acc) {
   alignas(64) float p[kVecQueries][16];
   V16 s[kVecQueries];
 #pragma GCC unroll 8
@@ -25,8 +27,12 @@ inline void vector_block(const float* q, const float* kb, const float* vb, int n
 #pragma GCC unroll 8
     for (int r = 0; r < kVecQueries; ++r) s[r] = fmadd(set1(q[r * D + d]), k, s[r]);
   }
-  const M16 real = mask16(nj);
   for (int r = 0; r < kVecQueries; ++r) {
+    const M16 real = mask16(std::min(nj, seen[r]));
+    if (!real) {  // nothing of the block for this query: its state unchanged
+      storeu(p[r], zero16());
+      continue;
+    }
     const V16 sr = blend(set1(-INFINITY), real, s[r]);
     const float top = std::max(best[r], reduce_max(sr));
     const float fix = std::exp(best[r] - top);  // 0 on the first block
@@ -90,19 +96,22 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
       run -= n;
     }
     const int qt0 = sc.tile_at[grp] + run * kVecRun, qt1 = std::min(sc.tile_at[grp + 1], qt0 + kVecRun);
-    const int shared = st.group_shared[grp], mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
+    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
     const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
     const RunState run_state = run_state_of(sc, D);
     float *best = run_state.best, *total = run_state.total, *acc = run_state.acc, *kb = run_state.kb, *vb = run_state.vb;
     alignas(64) float key[16];
+    int reach[kVecRun * kVecQueries], far = 0;  // how many shared slots each query sees (0: past the group's)
     for (int i = 0; i < (qt1 - qt0) * kVecQueries; ++i) {
       best[i] = -INFINITY;
       total[i] = 0.0f;
+      const int qi = (qt0 - sc.tile_at[grp]) * kVecQueries + i;
+      far = std::max(far, reach[i] = qi < mine ? query_reach(st, grp, qi, group) : 0);
     }
     std::memset(acc, 0, sizeof(float) * (qt1 - qt0) * kVecQueries * D);
-    for (int j0 = 0; j0 < shared; j0 += 16) {
-      const int nj = std::min(16, shared - j0);
-      prefetch_rows(kp, vp, head, j0 + 16, std::min(j0 + 32, shared), nkv, g, D);  // the next block's rows
+    for (int j0 = 0; j0 < far; j0 += 16) {
+      const int nj = std::min(16, far - j0);
+      prefetch_rows(kp, vp, head, j0 + 16, std::min(j0 + 32, far), nkv, g, D);  // the next block's rows
       for (int n = 0; n < 16; ++n) {
         for (int d = 0; d < D; d += 16) {
           if (n < nj) {
@@ -115,9 +124,14 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
           for (int i = 0; i < 16; ++i) kb[(d + i) * 16 + n] = key[i];
         }
       }
-      for (int qt = qt0; qt < qt1; ++qt)
-        vector_block(qf + (int64_t(g) * qtiles + qt) * kVecQueries * D, kb, vb, nj, D, best + (qt - qt0) * kVecQueries,
-                     total + (qt - qt0) * kVecQueries, acc + int64_t(qt - qt0) * kVecQueries * D);
+      for (int qt = qt0; qt < qt1; ++qt) {
+        int seen[kVecQueries], any = 0;
+        for (int r = 0; r < kVecQueries; ++r) any |= seen[r] = std::max(0, reach[(qt - qt0) * kVecQueries + r] - j0);
+        if (any)
+          vector_block(qf + (int64_t(g) * qtiles + qt) * kVecQueries * D, kb, vb, nj, seen, D,
+                       best + (qt - qt0) * kVecQueries, total + (qt - qt0) * kVecQueries,
+                       acc + int64_t(qt - qt0) * kVecQueries * D);
+      }
     }
     for (int qt = qt0; qt < qt1; ++qt) {
       const int i0 = (qt - sc.tile_at[grp]) * kVecQueries;
