@@ -80,7 +80,8 @@ def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray,
     least SHARED_MIN slots with the bucket's first row (its shared run the shortest they have in common with it),
     and the rows it leaves out are grouped the same way among themselves. The rows of one request share their
     context's start, so each distinct start is compared once, not each row. ``tiled``: a request's rows far past
-    their group's shared run split off in groups of their own (_tiled), where AMX tiles score shared slots."""
+    their group's shared run split off in causal tiles of their own (_tiled), and a fresh prompt's first rows form
+    one (_first_rows), where AMX tiles score shared slots."""
     rows = len(length)
     if rows < 2:
         return native.PrefixGroups(rows)
@@ -99,8 +100,24 @@ def prefix_groups(slots: torch.Tensor, first: np.ndarray, length: np.ndarray,
                 shared.append(int(common[keep].min()))
             left = left[~keep]
     if tiled:
-        return native.PrefixGroups(rows, *_tiled(members, shared, first, length))
+        members, shared, reach = _tiled(members, shared, first, length)
+        _first_rows(members, shared, reach, first, length)
+        return native.PrefixGroups(rows, members, shared, reach)
     return native.PrefixGroups(rows, members, shared)
+
+
+def _first_rows(members: list[list[int]], shared: list[int], reach: list[list[int]], first: np.ndarray,
+                length: np.ndarray) -> None:
+    """A fresh prompt's first rows (contexts shorter than SHARED_MIN, in no group) as a causal tile of their own,
+    TILE_ROWS of them or more: rows of one request (one ``first``) see nested runs of its slots."""
+    short = np.flatnonzero(length < SHARED_MIN)
+    starts, count = np.unique(first[short], return_counts=True)
+    for start in starts[count >= TILE_ROWS]:
+        rows = short[first[short] == start]
+        rows = rows[np.argsort(-length[rows], kind="stable")]  # the longest first: its context holds the run
+        members.append(rows.tolist())
+        shared.append(int(length[rows[0]]))
+        reach.append(length[rows].tolist())
 
 
 def _tiled(members: list[list[int]], shared: list[int], first: np.ndarray,

@@ -234,7 +234,10 @@ def test_extend_rows_on_shared_prefixes_are_scored_once_per_group(smollm2_path, 
         for shares in (False, True):
             native.shares = shares
             outs[shares] = _eager_and_native(runner, plan)
-        assert native.last_groups == len(prefixes)
+        # (where AMX tiles score shared slots, a fresh prompt's rows are a causal tile too, 16 or more of them)
+        fresh = [ids for ids in rows if not any(tuple(ids[:len(h)]) == h for h in heads)]
+        tiles = sum(len(ids) >= 16 for ids in fresh) if native.amx_shared else 0
+        assert native.last_groups == len(prefixes) + tiles
         (eager, alone, kv_e, kv_alone), (_, grouped, _, kv_grouped) = outs[False], outs[True]
         assert len(grouped) == sum(plan.extend_lens)  # every new token's logits
         if dtype == "float32":
@@ -361,8 +364,9 @@ def test_long_requests_split_off_in_tiles():
     their own, one per TILE-slot step, each a causal tile: its run the request's context up to its furthest row
     (listed first), each row seeing its own context through it, so that only the rows left in a group score their
     own slots row by row; a request's rows alone in a group (a long prompt on its first slots) split near the run
-    too; the steps longer where more would pack more than TILES x the rows' span in all (a long prompt, a long
-    cached prefix); a step with fewer than TILE_ROWS rows stays in the group; requests sharing a cached prefix keep
+    too, and a fresh prompt's first rows (shorter than SHARED_MIN: in no group untiled) form one more; the steps
+    longer where more would pack more than TILES x the rows' span in all (a long prompt, a long cached prefix); a
+    step with fewer than TILE_ROWS rows stays in the group; requests sharing a cached prefix keep
     sharing it in one group for their rows near it, and decode rows (one a request) are never split."""
     from radixserve.model.prefix_groups import SHARED_MIN, TILE, TILE_ROWS, TILES, prefix_groups
 
@@ -373,24 +377,25 @@ def test_long_requests_split_off_in_tiles():
             assert groups.row_shared[rows].tolist() == length[rows].tolist()
 
     assert SHARED_MIN == TILE == 128 and TILE_ROWS == 16  # the figures below
-    # a fresh 700-token prompt: rows 127.. (on its first 128 slots) in causal tiles of 128 rows
+    # a fresh 700-token prompt: rows 127.. (on its first 128 slots) in causal tiles of 128 rows, its first 127
+    # rows (in no group untiled) a causal tile of their own
     flat, first, length = _extend_contexts([list(range(1000, 1700))], [0])
     plain, tiled = prefix_groups(flat, first, length), prefix_groups(flat, first, length, tiled=True)
-    assert plain.shared.tolist() == [128] and plain.row_shared[127:].tolist() == [128] * 573
-    assert sorted(tiled.shared.tolist()) == [255, 383, 511, 639, 700]
-    assert tiled.row_shared.tolist() == [0] * 127 + length[127:].tolist()
+    assert plain.shared.tolist() == [128] and plain.row_shared.tolist() == [0] * 127 + [128] * 573
+    assert sorted(tiled.shared.tolist()) == [127, 255, 383, 511, 639, 700]
+    assert tiled.row_shared.tolist() == length.tolist()
     causal(tiled, length)
     # 650 tokens: the last step would hold 11 rows (lengths 640..650): they stay on the first 128
     flat, first, length = _extend_contexts([list(range(1000, 1650))], [0])
     tiled = prefix_groups(flat, first, length, tiled=True)
-    assert sorted(tiled.shared.tolist()) == [128, 255, 383, 511, 639]
+    assert sorted(tiled.shared.tolist()) == [127, 128, 255, 383, 511, 639]
     assert tiled.row_shared[-11:].tolist() == [128] * 11 and tiled.row_shared[-12] == 639
     # 5000 tokens: 4872 past the shared run, in 15 steps (16 x 4872 // 5000) of 336 (a multiple of 16)
     flat, first, length = _extend_contexts([list(range(10_000, 15_000))], [0])
     tiled = prefix_groups(flat, first, length, tiled=True)
-    assert len(tiled) == 15 and sorted(tiled.shared.tolist())[:2] == [128 + 335, 128 + 671]
-    assert tiled.row_shared[127:].tolist() == length[127:].tolist()
-    assert tiled.slots() <= TILES * 4872
+    assert len(tiled) == 16 and sorted(tiled.shared.tolist())[:3] == [127, 128 + 335, 128 + 671]
+    assert tiled.row_shared.tolist() == length.tolist()
+    assert tiled.slots() - 127 <= TILES * 4872
     causal(tiled, length)
     # 2048 new tokens on a cached 6000-slot prefix: 4 steps (16 x 2048 // 8048) of 512, not 16 of 128
     cached = list(range(20_000, 26_000))
