@@ -123,3 +123,39 @@ def test_window_and_softcap_match_reference(name, window, softcap):
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend .nope.; available: batch-invariant, torch, triton"):
         get_backend("nope", torch.device("cpu"))
+
+
+def test_a_flash_kernel_refusing_the_cpu_falls_back_to_math(monkeypatch):
+    """torch's bf16 flash kernel raises "pack_vnni2 is only supported when avx512 is supported" where its dispatch
+    is held at AVX2 on an AMX CPU: extend then runs on the math kernel (same attention), other errors still raise."""
+    import torch.nn.functional as F
+    from radixserve.kernels import torch_backend
+
+    torch.manual_seed(0)
+    backend = get_backend("torch", torch.device("cpu"))
+    batch = make_batch("extend", [0, 5], [7, 3], 64, backend)
+    k_pool, v_pool = torch.randn(64, 2, 16), torch.randn(64, 2, 16)
+    q, k, v = torch.randn(10, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    backend.store_kv(k_pool, v_pool, batch, k, v)
+    want = backend.extend(q, k, v, k_pool, v_pool, batch, 0.25)
+
+    sdpa, kernels = F.scaled_dot_product_attention, []
+
+    def flash_refuses(*args, **kw):
+        math = not torch.backends.cuda.flash_sdp_enabled()  # the global switch sdpa_kernel(MATH) turns off
+        kernels.append("math" if math else "flash")
+        if not math:
+            raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+        return sdpa(*args, **kw)
+
+    monkeypatch.setattr(torch_backend, "_flash_refused", False)
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", flash_refuses)
+    got = backend.extend(q, k, v, k_pool, v_pool, batch, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert kernels == ["flash", "math", "math"] and torch_backend._flash_refused  # tried once, then math for good
+
+    monkeypatch.setattr(torch_backend, "_flash_refused", False)
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        backend.extend(q, k, v, k_pool, v_pool, batch, 0.25)
