@@ -5,7 +5,7 @@
 // whole context. Scoring the shared keys row by row costs every row the whole prefix; here each shared key and
 // value, prepared once per step, serves many queries from registers.
 //
-// Two ways to score them, by what the CPU has:
+// Three ways to score them, by what the CPU has:
 //  - AMX tiles (bf16, head dim 64), as matrix products:
 //      per kv head:  Q  [rows x group queries, 64]  (padded to tiles of 16)
 //                    Kt [shared keys / 16][2 halves of the head dim][16 dim pairs][16 keys]   (B tiles of S = Q K^T)
@@ -15,6 +15,9 @@
 //    stay in tiles (an online softmax would rescale them after every block). Where every group's queries fit
 //    kAmxRun tiles (decode) a task per group and kv head packs Kt and Vp itself, block by block, reading the
 //    prefix from the pool once; otherwise (prefill) they are packed once for the step and a task scores each tile;
+//  - AVX-512 BF16 dot products with a tile's 16 queries in a vector's lanes (bf16 where AMX tiles are not granted;
+//    head dims that are multiples of 16): each key's bf16 pairs broadcast from the pool as they are, an online
+//    softmax lane by lane (shared_lanes.h);
 //  - vector registers (AVX-512 or AVX2; any model dtype, head dims that are multiples of 16, a pool in the model's
 //    dtype), an online softmax per tile of kVecQueries queries over blocks of 16 shared keys:
 //      per kv head:  Q  [query tiles][kVecQueries][head dim] float, times the softmax scale
@@ -36,6 +39,7 @@
 #include "abi.h"
 #include "shared_amx.h"
 #include "shared_groups.h"
+#include "shared_lanes.h"
 #include "shared_vector.h"
 #include "simd.h"
 
@@ -89,8 +93,18 @@ inline void own_keys_and_merge(const Model& md, const Layer& ly, const Step& st,
 template <class T>
 inline void attention_shared(const Model& md, const Layer& ly, const Step& st, const T* qkv, T* out,
                              const SharedScratch& sc) {
-  if (amx_shared(md)) amx_shared_scores(md, ly, st, qkv, sc);
-  else vector_shared_scores(md, ly, st, qkv, sc);
+  if (amx_shared(md)) {
+    amx_shared_scores(md, ly, st, qkv, sc);
+    return own_keys_and_merge(md, ly, st, qkv, out, sc);
+  }
+#if RS_AVX512
+  if constexpr (std::is_same_v<T, bf16>)
+    if (lane_shared(md)) {
+      lane_shared_scores(md, ly, st, qkv, sc);
+      return own_keys_and_merge(md, ly, st, qkv, out, sc);
+    }
+#endif
+  vector_shared_scores(md, ly, st, qkv, sc);
   own_keys_and_merge(md, ly, st, qkv, out, sc);
 }
 

@@ -132,22 +132,6 @@ inline void score_block(const bf16* q, int tiles, const TileReach* reach, const 
   }
 }
 
-// e^x for the probabilities (x <= 0 where it is kept), to ~3e-6 relative: n = round(x log2 e), r = x - n ln 2 in
-// [-0.35, 0.35], e^r by its Taylor polynomial to r^5, times 2^n -- half exp16's work, and far below the bf16
-// rounding the probabilities then take
-inline __m512 exp_probability(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
-  __m512 p = _mm512_set1_ps(1.0f / 120);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Pass 2 for one tile (reach: its rows): exp of its kept scores s (float [16][cols]) less each query's maximum
 // (most), over the keys each sees, the sums, and the value sums as tile products over the packed values v (uint32
 // [blocks][4][16][16]), written to the queries' parts (query i0 + r of group grp)

@@ -23,6 +23,8 @@ inline bool amx_shared(const Model& md) {
   return kHaveAmx && md.amx && md.bf16 && !md.kv_codes && md.head_dim == kSharedDim;
 }
 inline bool vector_shared(const Model& md) { return !md.kv_codes && md.head_dim % 16 == 0; }
+// ... with AVX-512 BF16 dot products, a tile's queries in a vector's lanes (shared_lanes.h): bf16 without AMX tiles
+inline bool lane_shared(const Model& md) { return RS_AVX512 && md.bf16 && !amx_shared(md) && vector_shared(md); }
 inline bool shared_path(const Model& md, const Step& st) {
   return st.groups > 0 && (amx_shared(md) || vector_shared(md));
 }
@@ -31,9 +33,10 @@ struct SharedScratch {
   void* kt;     // AMX, prefill (amx_runs false): uint32_t [nkv][blocks32][2][2][16][16], each group's keys packed
   void* v;      // ... and its values: uint32_t [nkv][blocks32][4][16][16]
   void* q;      // AMX: bf16 [nkv][qtiles of 16][16][64];        vector: float [nkv][qtiles][kVecQueries][head dim]
+                // lanes: bf16 pairs [nkv][qtiles of 16][head dim / 2][16]
   float* part;  // [2][nkv][rows * group][2 + head dim]: max, sum, value sums -- of the shared keys, of each row's own
   int32_t* block_at;  // [groups + 1]: group g's key blocks (32 keys for AMX, else 16) are block_at[g] .. [g + 1]
-  int32_t* tile_at;   // [groups + 1]: its query tiles (16 queries for AMX, else kVecQueries), the same way
+  int32_t* tile_at;   // [groups + 1]: its query tiles (16 queries for AMX and lanes, else kVecQueries), the same way
   float* runs;  // each thread's working set: vector, a RunState (run_floats(head dim)); AMX, an AmxRun
                 // (amx_run_floats(blocks), blocks: the step's, a bound on any group's)
 };
@@ -45,6 +48,9 @@ struct RunState {
   float *best, *total, *acc, *kb, *vb;
 };
 inline int64_t run_floats(int64_t D) { return (2 + D) * kVecRun * kVecQueries + 2 * 16 * D; }
+// A lanes task's: the value sums of each tile of its run ([kVecRun][head dim][16 lanes] float; the maxima and sums
+// stay in registers), one block of keys (bf16 [16][head dim]) and of value pairs (uint32 [8][head dim])
+inline int64_t lane_run_floats(int64_t D) { return kVecRun * 16 * D + 16 * D; }
 inline RunState run_state_of(const SharedScratch& sc, int D) {
   float* at = sc.runs + omp_get_thread_num() * run_floats(D);
   const int n = kVecRun * kVecQueries;
@@ -67,7 +73,7 @@ inline AmxRun amx_run_of(const SharedScratch& sc, int64_t blocks) {
 }
 
 inline int shared_block(const Model& md) { return amx_shared(md) ? 32 : 16; }
-inline int query_tile(const Model& md) { return amx_shared(md) ? 16 : kVecQueries; }
+inline int query_tile(const Model& md) { return amx_shared(md) || lane_shared(md) ? 16 : kVecQueries; }
 
 // The scratch of a step of ``rows`` rows in ``groups`` groups sharing ``shared`` slots in all: each group's blocks
 // and tiles rounded up, so at most one more of each per group than the totals need
@@ -83,6 +89,9 @@ inline SharedScratch carve_shared(const Model& md, int64_t rows, int64_t groups,
     sizes[0] = sizes[1] = nkv * blocks * 4096;
     sizes[2] = nkv * tiles * 16 * kSharedDim * 2;
     sizes[6] = omp_get_max_threads() * amx_run_floats(blocks) * 4;
+  } else if (lane_shared(md)) {
+    sizes[2] = nkv * tiles * 16 * D * 2;
+    sizes[6] = omp_get_max_threads() * lane_run_floats(D) * 4;
   }
   void* parts[7];
   const int64_t off = lay_out(sizes, 7, base, parts);
@@ -120,6 +129,25 @@ inline int group_query(const Step& st, int g, int i, int group) {
 inline int query_reach(const Step& st, int g, int i, int group) {
   return st.row_shared[st.group_rows[st.group_start[g] + i / group]];
 }
+
+#if RS_AVX512
+// e^x for the probabilities (x <= 0 where it is kept), to ~3e-6 relative: n = round(x log2 e), r = x - n ln 2 in
+// [-0.35, 0.35], e^r by its Taylor polynomial to r^5, times 2^n -- half exp16's work, and far below the bf16
+// rounding the probabilities then take
+inline __m512 exp_probability(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
+  __m512 p = _mm512_set1_ps(1.0f / 120);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+#endif
 
 // Kv head g's key and value rows (head dim D each) of shared slots j0 .. j1 - 1 asked for from memory: a task
 // packs or widens one block of shared keys while the next block's rows arrive
