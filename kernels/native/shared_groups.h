@@ -119,6 +119,27 @@ inline int group_of(const int32_t* at, int groups, int i) {
   return g;
 }
 
+// The runs of up to kVecRun query tiles each group's tiles split into (a vector or lanes task scores one run for
+// one kv head): how many the step has, and run i's group and tiles qt0 .. qt1 - 1
+struct TileRun {
+  int grp, qt0, qt1;
+};
+inline int tile_runs(const SharedScratch& sc, int groups) {
+  int runs = 0;
+  for (int grp = 0; grp < groups; ++grp) runs += (sc.tile_at[grp + 1] - sc.tile_at[grp] + kVecRun - 1) / kVecRun;
+  return runs;
+}
+inline TileRun tile_run(const SharedScratch& sc, int run) {
+  int grp = 0;
+  for (;; ++grp) {
+    const int n = (sc.tile_at[grp + 1] - sc.tile_at[grp] + kVecRun - 1) / kVecRun;
+    if (run < n) break;
+    run -= n;
+  }
+  const int qt0 = sc.tile_at[grp] + run * kVecRun;
+  return {grp, qt0, std::min(sc.tile_at[grp + 1], qt0 + kVecRun)};
+}
+
 // Query i of group g (its rows' heads in order): the row's query index, row * group + head
 inline int group_query(const Step& st, int g, int i, int group) {
   return st.group_rows[st.group_start[g] + i / group] * group + i % group;
