@@ -266,6 +266,8 @@ def figures_markdown(root: Path) -> tuple[str, list[str]]:
         if m.get("uncommitted_changes"):
             status += " (measured with uncommitted changes in the checkout)"
         build = m.get("radixserve_march", "native")
+        if m.get("onednn_max_cpu_isa"):
+            build += f" (torch's oneDNN held to {m['onednn_max_cpu_isa']})"
         out += [f"### {stage}" + (f" ({path.parent.parent.name})" if path.parent.parent.name != "results" else ""),
                 "", f"- file: `{rel}`",
                 f"- measured: {d['started']} at commit `{m['commit']}` on {m.get('cpu', '?')}, "

@@ -464,7 +464,8 @@ def provenance_section(out: Path) -> list[str]:
         status = "unknown commit" if later is None else f"stale ({len(later)} later commits)" if later else "current"
         status += ", uncommitted changes" if m.get("uncommitted_changes") else ""
         where = (f"{m.get('cpu', '?')}, {m.get('cpus_in_mask', '?')} CPUs, "
-                 f"{'/'.join(m.get('isa', [])[-3:]) or 'ISA not recorded'}, kernels {m.get('radixserve_march', '?')}")
+                 f"{'/'.join(m.get('isa', [])[-3:]) or 'ISA not recorded'}, kernels {m.get('radixserve_march', '?')}"
+                 + (f", oneDNN up to {m['onednn_max_cpu_isa']}" if m.get("onednn_max_cpu_isa") else ""))
         L.append(f"| {stage} | `{path.relative_to(out)}` | {d.get('started', '?')} | {m.get('commit', '?')} | "
                  f"{where} | {status} |")
     return L + [""]

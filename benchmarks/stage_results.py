@@ -37,6 +37,9 @@ def machine() -> dict:
             "cores": os.cpu_count(), "cpus_in_mask": len(os.sched_getaffinity(0)), "commit": commit,
             "uncommitted_changes": bool(dirty), "load_average_at_start": os.getloadavg()[0],
             "radixserve_march": os.environ.get("RADIXSERVE_MARCH", "native"),
+            # torch's products (oneDNN) held below what the CPU has, e.g. AVX512_CORE_BF16 to stand in for a CPU
+            # without AMX: None when not set
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
             "versions": {"python": platform.python_version(), "torch": _version("torch"),
                          "transformers": _version("transformers")},
             "llama_cpp": {"version": f"llama-cpp-python {LLAMA_CPP_VERSION}'s vendored llama.cpp",
