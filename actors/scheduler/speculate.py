@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 
 from radixserve.actors.scheduler.req import Req
 from radixserve.policies import load_draft_policy
-from radixserve.policies.draft_trees import DraftTree
-from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, NoCache, NoDrafts
+from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, DraftTree, NoCache, NoDrafts
 
 log = logging.getLogger(__name__)
 
