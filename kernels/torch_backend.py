@@ -58,25 +58,6 @@ CAPPED_ROWS = 256  # soft-capped extend: queries per score matrix
 SHARED_MAX_SCORES = 1 << 23  # B * U bound for the shared-key path (its score matrix is this big per kv head)
 
 
-_flash_refused = False  # torch's flash kernel raised on this CPU: the math kernel from then on
-
-
-def _sdpa(q, k, v, **kw) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``, falling back to torch's math kernel for good where its flash kernel
-    refuses the CPU: torch 2.13's bf16 flash kernel packs VNNI pairs with AVX-512 instructions and raises when
-    torch's dispatch was held below AVX-512 (``ATEN_CPU_CAPABILITY=avx2``) on a CPU that has AMX."""
-    global _flash_refused
-    if not _flash_refused:
-        try:
-            return F.scaled_dot_product_attention(q, k, v, **kw)
-        except RuntimeError as e:
-            if "pack_vnni" not in str(e):
-                raise
-            _flash_refused = True
-    with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(q, k, v, **kw)
-
-
 def _starts(lengths: list[int]) -> list[int]:
     out, acc = [], 0
     for n in lengths:
@@ -130,6 +111,23 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 class TorchAttention:
     name = "torch"
+
+    def __init__(self) -> None:
+        self.flash_refused = False  # torch's flash kernel raised on this CPU: its math kernel from then on
+
+    def _sdpa(self, q, k, v, **kw) -> torch.Tensor:
+        """``F.scaled_dot_product_attention``, falling back to torch's math kernel for good where its flash kernel
+        refuses the CPU: torch 2.13's bf16 flash kernel packs VNNI pairs with AVX-512 instructions and raises when
+        torch's dispatch was held below AVX-512 (``ATEN_CPU_CAPABILITY=avx2``) on a CPU that has AMX."""
+        if not self.flash_refused:
+            try:
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+            except RuntimeError as e:
+                if "pack_vnni" not in str(e):
+                    raise
+                self.flash_refused = True
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
 
     def prepare(self, batch: AttentionBatch):
         device = batch.slots.device
@@ -205,7 +203,7 @@ class TorchAttention:
             if softcap is not None:
                 o = capped_attention(qi, ki, vi, mask, scale, softcap)
             else:
-                o = _sdpa(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale)
+                o = self._sdpa(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale)
             out[t0 : t0 + e] = o[0].transpose(0, 1)
         return out
 
@@ -222,7 +220,7 @@ class TorchAttention:
         if softcap is not None:
             o = capped_attention(q, k, v, mask, scale, softcap)
         else:
-            o = _sdpa(q, k, v, attn_mask=mask, scale=scale)
+            o = self._sdpa(q, k, v, attn_mask=mask, scale=scale)
         return o.reshape(b, h, d)
 
     @staticmethod

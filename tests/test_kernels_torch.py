@@ -148,13 +148,12 @@ def test_a_flash_kernel_refusing_the_cpu_falls_back_to_math(monkeypatch):
             raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
         return sdpa(*args, **kw)
 
-    monkeypatch.setattr(torch_backend, "_flash_refused", False)
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", flash_refuses)
     got = backend.extend(q, k, v, k_pool, v_pool, batch, 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert kernels == ["flash", "math", "math"] and torch_backend._flash_refused  # tried once, then math for good
+    assert kernels == ["flash", "math", "math"] and backend.flash_refused  # tried once, then math for good
 
-    monkeypatch.setattr(torch_backend, "_flash_refused", False)
+    backend = get_backend("torch", torch.device("cpu"))
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
                         lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("out of memory")))
     with pytest.raises(RuntimeError, match="out of memory"):
