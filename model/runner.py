@@ -18,6 +18,7 @@ from radixserve.cpu_load import AdaptiveThreads, ProcessTree, ProcStat
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.kernels.cpu_native import NativeUnavailable, default_cache_dir
+from radixserve.kernels.vector_math import settle_vector_math
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.compiled import CompiledDecode
 from radixserve.model.config import ModelConfig
@@ -136,6 +137,7 @@ class ModelRunner:
         process only, as in an Engine). ``logit_processors``: the named processors requests may use (loaded
         now). ``kv_cache_dtype``: int8, fp8_e4m3 or fp8_e5m2 holds the KV pool in 8-bit codes (model/kv_codes.py);
         anything else, the model's dtype."""
+        settle_vector_math()  # before any other torch math in this process (kernels/vector_math.py)
         self.num_threads: int | None = None  # the threads every step runs on (CPU); adaptive: the most
         self.adaptive: AdaptiveThreads | None = None  # None: a fixed count (--num-threads, or not the CPU)
         if device == "cpu":  # default: the CPUs this process may use (affinity and cgroup quota) others leave free

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.kernels.vector_math import settle_vector_math
 from radixserve.server_process import ServerProcess  # noqa: E402  (tests import it from here)
+
+settle_vector_math()  # the references tests compute in this process (transformers' models) too
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch.compile costs seconds per start-up: auto skips it in tests (they run the native step where this machine
