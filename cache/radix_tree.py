@@ -26,7 +26,7 @@ import numpy as np
 from radixserve.cache.allocator import SLOT_DTYPE
 from radixserve.cache.evictable import EvictionQueue
 from radixserve.cache.invariants import require
-from radixserve.policies.drafts import DraftTree, grow_tree
+from radixserve.policies.draft_trees import DraftTree, grow_tree
 
 if TYPE_CHECKING:
     from radixserve.policies.base import EvictionPolicy

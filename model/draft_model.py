@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from radixserve.policies.drafts import DraftCache, DraftOptions, accepted_prefix
+from radixserve.policies.draft_trees import accepted_prefix
+from radixserve.policies.drafts import DraftCache, DraftOptions
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import torch
 from radixserve.kernels.base import AttentionBackend, AttentionBatch
 from radixserve.model.kv_codes import ScaledPool
 from radixserve.model.slot_table import SlotTable
-from radixserve.policies.drafts import is_chain, tree_depths
+from radixserve.policies.draft_trees import is_chain, tree_depths
 from radixserve.wire.plans import ForwardPlan
 
 

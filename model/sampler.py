@@ -101,7 +101,7 @@ def sample(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
 
 def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], s: SamplingInputs,
                 row: int) -> list[int]:
-    """A draft's check (policies/drafts.py's DraftTree; a chain's parents are -1, 0, 1, ...): ``logits[0]`` is the
+    """A draft's check (policies/draft_trees.py's DraftTree; a chain's parents are -1, 0, 1, ...): ``logits[0]`` is the
     model's distribution after the request's last token, ``logits[a + 1]`` after draft token a. From the root, the next token is chosen as a
     plain step would choose it, and the walk goes on while that token is one of the draft's children. Greedy: the
     argmax. Sampled (not seeded): each child in turn is taken with its probability in what is left of p, else

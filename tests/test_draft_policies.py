@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 from radixserve.cache.radix_tree import RadixTree
 from radixserve.lab.sim_drafts import compare_drafts, simulate_drafts
 from radixserve.policies import available, load_draft_policy, load_eviction_policy
-from radixserve.policies.drafts import NGram, NoCache, Radix, Suffix, SuffixTrie, accepted_prefix
+from radixserve.policies.draft_trees import accepted_prefix
+from radixserve.policies.drafts import NGram, NoCache, Radix, Suffix, SuffixTrie
 
 
 def tree_of(*seqs: list[int]) -> RadixTree:

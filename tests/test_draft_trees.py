@@ -1,4 +1,4 @@
-"""Draft trees (policies/drafts.py's DraftTree): one forward verifies every branch, each draft token attending to
+"""Draft trees (policies/draft_trees.py's DraftTree): one forward verifies every branch, each draft token attending to
 its request's prefix and its own ancestors only (a tree mask), on every attention backend and decode kernel; the
 kept path is exactly what plain decoding makes, greedy or sampled; only the kept path's K/V stays."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from radixserve.kernels import AttentionBatch, get_backend
-from radixserve.policies.drafts import DraftTree, OwnText, SuffixTrie
+from radixserve.policies.draft_trees import DraftTree
+from radixserve.policies.drafts import OwnText, SuffixTrie
 
 from test_speculative import prompts, run
 

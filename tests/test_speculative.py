@@ -327,7 +327,7 @@ def test_a_draft_not_verified_is_judged_by_the_tokens_that_follow():
     """A request that does not draft still has its policy's draft watched: judged once the tokens that came settle
     it (a wrong token, or every token right), not before; and it drafts again once its watched drafts would pay."""
     from radixserve.actors.scheduler.speculate import Drafting, draft_length
-    from radixserve.policies.drafts import DraftTree
+    from radixserve.policies.draft_trees import DraftTree
 
     r = Drafting()
     for _ in range(3):

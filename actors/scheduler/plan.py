@@ -7,7 +7,7 @@ from typing import Literal
 import numpy as np
 
 from radixserve.actors.scheduler.req import Req
-from radixserve.policies.drafts import DraftTree
+from radixserve.policies.draft_trees import DraftTree
 from radixserve.wire.plans import (
     ForwardPlan, GrammarSpec, PenaltySpec, ProcessorSpec, PromptLogprobs, SamplingBatch, TierOps,
 )

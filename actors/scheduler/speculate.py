@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from radixserve.actors.scheduler.req import Req
 from radixserve.policies import load_draft_policy
-from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, DraftTree, NoCache, NoDrafts
+from radixserve.policies.draft_trees import DraftTree
+from radixserve.policies.drafts import DraftCache, DraftOptions, DraftPolicy, NoCache, NoDrafts
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from radixserve.cache.radix_tree import RadixTree
 from radixserve.policies import load_draft_policy, load_eviction_policy
-from radixserve.policies.drafts import DraftOptions, accepted_prefix
+from radixserve.policies.draft_trees import accepted_prefix
+from radixserve.policies.drafts import DraftOptions
 
 
 @dataclass
