@@ -200,7 +200,7 @@ template <class T>
 inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
                               const SharedScratch& sc) {
   constexpr int D = kSharedDim;
-  const int nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
+  const int nq = md.heads, nkv = md.kv_heads, group = nq / nkv;
   const int groups = st.groups, blocks = sc.block_at[groups], qtiles = sc.tile_at[groups];
   const bf16* kp = static_cast<const bf16*>(ly.k_pool);
   const bf16* vp = static_cast<const bf16*>(ly.v_pool);
@@ -223,17 +223,13 @@ inline void amx_shared_scores(const Model& md, const Layer& ly, const Step& st, 
   }
 #pragma omp for schedule(static)
   for (int t = 0; t < nkv * qtiles; ++t) {
-    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
-    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;  // the group's queries
     bf16* q = static_cast<bf16*>(sc.q) + int64_t(t) * 16 * D;
     for (int r = 0; r < 16; ++r) {
-      const int i = (qt - sc.tile_at[grp]) * 16 + r;
-      if (i < mine) {
-        const int qi = group_query(st, grp, i, group);
-        std::memcpy(q + r * D, qkv + int64_t(qi / group) * width + (g * group + qi % group) * D, D * 2);
-      } else {
+      const T* from = tile_query(md, st, sc, qkv, t / qtiles, t % qtiles, r);
+      if (from)
+        std::memcpy(q + r * D, from, D * 2);
+      else
         std::memset(q + r * D, 0, D * 2);
-      }
     }
   }
   // 2. a task per run of query tiles of a group and kv head -- all the group's (runs), or one -- pass 1 over the

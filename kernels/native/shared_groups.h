@@ -145,6 +145,18 @@ inline int group_query(const Step& st, int g, int i, int group) {
   return st.group_rows[st.group_start[g] + i / group] * group + i % group;
 }
 
+// Step 1 of each way (the queries gathered into tiles of query_tile): query r of query tile qt for kv head g -- its
+// head's row in qkv -- or nullptr past its group's queries (the tile's padding)
+template <class T>
+inline const T* tile_query(const Model& md, const Step& st, const SharedScratch& sc, const T* qkv, int g, int qt,
+                           int r) {
+  const int group = md.heads / md.kv_heads, width = (md.heads + 2 * md.kv_heads) * md.head_dim;
+  const int grp = group_of(sc.tile_at, st.groups, qt), i = (qt - sc.tile_at[grp]) * query_tile(md) + r;
+  if (i >= (st.group_start[grp + 1] - st.group_start[grp]) * group) return nullptr;
+  const int qi = group_query(st, grp, i, group);
+  return qkv + int64_t(qi / group) * width + (g * group + qi % group) * md.head_dim;
+}
+
 // How many of group g's shared slots its query i sees (Step.row_shared: the whole run, or a row's own context where
 // a request's rows score their earlier slots through the group)
 inline int query_reach(const Step& st, int g, int i, int group) {

@@ -96,7 +96,7 @@ inline void lane_gather(const bf16* kp, const bf16* vp, const int64_t* head, int
 
 inline void lane_shared_scores(const Model& md, const Layer& ly, const Step& st, const bf16* qkv,
                                const SharedScratch& sc) {
-  const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
+  const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv;
   const int groups = st.groups, qtiles = sc.tile_at[groups], queries = st.rows * group, pairs = D / 2;
   const bf16* kp = static_cast<const bf16*>(ly.k_pool);
   const bf16* vp = static_cast<const bf16*>(ly.v_pool);
@@ -104,14 +104,10 @@ inline void lane_shared_scores(const Model& md, const Layer& ly, const Step& st,
   // 1. the queries gathered: tile t's dim pair p of lane r at qs[(t * pairs + p) * 16 + r] (zeros past the group's)
 #pragma omp for schedule(static)
   for (int t = 0; t < nkv * qtiles; ++t) {
-    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
-    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
     uint32_t* q = qs + int64_t(t) * pairs * 16;
     for (int r = 0; r < 16; ++r) {
-      const int i = (qt - sc.tile_at[grp]) * 16 + r;
-      const int qi = i < mine ? group_query(st, grp, i, group) : 0;
-      const uint32_t* from = reinterpret_cast<const uint32_t*>(qkv + int64_t(qi / group) * width + (g * group + qi % group) * D);
-      for (int p = 0; p < pairs; ++p) q[p * 16 + r] = i < mine ? from[p] : 0u;
+      const auto* from = reinterpret_cast<const uint32_t*>(tile_query(md, st, sc, qkv, t / qtiles, t % qtiles, r));
+      for (int p = 0; p < pairs; ++p) q[p * 16 + r] = from ? from[p] : 0u;
     }
   }
   // 2. a task per run of up to kVecRun query tiles of a group and kv head (a run's kv heads one after another): each

@@ -60,7 +60,7 @@ inline void vector_block(const float* q, const float* kb, const float* vb, int n
 template <class T>
 inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& st, const T* qkv,
                                  const SharedScratch& sc) {
-  const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv, width = (nq + 2 * nkv) * D;
+  const int D = md.head_dim, nq = md.heads, nkv = md.kv_heads, group = nq / nkv;
   const int groups = st.groups, qtiles = sc.tile_at[groups];
   const int queries = st.rows * group;
   const T* kp = static_cast<const T*>(ly.k_pool);
@@ -69,14 +69,10 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
   // 1. the queries gathered, scaled
 #pragma omp for schedule(static)
   for (int t = 0; t < nkv * qtiles; ++t) {
-    const int g = t / qtiles, qt = t % qtiles, grp = group_of(sc.tile_at, groups, qt);
-    const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;  // the group's queries
     for (int r = 0; r < kVecQueries; ++r) {
-      const int i = (qt - sc.tile_at[grp]) * kVecQueries + r;
       float* q = qf + (int64_t(t) * kVecQueries + r) * D;
-      const int qi = i < mine ? group_query(st, grp, i, group) : 0;
-      const T* from = qkv + int64_t(qi / group) * width + (g * group + qi % group) * D;
-      for (int d = 0; d < D; d += 16) storeu(q + d, i < mine ? load16(from + d, 0xffff) * set1(md.scale) : zero16());
+      const T* from = tile_query(md, st, sc, qkv, t / qtiles, t % qtiles, r);
+      for (int d = 0; d < D; d += 16) storeu(q + d, from ? load16(from + d, 0xffff) * set1(md.scale) : zero16());
     }
   }
   // 2. a task per run of up to kVecRun query tiles of a group and kv head (a run's kv heads one after another, so
