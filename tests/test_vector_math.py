@@ -1,6 +1,6 @@
 """kernels/vector_math.py: a runner's process makes its first MKL VML call on one thread, so the RoPE table it
 computes once and keeps is as accurate as torch's cos and sin ever are (not VML's low-accuracy mode on one
-thread's share, which about one start in eight got without it)."""
+thread's share, which about one start in six got without it)."""
 from __future__ import annotations
 
 import json
