@@ -99,7 +99,7 @@ def build(spec: ActorSpec, channel: Channel, rank: int) -> tuple[RunnerActor, di
         runner.tiers.listen(spec.endpoints.address(spec.named("tiers")))
     return RunnerActor(runner, channel, spec.named("scheduler")), {
                                           "threads": torch.get_num_threads(), "omp_wait": wait_policy(os.environ),
-                                          "adaptive_threads": runner.adaptive is not None,
+                                          "adaptive_threads": runner.threads is not None and runner.threads.adaptive is not None,
                                           "rank": rank, "node": args.node_rank, "replica": spec.replica or 0,
                                           "dtype": args.dtype,
                                           "device": args.device, "attention": runner.attn.name,

@@ -116,7 +116,7 @@ def worker() -> None:
 
     from radixserve.cpu_budget import wait_policy
 
-    print(json.dumps({"threads": torch.get_num_threads(), "adaptive": engine.runner.adaptive is not None,
+    print(json.dumps({"threads": torch.get_num_threads(), "adaptive": engine.runner.threads.adaptive is not None,
                       "omp_wait": wait_policy(os.environ)}), flush=True)
     params = {"temperature": 0, "ignore_eos": True}
     for line in sys.stdin:

@@ -3,7 +3,7 @@ norm and the output projection, for every family; loading maps a checkpoint's na
 ``WeightNames`` (model/arch.py)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,9 +90,18 @@ class CausalLM(nn.Module):
             yield piece_name, read_part(tensor[start : start + rows[piece]], shard_of(cfg, self.tp, piece_name))
             start += rows[piece]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def module_of(self, hf_name: str) -> str:
+        """The module (our name) a checkpoint weight loads into: ``model.layers.0.self_attn.qkv_proj`` for
+        ``model.layers.0.self_attn.k_proj.weight``."""
+        module_name = hf_name.rpartition(".")[0]
+        parent, _, leaf = module_name.rpartition(".")
+        leaf = FUSED[leaf][0] if leaf in FUSED else self.config.arch.weights.renames.get(leaf, leaf)
+        return f"{parent}.{leaf}" if parent else leaf
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], built: Collection[str] = ()) -> None:
         """``weights``: iterable of (HF name, tensor), each already cut to this rank's part of it
-        (``parallel.shard_of``; a fused tensor whole, cut here). Every parameter must be covered exactly once."""
+        (``parallel.shard_of``; a fused tensor whole, cut here). Every parameter must be covered exactly once, but
+        the weight of a module in ``built`` (a layer a GGUF file's blocks replace next: never loaded)."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         renames = self.config.arch.weights.renames
@@ -129,6 +138,8 @@ class CausalLM(nn.Module):
                 expected |= {f"{pname}:{s}" for s in module.shards}
             elif not (pname == "lm_head.weight" and tied):
                 expected.add(pname)
+        skipped = {f"{module}.weight" for module in built}
+        expected = {name for name in expected if name.split(":")[0] not in skipped}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")

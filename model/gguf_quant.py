@@ -229,28 +229,30 @@ def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantiz
                              f"one is {cfg.model_type}: serve it without --quantization (dequantized) or with int8")
         return {}  # other architectures' tensors take the general path
     layer_kinds, head_kinds = AS_SHIPPED[quantization]
-    parts: dict[str, dict[str | None, Blocks | None]] = {}
+    parts: dict[str, dict[str | None, Blocks | None]] = {}  # a layer's shards until it has them all
+    layers = {}
     for t in GGUFReader(path).tensors:
         kind, found = t.tensor_type.name, _layer_name(t.name, cfg, layout)
         if found is None:
             continue
         name, shard = found
         takes = head_kinds if name == "lm_head" else layer_kinds
-        if kind not in takes:
-            if quantization == "gguf" and kind not in DENSE_TYPES:
-                raise ValueError(f"{path.name}: tensor {t.name} is {kind}, whose blocks radixserve does not read "
-                                 f"(it reads {', '.join(takes + DENSE_TYPES)}); serve the file without "
-                                 "--quantization gguf (dequantized at load) or pick a file in those formats")
-            parts.setdefault(name, {})[shard] = None  # one shard in another format: the whole layer is
-            continue
-        blocks = decode_blocks(np.asarray(t.data), kind)
-        if shard in ("q", "k") and layout.permuted:
-            heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
-            blocks = blocks.rows(unpermute_rows(np.arange(blocks.q.shape[0]), heads))
-        parts.setdefault(name, {})[shard] = blocks
-    layers = {}
-    for name, shards in parts.items():
-        found = [shards.get(s) for s in layout.shards(name.split(".", 3)[-1])]
-        if all(b is not None for b in found):
-            layers[name] = _as_layer(found, dtype)
+        blocks = None  # one shard in another format: the whole layer is
+        if kind in takes:
+            blocks = decode_blocks(np.asarray(t.data), kind)
+            if shard in ("q", "k") and layout.permuted:
+                heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
+                blocks = blocks.rows(unpermute_rows(np.arange(blocks.q.shape[0]), heads))
+        elif quantization == "gguf" and kind not in DENSE_TYPES:
+            raise ValueError(f"{path.name}: tensor {t.name} is {kind}, whose blocks radixserve does not read "
+                             f"(it reads {', '.join(takes + DENSE_TYPES)}); serve the file without "
+                             "--quantization gguf (dequantized at load) or pick a file in those formats")
+        got = parts.setdefault(name, {})
+        got[shard] = blocks
+        wanted = layout.shards(name.split(".", 3)[-1])
+        if all(s in got for s in wanted):  # built as soon as complete: one layer's decoded blocks held at a time
+            found_all = [got[s] for s in wanted]
+            del parts[name]
+            if all(b is not None for b in found_all):
+                layers[name] = _as_layer(found_all, dtype)
     return layers

@@ -185,25 +185,27 @@ def convert_gguf(gguf: Path) -> Path:
             return out
         log.warning("converting %s again: %s", gguf.name, why)
         shutil.rmtree(out, ignore_errors=True)
-    log.info("dequantizing %s once (about half a minute); cached at %s", gguf.name, out)
+    log.info("dequantizing %s once, a tensor at a time (model/gguf_convert.py); cached at %s", gguf.name, out)
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from radixserve.model.gguf_convert import dequantized_tensors, write_shards
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     kwargs = {"gguf_file": gguf.name}
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-    # transformers refuses save_pretrained on a GGUF-loaded model, so write its (dequantized) tensors directly.
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
     tmp.mkdir(parents=True)
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config  # the saved weights are plain float32 now
-    model.config.save_pretrained(tmp)
+    try:
+        write_shards(dequantized_tensors(gguf, config), tmp, metadata={"format": "pt", "source": gguf.name})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # gigabytes of a half-written conversion are not left behind
+        raise
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved weights are plain float32 now
+    config.dtype = torch.float32
+    config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:
         GenerationConfig.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)

@@ -8,13 +8,13 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from radixserve.cpu_load import AdaptiveThreads, ProcessTree, ProcStat
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.kernels.cpu_native import NativeUnavailable, default_cache_dir
@@ -31,22 +31,27 @@ from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
 from radixserve.model.penalties import Penalties
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_tree
 from radixserve.model.slot_table import SlotTable
+from radixserve.model.step_threads import StepThreads
 from radixserve.trusted_cache import cache_root
 from radixserve.wire.plans import ForwardPlan, ForwardResult
+
+if TYPE_CHECKING:
+    from radixserve.kernels.cpu_quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def iter_safetensors(path: Path, part=lambda name: None):
-    """(name, tensor) of every checkpoint weight; ``part(name)``: the (dim, start, length) of it to read (only
-    those bytes are read: a tensor-parallel rank never holds the whole model), None for all of it."""
+def iter_safetensors(path: Path, part=lambda name: None, keep=lambda name: True):
+    """(name, tensor) of every checkpoint weight ``keep(name)`` wants; ``part(name)``: the (dim, start, length) of
+    it to read (only those bytes are read: a tensor-parallel rank never holds the whole model), None for all of it."""
     files = sorted(path.glob("*.safetensors"))
     for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, read_part(f.get_slice(name), part(name))
+                if keep(name):
+                    yield name, read_part(f.get_slice(name), part(name))
 
 
 def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
@@ -55,10 +60,17 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
     the CPU's packed linears."""
     with torch.device("meta"):
         model = CausalLM(cfg, tp)
-    model = model.to(dtype).to_empty(device=device)  # no random init: every weight is loaded next
-    model.load_weights(iter_safetensors(path, lambda name: shard_of(cfg, tp, name)))
+    # no random init: every weight is loaded next, but those of the layers a GGUF file's blocks replace, whose
+    # memory is never touched (so never resident: a Q4_K_M file is served without a bf16 copy of its linears)
+    model = model.to(dtype).to_empty(device=device)
+    shipped = file_layers(cfg, quantization, dtype, device, source)
+
+    def wanted(name: str) -> bool:
+        return not (name.endswith(".weight") and model.module_of(name) in shipped)
+
+    model.load_weights(iter_safetensors(path, lambda name: shard_of(cfg, tp, name), wanted), built=shipped)
     if quantization is not None:
-        quantize(model, cfg, quantization, dtype, device, source)
+        quantize(model, quantization, dtype, shipped)
     return model.eval()
 
 
@@ -68,30 +80,38 @@ def pack(model: CausalLM) -> None:
         log.info("CPU linears: %s", done)
 
 
-def quantize(model: CausalLM, cfg: ModelConfig, quantization: str, dtype: torch.dtype, device: torch.device,
-             source: Path | None) -> None:
-    """Weight-only quantized linear layers (CPU). A GGUF source's blocks are taken as they ship where their format
-    fits (model/gguf_quant.py's AS_SHIPPED); under ``gguf`` every layer is as the file has it, under int8 / int4
-    the rest is quantized, and the output projection is 8-bit either way (the most sensitive layer: llama.cpp's
-    Q4 files keep it at 6-8 bits, the bundled one at Q8_0)."""
-    from radixserve.kernels.cpu_quant import quantize_linear, quantize_model
-
+def file_layers(cfg: ModelConfig, quantization: str | None, dtype: torch.dtype, device: torch.device,
+                source: Path | None) -> dict[str, QuantLinear]:
+    """The quantized layers a GGUF source's blocks give as they ship, where their format fits ``quantization``
+    (model/gguf_quant.py's AS_SHIPPED), by module name; empty without quantization or a GGUF source."""
+    if quantization is None:
+        return {}
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only (torch's packed CPU kernels)")
     from_gguf = source is not None and source.suffix == ".gguf"
     if quantization == "gguf" and not from_gguf:
         raise ValueError("--quantization gguf serves a .gguf file's own blocks; this model is not a GGUF file: use "
                          "int8 or int4 to quantize it")
-    prebuilt = {}
-    if from_gguf:
-        from radixserve.model.gguf_quant import gguf_quant_linears
+    if not from_gguf:
+        return {}
+    from radixserve.model.gguf_quant import gguf_quant_linears
 
-        prebuilt = gguf_quant_linears(source, cfg, dtype, quantization)
-        log.info("%s: %d linear layers taken from %s as they ship", quantization, len(prebuilt), source.name)
-    if quantization != "gguf":
-        prebuilt.setdefault("lm_head", quantize_linear(model.lm_head, 8, dtype))
+    layers = gguf_quant_linears(source, cfg, dtype, quantization)
+    log.info("%s: %d linear layers taken from %s as they ship", quantization, len(layers), source.name)
+    return layers
+
+
+def quantize(model: CausalLM, quantization: str, dtype: torch.dtype, shipped: dict[str, QuantLinear]) -> None:
+    """Weight-only quantized linear layers (CPU): ``shipped`` (file_layers) where given; under ``gguf`` every other
+    layer stays as the file has it, under int8 / int4 it is quantized, and the output projection is 8-bit either
+    way (the most sensitive layer: llama.cpp's Q4 files keep it at 6-8 bits, the bundled one at Q8_0)."""
+    from radixserve.kernels.cpu_quant import quantize_linear, quantize_model
+
+    layers = dict(shipped)
+    if quantization != "gguf" and "lm_head" not in layers:
+        layers["lm_head"] = quantize_linear(model.lm_head, 8, dtype)
     bits = {"int8": 8, "int4": 4, "gguf": None}[quantization]
-    swapped = quantize_model(model, bits, dtype, prebuilt)
+    swapped = quantize_model(model, bits, dtype, layers)
     log.info("%s: %d linear layers quantized", quantization, swapped)
 
 
@@ -129,7 +149,7 @@ class ModelRunner:
                  server_root: int | None = None, logit_processors: tuple[str, ...] = (),
                  kv_cache_dtype: str | None = None) -> None:
         """``num_threads``: a fixed thread count (CPU); without it the runner takes up to ``max_threads`` (default:
-        this process's CPU budget), fewer while other processes keep CPUs busy (radixserve/cpu_load.py).
+        this process's CPU budget), fewer while other processes keep CPUs busy (model/step_threads.py).
         ``context_length``: the longest sequence this server admits (default: the model's); LongRoPE models
         choose their factor set from it (ModelConfig.rope_inv_freq). ``decode_fallback``: the decode kernels to
         try in turn when ``decode_kernel`` cannot load here (empty: that fails the start). ``server_root``: the pid
@@ -138,21 +158,9 @@ class ModelRunner:
         now). ``kv_cache_dtype``: int8, fp8_e4m3 or fp8_e5m2 holds the KV pool in 8-bit codes (model/kv_codes.py);
         anything else, the model's dtype."""
         settle_vector_math()  # before any other torch math in this process (kernels/vector_math.py)
-        self.num_threads: int | None = None  # the threads every step runs on (CPU); adaptive: the most
-        self.adaptive: AdaptiveThreads | None = None  # None: a fixed count (--num-threads, or not the CPU)
+        self.threads: StepThreads | None = None  # CPU: the threads every step runs on
         if device == "cpu":  # default: the CPUs this process may use (affinity and cgroup quota) others leave free
-            from radixserve.cpu_budget import read_budget, wait_policy
-
-            budget = read_budget()
-            self.num_threads = num_threads or max_threads or budget.threads()
-            if num_threads is None and not deterministic:  # its row-by-row fallback relies on unchanged calls
-                mask = os.sched_getaffinity(0)
-                own = ProcessTree(server_root).seconds if server_root is not None else time.process_time
-                self.adaptive = AdaptiveThreads(self.num_threads, len(mask), ProcStat(mask, own=own).read)
-            torch.set_num_threads(self.num_threads)
-            log.info("%s torch threads (%s); OpenMP threads wait by %s",
-                     f"up to {self.num_threads} (fewer while other processes keep CPUs busy)" if self.adaptive
-                     else self.num_threads, budget.describe(), wait_policy(os.environ))
+            self.threads = StepThreads(num_threads, max_threads, not deterministic, server_root)
         elif deterministic:
             raise ValueError("--deterministic is implemented for the CPU only; run without it on CUDA")
         self.cfg = cfg
@@ -214,11 +222,9 @@ class ModelRunner:
             except Exception as exc:  # torch.compile fails in many ways (no compiler, an inductor bug)
                 self.compiled = None
                 self._refused(kernels, exc, "start with --decode-kernel eager")
-            if self.compiled is not None and self.adaptive is not None:
+            if self.compiled is not None and self.threads is not None:
                 # dynamo guards every graph on the thread count it was compiled at: another count would miss them
-                self.adaptive = None
-                log.info("compiled decode: %d torch threads, fixed (its graphs are compiled for that count)",
-                         self.num_threads)
+                self.threads.fix("the compiled decode's graphs are compiled for that count")
         if deterministic:
             from radixserve.model.determinism import check_batch_invariance
 
@@ -296,7 +302,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, plan: ForwardPlan) -> ForwardResult | None:
-        self._set_threads()
+        if self.threads is not None:
+            self.threads.apply()
         if not self.tp.samples:
             return self._share(plan)
         start_errors = self.constraints.update(plan.new_grammars, plan.released)  # even if the step fails
@@ -358,17 +365,6 @@ class ModelRunner:
         errors.update({**refused, **refused_tokens})
         return ForwardResult(step=plan.step, next_ids=next_ids, logprobs=logprobs, prompt_logprobs=prompt,
                              grammar_done=done, errors=errors, drafted=drafted)
-
-    def _set_threads(self) -> None:
-        """The step's threads: the adaptive count (a clock read most steps), applied in the calling thread
-        (OpenMP's thread count is per calling thread, and an Engine's step may run in any caller's)."""
-        if self.num_threads is None:
-            return
-        threads = self.adaptive.update() if self.adaptive is not None else self.num_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-            if self.adaptive is not None:
-                log.debug("%d torch threads (other processes keep %.1f CPUs busy)", threads, self.adaptive.others)
 
     def _penalize(self, logits: torch.Tensor, rows: list[str | None], output_index: list[int]) -> dict[int, str]:
         """The penalties, in place; a bug in them fails the penalized rows, never the step."""

@@ -235,7 +235,8 @@ def write_gguf(out: Path, formats: dict[str, str], architecture: str = "llama", 
     def add(name: str, rows: int, k: int, default: str, scale: float = 1.0) -> None:
         kind = next((f for pattern, f in formats.items() if pattern in name), default)
         if kind in ("F32", "F16"):
-            writer.add_tensor(name, (rng.standard_normal((rows, k)) * 0.05).astype(kind.lower()))
+            dense = np.float16 if kind == "F16" else np.float32
+            writer.add_tensor(name, (rng.standard_normal((rows, k)) * 0.05).astype(dense))
         else:
             writer.add_tensor(name, random_blocks(kind, rows, k, int(rng.integers(1 << 30)), scale),
                               raw_dtype=GGMLQuantizationType[kind])

@@ -27,7 +27,7 @@ def compiled_engine(tiny_models, monkeypatch):
     monkeypatch.delenv("RADIXSERVE_DISABLE_COMPILE", raising=False)
     engine = Engine(str(tiny_models["llama"]), dtype="float32", check_invariants=True, decode_kernel="compiled")
     # its graphs are guarded on the thread count they were compiled at: it never adapts (or they would be missed)
-    assert engine.runner.adaptive is None and engine.runner.num_threads is not None
+    assert engine.runner.threads is not None and engine.runner.threads.adaptive is None
     yield engine
     engine.shutdown()
 

@@ -125,7 +125,7 @@ def test_engine_keeps_libgomps_spin_and_adapts_its_threads(tiny_models, monkeypa
             "from radixserve.cpu_budget import read_budget\n"
             "print(json.dumps({'threads': torch.get_num_threads(), 'budget': read_budget().threads(),\n"
             "                  'policy': os.environ.get('GOMP_SPINCOUNT'),\n"
-            "                  'adaptive': engine.runner.adaptive is not None}))\n"
+            "                  'adaptive': engine.runner.threads.adaptive is not None}))\n"
             "engine.shutdown()\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -196,15 +196,15 @@ def test_an_explicit_num_threads_is_never_changed(tiny_models, monkeypatch):
     before = torch.get_num_threads()
     try:
         runner = ModelRunner(cfg, path, dtype="float32", num_slots=64, num_threads=1)
-        assert runner.adaptive is None and torch.get_num_threads() == 1
+        assert runner.threads.adaptive is None and torch.get_num_threads() == 1
         torch.set_num_threads(2)  # another caller's count: the step puts ours back, and nothing adapts it
         monkeypatch.setattr("radixserve.cpu_load.AdaptiveThreads.update", lambda self: pytest.fail("adapted"))
-        runner._set_threads()
+        runner.threads.apply()
         assert torch.get_num_threads() == 1
 
         adaptive = ModelRunner(cfg, path, dtype="float32", num_slots=64, max_threads=2)
-        assert adaptive.adaptive is not None and adaptive.adaptive.cap == 2
+        assert adaptive.threads.adaptive is not None and adaptive.threads.adaptive.cap == 2
         fixed = ModelRunner(cfg, path, dtype="float32", num_slots=600, max_threads=2, deterministic=True)
-        assert fixed.adaptive is None, "--deterministic keeps one thread count (its torch fallback needs it)"
+        assert fixed.threads.adaptive is None, "--deterministic keeps one thread count (its torch fallback needs it)"
     finally:
         torch.set_num_threads(before)

@@ -98,8 +98,6 @@ class Converting(Exception):
 
 
 def test_a_changed_gguf_conversion_is_converted_again_and_a_shared_cache_refused(tmp_path, monkeypatch):
-    import transformers
-
     from radixserve.model import loader
 
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
@@ -112,7 +110,7 @@ def test_a_changed_gguf_conversion_is_converted_again_and_a_shared_cache_refused
 
     def converting(*args, **kwargs):
         raise Converting
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", converting)
+    monkeypatch.setattr("radixserve.model.gguf_convert.write_shards", converting)
     (out / "config.json").write_text('{"model_type": "llama", "auto_map": {}}')
     with pytest.raises(Converting):  # the changed folder was not returned: the conversion started over
         loader.convert_gguf(gguf)

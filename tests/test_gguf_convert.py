@@ -1,0 +1,110 @@
+"""A GGUF file converted a tensor at a time (model/gguf_convert.py) holds exactly what transformers' whole-file
+reading gives, for Llama, Qwen2, Gemma 2, Gemma 3, Phi-3 and the bundled SmolLM2 (Qwen3 is read as Qwen2 is, its q/k
+norms as Gemma 3's); shards beyond one
+file come with an index HF loaders follow; and ``--quantization gguf`` serves a file without reading the converted
+copies of the linears its blocks replace."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import bundled_gguf, write_gguf
+from safetensors.torch import load_file, save_file
+
+from radixserve.kernels.cpu_quant import QuantLinear
+from radixserve.model.config import ModelConfig
+from radixserve.model.gguf_convert import INDEX, dequantized_tensors, write_shards
+from radixserve.model.loader import convert_gguf, load_configs
+from radixserve.model.runner import build_model, iter_safetensors
+
+
+def whole_file_reading(gguf: Path) -> tuple[dict[str, torch.Tensor], object]:
+    """What transformers' own GGUF loading gives: the float32 model's tensors (a tied output projection left out,
+    it is the embedding) and its config."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tensors = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors, model.config
+
+
+def tiny_or_bundled(architecture: str, folder: Path) -> Path:
+    return bundled_gguf() if architecture == "bundled" else write_gguf(folder / f"{architecture}.gguf", {}, architecture)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "gemma2", "gemma3", "phi3", "bundled"])
+def test_a_tensor_at_a_time_is_transformers_reading_bit_for_bit(architecture, tmp_path):
+    """Names, shapes and every value equal: Llama's q/k rows put back in HF order, Gemma's norms as w, Qwen2's
+    biases, Phi-3's fused projections, a tied output projection left out."""
+    gguf = tiny_or_bundled(architecture, tmp_path)
+    want, config = whole_file_reading(gguf)
+    got = dict(dequantized_tensors(gguf, config))
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "bundled"])
+def test_the_converted_folder_is_what_transformers_would_save(architecture, tmp_path):
+    """The folder's config is the one transformers builds (less its quantization_config: the weights are plain
+    float32), and its tensors the model's."""
+    gguf = tiny_or_bundled(architecture, tmp_path)
+    want, config = whole_file_reading(gguf)
+    folder = convert_gguf(gguf)
+    del config.quantization_config
+    config.save_pretrained(tmp_path / "want")
+    mine, theirs = (json.loads(p.read_text()) for p in (folder / "config.json", tmp_path / "want" / "config.json"))
+    assert mine == theirs
+    assert dict(iter_safetensors(folder)).keys() == want.keys()
+
+
+def test_shards_past_one_file_are_indexed_as_hf_checkpoints_are(tmp_path):
+    """Shards of at most ``shard_bytes`` (but a tensor bigger alone), an index naming each tensor's file; one
+    shard is a plain model.safetensors."""
+    tensors = {f"t{i}": torch.full((n,), float(i)) for i, n in enumerate([100, 100, 300, 50, 50])}  # float32
+    files = write_shards(iter(tensors.items()), tmp_path, {"format": "pt"}, shard_bytes=800)
+    sizes = [sum(t.nbytes for t in load_file(f).values()) for f in files]
+    assert sizes == [800, 1200, 400], "two fill one shard; 300 floats alone; the last two together"
+    index = json.loads((tmp_path / INDEX).read_text())
+    assert index["metadata"]["total_size"] == sum(sizes)
+    assert {name: load_file(tmp_path / file)[name].tolist() for name, file in index["weight_map"].items()} == \
+        {name: t.tolist() for name, t in tensors.items()}
+    assert {n: t.tolist() for n, t in iter_safetensors(tmp_path)} == {n: t.tolist() for n, t in tensors.items()}
+    one = tmp_path / "one"
+    one.mkdir()
+    assert write_shards(iter(tensors.items()), one, {"format": "pt"}) == [one / "model.safetensors"]
+    assert not (one / INDEX).exists()
+
+
+def test_served_from_blocks_without_the_converted_linears(tmp_path):
+    """A Q4_K_M file under ``--quantization gguf``: the model built from a converted folder whose replaced linear
+    weights were deleted equals the one built from the whole folder (so their float32 copies are never read:
+    their memory is never touched), and without quantization the deleted weights are missed by name."""
+    gguf = write_gguf(tmp_path / "tiny-Q4_K_M.gguf", {"ffn_down": "F16"}, "qwen2")  # down_proj: dense, loaded
+    folder = convert_gguf(gguf)
+    cfg = ModelConfig.from_hf(*load_configs(folder))
+    slim = tmp_path / "slim"
+    shutil.copytree(folder, slim)
+    tensors = load_file(slim / "model.safetensors")
+    replaced = [n for n in tensors if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                  "o_proj.weight", "gate_proj.weight", "up_proj.weight"))]
+    assert replaced and any(n.endswith("q_proj.bias") for n in tensors), "qwen2's q/k/v biases stay"
+    save_file({n: t for n, t in tensors.items() if n not in replaced}, slim / "model.safetensors")
+    cpu = torch.device("cpu")
+    whole = build_model(cfg, folder, torch.float32, cpu, "gguf", gguf)
+    built = build_model(cfg, slim, torch.float32, cpu, "gguf", gguf)
+    mine = dict(built.named_modules())
+    shipped = [name for name, m in whole.named_modules() if isinstance(m, QuantLinear)]
+    assert len(shipped) == 2 * 3 + 1, "q/k/v, o and gate/up of both layers, and the output projection"
+    for name in shipped:
+        assert torch.equal(mine[name].dequantized(), dict(whole.named_modules())[name].dequantized()), name
+    assert whole.state_dict().keys() == built.state_dict().keys()
+    for name, tensor in whole.state_dict().items():  # the rest: norms, embeddings, biases, the dense down_proj
+        assert torch.equal(built.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="checkpoint is missing"):
+        build_model(cfg, slim, torch.float32, cpu, None, gguf)
