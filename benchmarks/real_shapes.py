@@ -171,7 +171,7 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: tuple[str, .
         ours_flags = (["--model-path", str(folder)] if precision == "bf16" else
                       ["--model-path", str(gguf[precision]), "--quantization", "gguf"])
         if precision != "bf16":
-            resolve_model(str(gguf[precision]))  # the file's one-off conversion, outside the server's start-up
+            resolve_model(str(gguf[precision]), blocks=True)  # its one-off conversion (for gguf), before the start
         systems = {"radixserve": Ours([*ours_flags, "--max-total-tokens", "8192"]),
                    "llama.cpp": LlamaServer(gguf[precision], slot_tokens=max(PREFILLS) + 64, slots=max(BATCHES))}
         runs: dict[str, dict[str, list[float]]] = {s: {} for s in systems}

@@ -8,13 +8,16 @@ gguf's own dequantization -- goes one tensor at a time into shards of about ``SH
 about two shards whatever the model's size (2.4 GB peak for the same file). The tensors are the ones transformers'
 reading gives, bit for bit (tests/test_gguf_convert.py).
 
+Converted for ``--quantization gguf`` (``blocks``), the folder leaves out the linear layers served from the file's
+blocks: a Q4_K_M file's conversion is then its embeddings and norms (and any dense layer), not 4 bytes a weight.
+
     model.safetensors                  one file, when everything fits one shard
     model-00001.safetensors ...        else shards, named in model.safetensors.index.json (as HF checkpoints are)
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +28,21 @@ SHARD_BYTES = 1 << 30
 INDEX = "model.safetensors.index.json"
 
 
-def dequantized_tensors(gguf: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+def left_to_blocks(gguf: Path, config) -> set[str]:
+    """The tensors of ``gguf`` that ``--quantization gguf`` serves from their blocks (gguf_quant.layers_as_shipped),
+    so a conversion for it need not hold them; never the embedding (a tied output projection's blocks are its)."""
+    from gguf import GGUFReader
+
+    from radixserve.model.gguf_quant import layers_as_shipped
+
+    plan = layers_as_shipped(gguf, GGUFReader(gguf).tensors, config.model_type, config.tie_word_embeddings, "gguf")
+    return {tensor for shards in plan.values() for tensor in shards.values()} - {"token_embd.weight"}
+
+
+def dequantized_tensors(gguf: Path, config, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) of every tensor of ``gguf`` the HF model of ``config`` (transformers' config of
-    the file) has, in the file's order; the output projection of a tied model is left out (it is the embedding)."""
+    the file) has, in the file's order, but those named in ``skip``; the output projection of a tied model is left
+    out (it is the embedding)."""
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
@@ -41,6 +56,8 @@ def dequantized_tensors(gguf: Path, config) -> Iterator[tuple[str, torch.Tensor]
         config=parsed["config"])
     names = get_gguf_hf_weights_map(model, processor)
     for tensor in tqdm(reader.tensors, desc=f"converting {gguf.name}", unit="tensor", leave=False):
+        if tensor.name in skip:
+            continue
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         name = names.get(result.name)

@@ -186,13 +186,13 @@ def unpermute_rows(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _layer_name(tensor: str, cfg: ModelConfig, layout: Layout) -> tuple[str, str | None] | None:
+def _layer_name(tensor: str, tied: bool, layout: Layout) -> tuple[str, str | None] | None:
     """A GGUF tensor's module and shard, or None for one that is no linear layer's weight."""
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor)
     if match and match.group(2) in layout.tensors:
         module, shard = layout.tensors[match.group(2)]
         return f"model.layers.{match.group(1)}.{module}", shard
-    if tensor == "output.weight" or (tensor == "token_embd.weight" and cfg.tie_word_embeddings):
+    if tensor == "output.weight" or (tensor == "token_embd.weight" and tied):
         return "lm_head", None
     return None
 
@@ -215,10 +215,40 @@ def _as_layer(shards: list[Blocks], dtype: torch.dtype) -> QuantLinear:
     return QuantLinear(n, k, None, dtype, int8=(q, scale, offset), file_blocks=factors)
 
 
+def layers_as_shipped(path: Path, tensors: list, model_type: str, tied: bool,
+                      quantization: str) -> dict[str, dict[str | None, str]]:
+    """Every linear layer of GGUF file ``path`` (its ``tensors``, GGUFReader's) whose tensors are all in a format
+    ``quantization`` takes as it ships (``AS_SHIPPED``): module name -> {shard: GGUF tensor name}. Under ``gguf`` a
+    tensor in a format this module does not decode is refused by name (ValueError). Empty for an architecture
+    without a layout."""
+    layout = ARCHITECTURES.get(model_type)
+    if layout is None:
+        return {}
+    layer_kinds, head_kinds = AS_SHIPPED[quantization]
+    found: dict[str, dict[str | None, str]] = {}
+    other: set[str] = set()  # layers with a shard in another format: the whole layer is
+    for t in tensors:
+        kind, where = t.tensor_type.name, _layer_name(t.name, tied, layout)
+        if where is None:
+            continue
+        name, shard = where
+        takes = head_kinds if name == "lm_head" else layer_kinds
+        if kind in takes:
+            found.setdefault(name, {})[shard] = t.name
+        elif quantization == "gguf" and kind not in DENSE_TYPES:
+            raise ValueError(f"{path.name}: tensor {t.name} is {kind}, whose blocks radixserve does not read "
+                             f"(it reads {', '.join(takes + DENSE_TYPES)}); serve the file without "
+                             "--quantization gguf (dequantized at load) or pick a file in those formats")
+        else:
+            other.add(name)
+    return {name: shards for name, shards in found.items()
+            if name not in other and set(shards) == set(layout.shards(name.split(".", 3)[-1]))}
+
+
 def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> dict[str, QuantLinear]:
     """Our int8 / int4 layers for every linear whose GGUF tensors are all in a format ``quantization`` takes as it
-    ships (``AS_SHIPPED``); keys are module names (``model.layers.3.mlp.down_proj``, ``lm_head``). Under ``gguf``
-    a tensor in a format this module does not decode is refused by name; under int8 / int4 such layers are
+    ships (``layers_as_shipped``); keys are module names (``model.layers.3.mlp.down_proj``, ``lm_head``). Under
+    ``gguf`` a tensor in a format this module does not decode is refused by name; under int8 / int4 such layers are
     quantized from the dequantized weights as usual."""
     from gguf import GGUFReader
 
@@ -228,31 +258,22 @@ def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantiz
             raise ValueError(f"--quantization gguf reads the blocks of {', '.join(ARCHITECTURES)} GGUF files; this "
                              f"one is {cfg.model_type}: serve it without --quantization (dequantized) or with int8")
         return {}  # other architectures' tensors take the general path
-    layer_kinds, head_kinds = AS_SHIPPED[quantization]
-    parts: dict[str, dict[str | None, Blocks | None]] = {}  # a layer's shards until it has them all
+    tensors = GGUFReader(path).tensors
+    plan = layers_as_shipped(path, tensors, cfg.model_type, cfg.tie_word_embeddings, quantization)
+    wanted = {tensor: (name, shard) for name, shards in plan.items() for shard, tensor in shards.items()}
+    parts: dict[str, dict[str | None, Blocks]] = {}  # a layer's shards until it has them all
     layers = {}
-    for t in GGUFReader(path).tensors:
-        kind, found = t.tensor_type.name, _layer_name(t.name, cfg, layout)
-        if found is None:
+    for t in tensors:
+        if t.name not in wanted:
             continue
-        name, shard = found
-        takes = head_kinds if name == "lm_head" else layer_kinds
-        blocks = None  # one shard in another format: the whole layer is
-        if kind in takes:
-            blocks = decode_blocks(np.asarray(t.data), kind)
-            if shard in ("q", "k") and layout.permuted:
-                heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
-                blocks = blocks.rows(unpermute_rows(np.arange(blocks.q.shape[0]), heads))
-        elif quantization == "gguf" and kind not in DENSE_TYPES:
-            raise ValueError(f"{path.name}: tensor {t.name} is {kind}, whose blocks radixserve does not read "
-                             f"(it reads {', '.join(takes + DENSE_TYPES)}); serve the file without "
-                             "--quantization gguf (dequantized at load) or pick a file in those formats")
+        name, shard = wanted[t.name]
+        blocks = decode_blocks(np.asarray(t.data), t.tensor_type.name)
+        if shard in ("q", "k") and layout.permuted:
+            heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
+            blocks = blocks.rows(unpermute_rows(np.arange(blocks.q.shape[0]), heads))
         got = parts.setdefault(name, {})
         got[shard] = blocks
-        wanted = layout.shards(name.split(".", 3)[-1])
-        if all(s in got for s in wanted):  # built as soon as complete: one layer's decoded blocks held at a time
-            found_all = [got[s] for s in wanted]
+        if len(got) == len(plan[name]):  # built as soon as complete: one layer's decoded blocks held at a time
+            layers[name] = _as_layer([got[s] for s in layout.shards(name.split(".", 3)[-1])], dtype)
             del parts[name]
-            if all(b is not None for b in found_all):
-                layers[name] = _as_layer(found_all, dtype)
     return layers

@@ -68,9 +68,10 @@ def locate(name: str | os.PathLike, revision: str | None = None, what: str = "mo
     return cached_snapshot(repo_id, at or revision), repo_id
 
 
-def resolve_model(model_path: str | os.PathLike | None, revision: str | None = None) -> ModelFiles:
+def resolve_model(model_path: str | os.PathLike | None, revision: str | None = None,
+                  blocks: bool = False) -> ModelFiles:
     """A HF-format folder for ``model_path`` (a folder, a .gguf file, a hub id in the local HF cache, or None:
-    the bundled model); converts (once) if it is a GGUF file."""
+    the bundled model); converts (once) if it is a GGUF file, for ``--quantization gguf`` if ``blocks``."""
     source, hub_id = locate(model_path, revision) if model_path is not None else (bundled_model_path(), None)
     if source.is_dir():
         ggufs = sorted(source.glob("*.gguf"))
@@ -87,7 +88,7 @@ def resolve_model(model_path: str | os.PathLike | None, revision: str | None = N
             )
     if source.suffix != ".gguf":
         raise ValueError(f"{source} is neither a checkpoint folder nor a .gguf file")
-    return ModelFiles(convert_gguf(source), source, hub_id)
+    return ModelFiles(convert_gguf(source, blocks), source, hub_id)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -140,11 +141,12 @@ def _source(gguf: Path) -> dict:
     return {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def converted_folder(gguf: Path) -> Path:
-    """Where ``gguf``'s conversion is cached (the file's path, size and mtime name it)."""
+def converted_folder(gguf: Path, blocks: bool = False) -> Path:
+    """Where ``gguf``'s conversion is cached (the file's path, size and mtime name it); ``blocks``: the one for
+    ``--quantization gguf``, without the layers served from the file's blocks (model/gguf_convert.py)."""
     source = _source(gguf)
     key = hashlib.sha1(f"{source['path']}:{source['size']}:{source['mtime_ns']}".encode()).hexdigest()[:12]
-    return cache_root() / f"{gguf.stem}-{key}"
+    return cache_root() / f"{gguf.stem}-{key}{'-blocks' if blocks else ''}"
 
 
 def prune_conversions(root: Path) -> list[Path]:
@@ -176,8 +178,9 @@ def prune_conversions(root: Path) -> list[Path]:
     return removed
 
 
-def convert_gguf(gguf: Path) -> Path:
-    out = converted_folder(gguf)
+def convert_gguf(gguf: Path, blocks: bool = False) -> Path:
+    """``gguf`` as a HF folder (converted once, then cached); ``blocks``: for ``--quantization gguf``."""
+    out = converted_folder(gguf, blocks)
     private_dir(out.parent)  # UntrustedCache (a PermissionError) if others could have written the cache
     if out.exists():
         why = verify(out, FOLDER_MANIFEST)
@@ -189,7 +192,7 @@ def convert_gguf(gguf: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from radixserve.model.gguf_convert import dequantized_tensors, write_shards
+    from radixserve.model.gguf_convert import dequantized_tensors, left_to_blocks, write_shards
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -198,7 +201,8 @@ def convert_gguf(gguf: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     tmp.mkdir(parents=True)
     try:
-        write_shards(dequantized_tensors(gguf, config), tmp, metadata={"format": "pt", "source": gguf.name})
+        skip = left_to_blocks(gguf, config) if blocks else set()
+        write_shards(dequantized_tensors(gguf, config, skip), tmp, metadata={"format": "pt", "source": gguf.name})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # gigabytes of a half-written conversion are not left behind
         raise

@@ -78,7 +78,7 @@ def tier_config(args: ServerArgs, model_dir: Path) -> TierConfig | None:
 
 def prepare(args: ServerArgs) -> Prepared:
     """Resolve ``args`` against the model; fails fast (ValueError / FileNotFoundError) on bad names or paths."""
-    files = resolve_model(args.model_path, args.revision)
+    files = resolve_model(args.model_path, args.revision, blocks=args.quantization == "gguf")
     tokenizer_dir = resolve_tokenizer(args.tokenizer_path, files, args.revision)
     if args.chat_template is not None:
         load_chat_template(args.chat_template)  # fail fast on a bad name or file: the tokenizer loads it again

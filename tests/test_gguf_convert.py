@@ -82,21 +82,20 @@ def test_shards_past_one_file_are_indexed_as_hf_checkpoints_are(tmp_path):
 
 
 def test_served_from_blocks_without_the_converted_linears(tmp_path):
-    """A Q4_K_M file under ``--quantization gguf``: the model built from a converted folder whose replaced linear
-    weights were deleted equals the one built from the whole folder (so their float32 copies are never read:
-    their memory is never touched), and without quantization the deleted weights are missed by name."""
+    """A Q4_K_M file under ``--quantization gguf``: its conversion for it leaves out the linears served from blocks
+    (q/k/v, o and gate/up of each layer and the output projection; not the F16 down_proj, the biases, norms or the
+    embedding), and the model built from it equals the one built from the whole conversion; without quantization
+    the left-out weights are missed by name."""
     gguf = write_gguf(tmp_path / "tiny-Q4_K_M.gguf", {"ffn_down": "F16"}, "qwen2")  # down_proj: dense, loaded
-    folder = convert_gguf(gguf)
-    cfg = ModelConfig.from_hf(*load_configs(folder))
-    slim = tmp_path / "slim"
-    shutil.copytree(folder, slim)
-    tensors = load_file(slim / "model.safetensors")
-    replaced = [n for n in tensors if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                                                  "o_proj.weight", "gate_proj.weight", "up_proj.weight"))]
-    assert replaced and any(n.endswith("q_proj.bias") for n in tensors), "qwen2's q/k/v biases stay"
-    save_file({n: t for n, t in tensors.items() if n not in replaced}, slim / "model.safetensors")
+    whole_folder, slim = convert_gguf(gguf), convert_gguf(gguf, blocks=True)
+    assert slim != whole_folder
+    left = dict(iter_safetensors(whole_folder)).keys() - dict(iter_safetensors(slim)).keys()
+    assert left == {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj")} | {"lm_head.weight"}
+    cfg = ModelConfig.from_hf(*load_configs(slim))
     cpu = torch.device("cpu")
-    whole = build_model(cfg, folder, torch.float32, cpu, "gguf", gguf)
+    whole = build_model(cfg, whole_folder, torch.float32, cpu, "gguf", gguf)
     built = build_model(cfg, slim, torch.float32, cpu, "gguf", gguf)
     mine = dict(built.named_modules())
     shipped = [name for name, m in whole.named_modules() if isinstance(m, QuantLinear)]
@@ -108,3 +107,26 @@ def test_served_from_blocks_without_the_converted_linears(tmp_path):
         assert torch.equal(built.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="checkpoint is missing"):
         build_model(cfg, slim, torch.float32, cpu, None, gguf)
+
+
+def test_an_engine_under_gguf_resolves_the_file_to_its_blocks_conversion(tmp_path, monkeypatch):
+    """An Engine under ``--quantization gguf`` loads the conversion without the linears (they come from the blocks)
+    and answers greedily as the whole conversion's dequantized model does; without quantization, the whole one."""
+    from radixserve import Engine
+
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(tmp_path / "tiny-llama-Q4_K_M.gguf", {}, "llama")
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    prompts = [[11, 12, 13, 14, 15, 16], [5, 4000, 77]]
+    answers, folders = [], []
+    for quantization in ("gguf", None):
+        engine = Engine(str(gguf), quantization=quantization, dtype="float32", decode_kernel="eager",
+                        max_total_tokens=256, check_invariants=True)
+        try:
+            folders.append(engine.model_files.path)
+            answers.append([r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=greedy)])
+        finally:
+            engine.shutdown()
+    assert folders[0].name == folders[1].name + "-blocks"
+    assert answers[0] == answers[1]
+    assert len({t for ids in answers[0] for t in ids}) > 3, "a model this degenerate would show nothing"
