@@ -2,11 +2,11 @@
 
 transformers reads a GGUF file whole: every tensor dequantized to float32 and held at once, then the model built
 from them -- memory that grows with the model (5.5 GB peak for Llama-3.2-1B's shape in Q4_K_M, a 0.67 GB file:
-1.3 times its 4.1 GB of float32; by that ratio some 40 GB for an 8B file). Here the same reading -- transformers' map from GGUF names to the HF model's and
-its per-architecture tensor processors (Llama's q/k rows put back in HF order, Gemma's norms stored as 1 + w),
-gguf's own dequantization -- goes one tensor at a time into shards of about ``SHARD_BYTES``, so converting holds
-about two shards whatever the model's size (2.4 GB peak for the same file). The tensors are the ones transformers'
-reading gives, bit for bit (tests/test_gguf_convert.py).
+1.3 times its 4.1 GB of float32; by that ratio some 40 GB for an 8B file). Here the same reading -- transformers'
+map from GGUF names to the HF model's and its per-architecture tensor processors (Llama's q/k rows put back in HF
+order, Gemma's norms stored as 1 + w), gguf's own dequantization -- goes one tensor at a time into shards of about
+``SHARD_BYTES``, so converting holds about two shards whatever the model's size (2.4 GB peak for the same file).
+The tensors are the ones transformers' reading gives, bit for bit (tests/test_gguf_convert.py).
 
 Converted for ``--quantization gguf`` (``blocks``), the folder leaves out the linear layers served from the file's
 blocks: a Q4_K_M file's conversion is then its embeddings and norms (and any dense layer), not 4 bytes a weight.

@@ -34,7 +34,9 @@ def whole_file_reading(gguf: Path) -> tuple[dict[str, torch.Tensor], object]:
 
 
 def tiny_or_bundled(architecture: str, folder: Path) -> Path:
-    return bundled_gguf() if architecture == "bundled" else write_gguf(folder / f"{architecture}.gguf", {}, architecture)
+    if architecture == "bundled":
+        return bundled_gguf()
+    return write_gguf(folder / f"{architecture}.gguf", {}, architecture)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "gemma2", "gemma3", "phi3", "bundled"])
