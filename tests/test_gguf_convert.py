@@ -1,8 +1,8 @@
 """A GGUF file converted a tensor at a time (model/gguf_convert.py) holds exactly what transformers' whole-file
-reading gives, for Llama, Qwen2, Gemma 2, Gemma 3, Phi-3 and the bundled SmolLM2 (Qwen3 is read as Qwen2 is, its q/k
-norms as Gemma 3's); shards beyond one
-file come with an index HF loaders follow; and ``--quantization gguf`` serves a file without reading the converted
-copies of the linears its blocks replace."""
+reading gives, for Llama, Qwen2, Gemma 2, Gemma 3, Phi-3 and the bundled SmolLM2 (Qwen3 is read as Qwen2 is, its
+q/k norms as Gemma 3's); shards beyond one file come with an index HF loaders follow; and ``--quantization gguf``
+converts without the linears its blocks serve, and never reads their converted copies.
+"""
 from __future__ import annotations
 
 import json
