@@ -28,22 +28,21 @@ SHARD_BYTES = 1 << 30
 INDEX = "model.safetensors.index.json"
 
 
-def left_to_blocks(gguf: Path, config) -> set[str]:
-    """The tensors of ``gguf`` that ``--quantization gguf`` serves from their blocks (gguf_quant.layers_as_shipped),
-    so a conversion for it need not hold them; never the embedding (a tied output projection's blocks are its)."""
-    from gguf import GGUFReader
-
+def left_to_blocks(gguf: Path, reader, config) -> set[str]:
+    """The tensors of ``gguf`` (``reader``: its GGUFReader) that ``--quantization gguf`` serves from their blocks
+    (gguf_quant.layers_as_shipped), so a conversion for it need not hold them; never the embedding (a tied output
+    projection's blocks are its)."""
     from radixserve.model.gguf_quant import layers_as_shipped
 
-    plan = layers_as_shipped(gguf, GGUFReader(gguf).tensors, config.model_type, config.tie_word_embeddings, "gguf")
+    plan = layers_as_shipped(gguf, reader.tensors, config.model_type, config.tie_word_embeddings, "gguf")
     return {tensor for shards in plan.values() for tensor in shards.values()} - {"token_embd.weight"}
 
 
-def dequantized_tensors(gguf: Path, config, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) of every tensor of ``gguf`` the HF model of ``config`` (transformers' config of
-    the file) has, in the file's order, but those named in ``skip``; the output projection of a tied model is left
-    out (it is the embedding)."""
-    from gguf import GGUFReader, dequantize
+def dequantized_tensors(gguf: Path, reader, config, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) of every tensor of ``gguf`` (``reader``: its GGUFReader) the HF model of ``config``
+    (transformers' config of the file) has, in the file's order, but those named in ``skip``; the output projection
+    of a tied model is left out (it is the embedding)."""
+    from gguf import dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                           load_gguf_checkpoint, read_field)
@@ -51,7 +50,6 @@ def dequantized_tensors(gguf: Path, config, skip: Collection[str] = ()) -> Itera
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # the metadata only
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)  # only its parameter names: no memory
-    reader = GGUFReader(gguf)
     processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(
         config=parsed["config"])
     names = get_gguf_hf_weights_map(model, processor)

@@ -190,6 +190,7 @@ def convert_gguf(gguf: Path, blocks: bool = False) -> Path:
         shutil.rmtree(out, ignore_errors=True)
     log.info("dequantizing %s once, a tensor at a time (model/gguf_convert.py); cached at %s", gguf.name, out)
     import torch
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from radixserve.model.gguf_convert import dequantized_tensors, left_to_blocks, write_shards
@@ -201,8 +202,10 @@ def convert_gguf(gguf: Path, blocks: bool = False) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     tmp.mkdir(parents=True)
     try:
-        skip = left_to_blocks(gguf, config) if blocks else set()
-        write_shards(dequantized_tensors(gguf, config, skip), tmp, metadata={"format": "pt", "source": gguf.name})
+        reader = GGUFReader(gguf)  # opened once: parsing its metadata takes seconds
+        skip = left_to_blocks(gguf, reader, config) if blocks else set()
+        write_shards(dequantized_tensors(gguf, reader, config, skip), tmp,
+                     metadata={"format": "pt", "source": gguf.name})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # gigabytes of a half-written conversion are not left behind
         raise

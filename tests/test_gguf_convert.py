@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import bundled_gguf, write_gguf
+from gguf import GGUFReader
 from safetensors.torch import load_file, save_file
 
 from radixserve.kernels.cpu_quant import QuantLinear
@@ -45,7 +46,7 @@ def test_a_tensor_at_a_time_is_transformers_reading_bit_for_bit(architecture, tm
     biases, Phi-3's fused projections, a tied output projection left out."""
     gguf = tiny_or_bundled(architecture, tmp_path)
     want, config = whole_file_reading(gguf)
-    got = dict(dequantized_tensors(gguf, config))
+    got = dict(dequantized_tensors(gguf, GGUFReader(gguf), config))
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
