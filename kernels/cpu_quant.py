@@ -13,8 +13,10 @@ kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) multiply stra
 For one row they beat bf16 F.linear by about the bytes they save; from a few rows on they lose to a GEMM, so for
 a prefill the weight is dequantized to the activations' dtype for that one product. The crossover is measured per
 layer shape at load. Where the native decode step runs (model/native_decode.py), every product of a quantized
-layer goes through its kernel instead, on the same blocks (``QuantLinear.native``): integer dot products with the
-activations quantized per 32 values, as llama.cpp computes its prefill.
+layer goes through its kernel instead, on its own packed copy of the same blocks (``QuantLinear.hand_over``):
+integer dot products with the activations quantized per 32 values, as llama.cpp computes its prefill. The layer then
+drops its own copy, so a model's weights are held once; torch's packed forms and the crossover (``tune_kernel_rows``)
+are made only for a model torch's steps multiply.
 """
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 @dataclass
 class Int4Weight:
-    """An int4 weight in two forms: torch's packed layout for its kernel, and nibbles for dequantizing."""
+    """An int4 weight as nibbles with their groups' scales and offsets (torch's packed layout for its kernel is made
+    from them when a torch product first needs it)."""
 
-    packed: torch.Tensor  # torch's int4pack layout (opaque)
     nibbles: torch.Tensor  # uint8 [N, K/2]: element 2i in the low nibble, 2i+1 in the high one
     scale: torch.Tensor  # float32 [N, K/group]
     offset: torch.Tensor  # float32 [N, K/group]: w = q * scale + offset
@@ -105,11 +107,9 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
 
 def int4_weight(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int4Weight:
     """From q [N, K] (0..15), scale and offset [N, K/group]: w = q * scale + offset."""
-    n, k = q.shape
-    q = q.to(torch.int32).contiguous()
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-    return Int4Weight(packed, nibbles, scale.float().contiguous(), offset.float().contiguous(), k // scale.shape[1])
+    k = q.shape[1]
+    nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    return Int4Weight(nibbles, scale.float().contiguous(), offset.float().contiguous(), k // scale.shape[1])
 
 
 class QuantLinear(nn.Module):
@@ -139,32 +139,38 @@ class QuantLinear(nn.Module):
             self.register_buffer("q", q.contiguous())
             self.register_buffer("scale", scale.float())
             self.register_buffer("offset", None if offset is None else offset.float())
-            self.register_buffer("kernel_scale", scale.to(dtype))
             if scale.dim() == 2:
                 self.group = in_features // scale.shape[1]
             elif offset is not None:
                 raise ValueError("an int8 offset goes with a scale per block")
         else:
-            self.register_buffer("packed", int4.packed)
             self.register_buffer("nibbles", int4.nibbles)
             self.register_buffer("scale", int4.scale)
             self.register_buffer("offset", int4.offset)
-            zero = int4.offset + 8 * int4.scale  # torch's kernel: (q - 8) * scale + zero
-            self.register_buffer("kernel_scale_zero", torch.stack([int4.scale, zero], -1).transpose(0, 1).to(dtype)
-                                 .contiguous())
             self.group = int4.group
+        # int8 with a scale per block of a row (GGUF's Q8_0, Q5_K, Q6_K), which torch's int8 kernel cannot take
+        self.block_scales = self.bits == 8 and self.scale.dim() == 2
         self.file_blocks = file_blocks
-        self.kernel_rows = 0 if self.block_scales else 4  # quantize_model measures it per shape
+        self.kernel_rows = 0 if self.block_scales else 4  # tune_kernel_rows measures it per shape
+        self._operands: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's kernel's weight and scales
         self.native: Callable[[torch.Tensor], torch.Tensor] | None = None  # the native step's product, where it runs
+        self.handed_over = False  # True: the native step holds the only copy of the weights (hand_over)
 
-    @property
-    def block_scales(self) -> bool:
-        """int8 with a scale per block of a row (GGUF's Q8_0, Q5_K, Q6_K), which torch's int8 kernel cannot take."""
-        return self.bits == 8 and self.scale.dim() == 2
+    def hand_over(self, product: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Every product from now on through ``product`` (the native step's kernel, on its own packed copy of
+        these blocks), and this layer's copy dropped: the weights are held once."""
+        self.native = product
+        for name in ("q", "nibbles", "scale", "offset"):
+            if name in self._buffers:
+                self._buffers[name] = None
+        self._operands = None
+        self.handed_over = True
 
     def dequantized(self) -> torch.Tensor:
         """W in the activations' dtype, [N, K]: ``q * scale + offset`` in float32 (a product exact in float32 for
         every GGUF format taken, then one rounding: the value gguf's dequantization computes), rounded once more."""
+        if self.handed_over:
+            raise RuntimeError("this layer's weights are the native decode step's (hand_over): it keeps no copy")
         if self.bits == 8 and not self.block_scales:
             return (self.q.float() * self.scale[:, None]).to(self.dtype)
         q = self.q if self.bits == 8 else torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)
@@ -188,9 +194,19 @@ class QuantLinear(nn.Module):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype).contiguous()
+        if self._operands is None:  # torch's forms of the weight, made once, for the first product that needs them
+            if self.bits == 8:
+                self._operands = (self.q, self.scale.to(self.dtype))
+            else:
+                q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).view(self.out_features, -1)
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+                zero = self.offset + 8 * self.scale  # torch's kernel: (q - 8) * scale + zero
+                self._operands = (packed, torch.stack([self.scale, zero], -1).transpose(0, 1).to(self.dtype)
+                                  .contiguous())
+        weight, scales = self._operands
         if self.bits == 8:
-            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.kernel_scale)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.kernel_scale_zero)
+            return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, self.group, scales)
 
 
 def quantize_linear(layer: nn.Linear, bits: int, dtype: torch.dtype, group: int = INT4_GROUP) -> QuantLinear:
@@ -230,7 +246,6 @@ def quantize_model(model: nn.Module, bits: int | None, dtype: torch.dtype,
     it takes the layer's bias), else the layer quantized to ``bits`` (None: left as it is). Returns how many were
     swapped."""
     prebuilt = prebuilt or {}
-    crossover: dict[tuple, int] = {}
     swapped = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -240,12 +255,21 @@ def quantize_model(model: nn.Module, bits: int | None, dtype: torch.dtype,
             layer = prebuilt.get(full) or quantize_linear(child, bits, dtype)
             if full in prebuilt and child.bias is not None:
                 layer.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
-            kind = (layer.out_features, layer.in_features, layer.bits, layer.block_scales)
-            if kind not in crossover:
-                crossover[kind] = kernel_rows(layer)
-                log.info("%s int%d %s: quantized kernel up to %d rows, then dequantize + GEMM", full, layer.bits,
-                         kind[:2], crossover[kind])
-            layer.kernel_rows = crossover[kind]
             setattr(parent, name, layer)
             swapped += 1
     return swapped
+
+
+def tune_kernel_rows(model: nn.Module) -> None:
+    """Each quantized layer's ``kernel_rows``, measured once per layer shape: for a model torch's steps multiply
+    (where the native step serves, every product is its kernel's and nothing is measured)."""
+    crossover: dict[tuple, int] = {}
+    for full, layer in model.named_modules():
+        if not isinstance(layer, QuantLinear) or layer.native is not None:
+            continue
+        kind = (layer.out_features, layer.in_features, layer.bits, layer.block_scales)
+        if kind not in crossover:
+            crossover[kind] = kernel_rows(layer)
+            log.info("%s int%d %s: quantized kernel up to %d rows, then dequantize + GEMM", full, layer.bits,
+                     kind[:2], crossover[kind])
+        layer.kernel_rows = crossover[kind]

@@ -218,7 +218,7 @@ class NativeDecode:
         self.extend_keys, self.shared_gain = budget(self.isa, dtype, self.amx_shared)
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
         for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
-            layer.native = functools.partial(self._product, lin)
+            layer.hand_over(functools.partial(self._product, lin))  # through the kernel; the layer's copy dropped
 
     def _product(self, lin: native.Linear, x: torch.Tensor) -> torch.Tensor:
         """One quantized layer's product through the kernel (this object keeps the packed blocks alive)."""

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from radixserve.kernels import get_backend
 from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.kernels.cpu_native import NativeUnavailable, default_cache_dir
+from radixserve.kernels.cpu_quant import tune_kernel_rows
 from radixserve.kernels.vector_math import settle_vector_math
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.compiled import CompiledDecode
@@ -28,6 +29,7 @@ from radixserve.model.kv_codes import KV_CODES, DecodedReads
 from radixserve.model.logit_processing import LogitProcessing
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
+from radixserve.model import process_memory
 from radixserve.model.penalties import Penalties
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_tree
 from radixserve.model.slot_table import SlotTable
@@ -64,6 +66,7 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
     # memory is never touched (so never resident: a Q4_K_M file is served without a bf16 copy of its linears)
     model = model.to(dtype).to_empty(device=device)
     shipped = file_layers(cfg, quantization, dtype, device, source)
+    process_memory.trim()  # the blocks' decoding temporaries
 
     def wanted(name: str) -> bool:
         return not (name.endswith(".weight") and model.module_of(name) in shipped)
@@ -190,6 +193,9 @@ class ModelRunner:
             if self.native is not None:
                 log.info("native decode step ready in %.1fs (%s)", self.native_build_seconds,
                          "AMX tiles" if self.native.amx else self.native.isa)
+        if quantization is not None:  # the layers the native step does not multiply: where torch's kernel pays
+            tune_kernel_rows(self.model)
+        process_memory.trim()  # the load's freed temporaries (and copies handed to the native step) back to the system
         if not deterministic:  # --deterministic computes every linear layer itself (below)
             pack(self.model)
         positions = cfg.max_position_embeddings

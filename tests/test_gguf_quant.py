@@ -176,7 +176,10 @@ def test_the_native_step_reads_the_same_blocks(q4_k_m, engines):
                 (cpu_native.Q4K, layer.qkv.n - v_rows), (cpu_native.Q6K, v_rows)]
         out = native.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
         # a prompt too long for the native step's prefill: torch's step, its products through the same kernel
-        assert all(m.native is not None for m in native.runner.model.modules() if isinstance(m, QuantLinear))
+        layers = [m for m in native.runner.model.modules() if isinstance(m, QuantLinear)]
+        assert all(m.native is not None and m.handed_over for m in layers)  # the kernel's copy, held once
+        assert not any(b is not None for m in layers for b in (m.scale, m.offset, getattr(m, "q", None),
+                                                               getattr(m, "nibbles", None)))
         long = [int(t) for t in np.random.default_rng(1).integers(100, 40000, 320)]
         long_out = native.generate(input_ids=long, sampling_params={"max_new_tokens": 1}, return_logprob=True,
                                    logprob_start_len=0)

@@ -20,6 +20,7 @@ from radixserve import Engine
 from radixserve.kernels import cpu_native
 from radixserve.kernels.base import AttentionBatch
 from radixserve.kernels.cpu_native import NativeUnavailable, unavailable_reason
+from radixserve.kernels.cpu_quant import QuantLinear
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.kv_codes import KV_CODES, ScaledPool, encode
 from radixserve.model.prefix_groups import StepContexts
@@ -531,6 +532,7 @@ def test_quantized_weights_decode_from_their_blocks(quantization, tiny_models):
         engine = _engine(path, "float32", quantization=quantization)
         layer = engine.runner.native.desc.layer[0]
         assert layer.qkv.format == (cpu_native.Q8 if quantization == "int8" else cpu_native.Q4)
+        assert all(m.handed_over for m in engine.runner.model.modules() if isinstance(m, QuantLinear))
         agree = total = 0
         for eager, native, kv_e, kv_n in _compare_steps(engine, _rows(6, seed=5, shared=10), steps=4):
             assert (native - eager).abs().max() <= 0.08 * eager.abs().max()

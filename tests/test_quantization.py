@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from radixserve import Engine
-from radixserve.kernels.cpu_quant import QuantLinear, quantize_int4, quantize_int8, quantize_linear
+from radixserve.kernels.cpu_quant import (QuantLinear, quantize_int4, quantize_int8, quantize_linear,
+                                          tune_kernel_rows)
 from radixserve.server_args import ServerArgs
 
 
@@ -41,6 +42,26 @@ def test_kernel_and_dequantized_paths_agree(bits, dtype):
         got = layer(x.to(dtype)).float()
         assert got.shape == (rows, 96)
         assert (got - ref).abs().max() <= tol * (1 + ref.abs().max()), (rows, (got - ref).abs().max())
+
+
+def test_torch_forms_are_made_for_torch_products_and_dropped_when_the_native_step_takes_over():
+    """torch's packed int4 weight and kernel scales are made by the first product through torch's kernel (none for a
+    layer only the native step multiplies); ``hand_over`` routes every product through the given one and drops the
+    layer's weights; ``tune_kernel_rows`` measures only the layers torch multiplies."""
+    torch.manual_seed(2)
+    torchs, natives = (quantize_linear(nn.Linear(64, 32), 4, torch.float32) for _ in range(2))
+    assert torchs._operands is None
+    want = torchs(torch.ones(40, 64))  # past kernel_rows: the dequantized copy
+    assert torchs._operands is None
+    assert torch.allclose(torchs(torch.ones(2, 64)), want[:2], atol=1e-4) and torchs._operands is not None
+    natives.hand_over(lambda x: torch.full((x.shape[0], 32), 7.0))
+    assert natives.nibbles is None and natives.scale is None and natives.offset is None
+    assert torch.equal(natives(torch.ones(3, 64)), torch.full((3, 32), 7.0))
+    with pytest.raises(RuntimeError, match="native decode step"):
+        natives.dequantized()
+    torchs.kernel_rows = natives.kernel_rows = -1
+    tune_kernel_rows(nn.Sequential(torchs, natives))
+    assert torchs.kernel_rows >= 1 and natives.kernel_rows == -1
 
 
 def test_int4_refuses_a_dimension_the_group_does_not_divide():
