@@ -8,7 +8,10 @@ alive. A prefill step is the same call with a row per new token, whose context i
 
 The linear layers' weights are packed once into the kernel's layout (``pack_dense``), from the plain weights, so
 the runner builds this before it swaps in oneDNN's packed linears (which longer prefills keep using). Its speed
-against the eager and compiled steps: the ``compile`` stage of ``make bench`` (docs/performance.md).
+against the eager and compiled steps: the ``compile`` stage of ``make bench`` (docs/performance.md). A quantized
+layer's blocks are packed in their own bits (``pack_gguf``, ``pack_q8``, ``pack_q4``), and the layer hands its own
+copy over as soon as its pack is made (``QuantLinear.hand_over``): every later product of it, torch's steps' too, is
+the kernel's, and a quantized model is held once.
 """
 from __future__ import annotations
 
@@ -173,7 +176,6 @@ class NativeDecode:
         self.model, self.dtype = model, dtype
         self.pool_slots = kv.k.shape[1]
         self._keep: list = []  # every tensor (and ctypes array) a structure points into
-        self._quantized_layers: list[tuple[QuantLinear, native.Linear]] = []
         layers = (native.Layer * cfg.num_layers)()
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -217,8 +219,6 @@ class NativeDecode:
         self.amx_shared = self.amx and self.shares and cfg.head_dim == AMX_SHARED_DIM
         self.extend_keys, self.shared_gain = budget(self.isa, dtype, self.amx_shared)
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
-        for layer, lin in self._quantized_layers:  # accepted: torch's steps (long prefills) multiply the same blocks
-            layer.hand_over(functools.partial(self._product, lin))  # through the kernel; the layer's copy dropped
 
     def _product(self, lin: native.Linear, x: torch.Tensor) -> torch.Tensor:
         """One quantized layer's product through the kernel (this object keeps the packed blocks alive)."""
@@ -282,7 +282,9 @@ class NativeDecode:
             packed = pack_q4(q, layer.scale, layer.offset)
             self._keep += list(packed)
             lin = native.Linear(native.Q4, n, k, 0, *(t.data_ptr() for t in packed), bias)
-        self._quantized_layers.append((layer, lin))
+        # from now on every product of the layer is the kernel's, on these blocks (torch's steps too: long prefills,
+        # or every step should the model be refused below); its own copy goes now, so the two never all coexist
+        layer.hand_over(functools.partial(self._product, lin))
         return lin
 
     def applies(self, batch: ForwardBatch) -> bool:
