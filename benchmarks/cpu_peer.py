@@ -78,11 +78,13 @@ class LlamaServer:
 
     path = "/completion"
 
-    def __init__(self, gguf, slot_tokens: int = 4096, slots: int = STREAMS) -> None:
+    def __init__(self, gguf, slot_tokens: int = 4096, slots: int = STREAMS, unified: int | None = None) -> None:
+        """``unified``: one KV pool of that many tokens the slots share (--kv-unified), instead of ``slot_tokens``
+        for each."""
         self.url = f"http://127.0.0.1:{free_port()}"
+        context = ["-c", str(unified), "-kvu"] if unified else ["-c", str(slot_tokens * slots)]
         self.proc = subprocess.Popen([str(llama_cpp.binary("llama-server")), "-m", str(gguf), "--port",
-                                      self.url.rsplit(":", 1)[1], "-t", "2", "-tb", "2", "-c",
-                                      str(slot_tokens * slots), "-np", str(slots)],
+                                      self.url.rsplit(":", 1)[1], "-t", "2", "-tb", "2", *context, "-np", str(slots)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(600):
             try:

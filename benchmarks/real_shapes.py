@@ -22,8 +22,12 @@ a bf16 model's prefill multiplies in float32, kernels/cpu_linear.py).
     python benchmarks/real_shapes.py [--quick] [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b]
         [--precisions bf16,q8_0,q4_k_m] [--out DIR]
 
-Llama-3.1-8B runs only where the machine's memory holds three copies of its bf16 weights (both servers and the
-checkpoint being made); otherwise the stage says it skipped it and why.
+A shape runs where the disk holds the files still to be made (the bf16 checkpoint, the BF16 GGUF and each
+quantized one), and each precision where the memory available holds radixserve loading it and then both servers
+serving it (``memory_need``: from the bytes per weight each holds, measured on the 1B shape). llama.cpp's slots
+keep a context of their own each (2112 tokens x 32 slots: 8.3 GiB of KV for the 8B shape); where that does not fit
+but one shared pool does, it runs with ``--kv-unified`` and a context of 2112 + 32 x 64 tokens (recorded with the
+row). What does not fit is skipped, with the reason, in the report.
 """
 from __future__ import annotations
 
@@ -67,6 +71,18 @@ PREFILLS = (512, 2048)
 FIRST = 8  # new tokens of the short run; the long run adds the measured ones
 TARGETS = {"decode_1": 1.0, "decode_8": 1.5, "prefill_512": 1.2, "prefill_2048": 1.2, "bandwidth": 0.9}
 ROOT = llama_cpp.ROOT.parent / "shapes"
+VOCAB = 49152  # SmolLM2's tokenizer
+GIB = 2**30
+FILE_BYTES = {"bf16": 2.002, "q8_0": 1.064, "q4_k_m": 0.623}  # a GGUF file's bytes per parameter (the 1B shape's)
+# what radixserve holds per byte of the file's weights, serving and at its load's peak (Engine on the 1B shape;
+# model/process_memory.py): bf16 two copies (the native step's and oneDNN's for long prefills); a GGUF file's
+# blocks once, the load peaking while its layers are decoded (Q4_K_M: torch's copy of Q6_K blocks is wider)
+OURS_HELD = {"bf16": 2.0, "q8_0": 1.0, "q4_k_m": 1.0}
+OURS_PEAK = {"bf16": 2.9, "q8_0": 2.2, "q4_k_m": 3.4}
+PROCESS = 1.5 * GIB  # each server's Python, torch, tokenizer and buffers (more than measured: 0.5-0.6)
+OURS_KV_TOKENS = 8192  # --max-total-tokens
+LLAMA_SLOT_TOKENS = max(PREFILLS) + 64
+MEMORY_MARGIN = 0.9  # of the memory available, what the estimate may take
 
 
 def products_of(args: dict, vocab: int) -> list[tuple[int, int, int]]:
@@ -103,7 +119,7 @@ def checkpoint(name: str) -> Path:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     tmp = out.with_name("hf.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, max_shard_size="2GB")  # (an 8B shape: no 16 GB shard serialized at once)
     tokenizer.save_pretrained(tmp)
     del model
     tmp.rename(out)
@@ -160,7 +176,8 @@ def prefill_rate(system, length: int, seed: int) -> float:
     return length / timed_batch(system, prompts(1, length, seed), 1)
 
 
-def measure_shape(name: str, quick: bool, repeats: int, precisions: tuple[str, ...] = PRECISIONS) -> dict:
+def measure_shape(name: str, quick: bool, repeats: int, precisions: dict[str, bool]) -> dict:
+    """The shape at each of ``precisions`` (-> whether llama.cpp shares one KV pool among its slots, ``plan``)."""
     gguf = files(name)
     folder = checkpoint(name)
     cfg = ModelConfig.from_hf(*load_configs(folder))
@@ -173,7 +190,8 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: tuple[str, .
         if precision != "bf16":
             resolve_model(str(gguf[precision]), blocks=True)  # its one-off conversion (for gguf), before the start
         systems = {"radixserve": Ours([*ours_flags, "--max-total-tokens", "8192"]),
-                   "llama.cpp": LlamaServer(gguf[precision], slot_tokens=max(PREFILLS) + 64, slots=max(BATCHES))}
+                   "llama.cpp": LlamaServer(gguf[precision], slot_tokens=LLAMA_SLOT_TOKENS, slots=max(BATCHES),
+                                            unified=llama_context(True) if precisions[precision] else None)}
         runs: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
         reads: list[float] = []  # the read bandwidth around each round of batch-1 measurements
         try:
@@ -196,6 +214,7 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: tuple[str, .
         weight_bytes = linear_bytes(gguf[precision])
         for label, measured in runs.items():
             row = {"shape": name, "precision": precision, "system": label, "runs": measured,
+                   "llama_kv": f"unified, {llama_context(True)} tokens" if precisions[precision] else "per slot",
                    **{k: statistics.median(v) for k, v in measured.items()}, "weight_bytes": weight_bytes}
             row["bandwidth_bytes_s"] = row["decode_1"] * weight_bytes
             row["read_bandwidth_bytes_s"] = reads
@@ -206,11 +225,62 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: tuple[str, .
     return {"params": costs["linear_params"], "config": SHAPES[name][1], "rows": rows}
 
 
-def fits(name: str) -> str | None:
-    """None, or why this machine cannot hold the shape (three copies of its bf16 weights)."""
-    need = 3 * 2 * params_of(SHAPES[name][0], SHAPES[name][1], 49152)
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None if need <= have else f"needs about {need / 2**30:.0f} GiB of memory, this machine has {have / 2**30:.0f}"
+def llama_context(unified: bool) -> int:
+    """llama-server's -c: a context per slot for each of the slots, or one pool they share (--kv-unified)."""
+    slots = max(BATCHES)
+    return LLAMA_SLOT_TOKENS + slots * 64 if unified else LLAMA_SLOT_TOKENS * slots
+
+
+def memory_need(name: str, precision: str, unified: bool) -> float:
+    """Bytes of memory a precision of a shape takes: radixserve's load peak (it starts first), or both servers
+    serving."""
+    args = SHAPES[name][1]
+    params = params_of(SHAPES[name][0], args, VOCAB)
+    weights = params * FILE_BYTES[precision]
+    head_dim = args.get("head_dim", args["hidden_size"] // args["num_attention_heads"])
+    kv_token = 2 * 2 * args["num_hidden_layers"] * args["num_key_value_heads"] * head_dim  # K and V, 16 bits
+    embedding = 0 if precision == "bf16" else 2 * VOCAB * args["hidden_size"]  # ours in bf16 beside the blocks
+    ours = PROCESS + OURS_HELD[precision] * weights + embedding + OURS_KV_TOKENS * kv_token
+    theirs = PROCESS + weights + llama_context(unified) * kv_token
+    return max(PROCESS + OURS_PEAK[precision] * weights, ours + theirs)
+
+
+def memory_available() -> int:
+    """MemAvailable (what the kernel can give without swapping: free plus reclaimable cache), else all memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def disk_need(name: str) -> int:
+    """Bytes of the files still to be made for a shape: its bf16 checkpoint, the BF16 GGUF, the quantized ones."""
+    params = params_of(SHAPES[name][0], SHAPES[name][1], VOCAB)
+    missing = [("bf16", ROOT / name / "hf" / "config.json")] + [(p, ROOT / name / f"model-{p}.gguf") for p in PRECISIONS]
+    return int(sum(params * FILE_BYTES[p] for p, path in missing if not path.exists()))
+
+
+def plan(name: str, precisions: tuple[str, ...]) -> tuple[dict[str, bool], dict[str, str]]:
+    """(precision -> whether llama.cpp shares one KV pool, for those that fit; precision -> why not, for the
+    rest). A shape whose files do not fit the disk has none."""
+    free = shutil.disk_usage(next(p for p in (ROOT, *ROOT.parents) if p.exists())).free
+    if disk_need(name) > free:
+        why = f"its files need {disk_need(name) / GIB:.0f} GiB of disk, {free / GIB:.0f} GiB free"
+        return {}, {p: why for p in precisions}
+    runs, skipped = {}, {}
+    have = memory_available()
+    for precision in precisions:
+        for unified in (False, True):
+            if memory_need(name, precision, unified) <= MEMORY_MARGIN * have:
+                runs[precision] = unified
+                break
+        else:
+            skipped[precision] = (f"needs about {memory_need(name, precision, True) / GIB:.0f} GiB of memory, "
+                                  f"{have / GIB:.0f} GiB available")
+    return runs, skipped
 
 
 def limits_now() -> dict:
@@ -229,14 +299,15 @@ def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repea
     info = machine_info()
     limits = limits_now()
     res = {"started": started, "machine": info, "quick": quick, "repeats": 1 if quick else repeats,
-           "limits": limits, "shapes": {}, "skipped_shapes": {}}
+           "limits": limits, "shapes": {}, "skipped_shapes": {},
+           "skipped_precisions": {}}
     for name in tqdm(shapes, desc="shapes"):
-        why = fits(name)
-        if why:
-            res["skipped_shapes"][name] = why
+        runs, skipped = plan(name, precisions)
+        res["skipped_precisions"].update({f"{name} {p}": why for p, why in skipped.items()})
+        if not runs:
             continue
         try:
-            res["shapes"][name] = measure_shape(name, quick, res["repeats"], precisions)
+            res["shapes"][name] = measure_shape(name, quick, res["repeats"], runs)
         except llama_cpp.Unavailable as exc:
             res["skipped_shapes"][name] = str(exc)
     again = limits_now()
@@ -346,8 +417,13 @@ def section(res: dict, targets: list[str], check) -> list[str]:
     if sampled:
         L[-2] += (f" Batch 1's share: the median over rounds, each against the read bandwidth sampled around it "
                   f"({min(sampled) / 1e9:.1f}-{max(sampled) / 1e9:.1f} GB/s in this run).")
-    for name, why in res.get("skipped_shapes", {}).items():
+    for name, why in {**res.get("skipped_shapes", {}), **res.get("skipped_precisions", {})}.items():
         L.append(f"- {name}: not run: {why}")
+    for name, shape in res["shapes"].items():
+        for r in shape["rows"]:
+            if r["system"] == "llama.cpp" and r.get("llama_kv", "per slot") != "per slot":
+                L.append(f"- {name} {r['precision']}: llama.cpp with one KV pool for its slots (--kv-unified, "
+                         f"{r['llama_kv'].split(', ')[1]}): a context per slot would not fit the memory")
     keys = [f"decode_{b}" for b in BATCHES] + [f"prefill_{n}" for n in PREFILLS]
     L += ["", "tok/s (and radixserve / llama.cpp):", "",
           "| shape | precision | " + " | ".join(k.replace("_", " ") for k in keys)
