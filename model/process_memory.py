@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 
 @functools.cache
@@ -23,15 +24,9 @@ def resident_bytes() -> int | None:
     """This process's resident memory (Linux), or None where /proc does not say."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _page_size()
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _page_size() -> int:
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE")
 
 
 def trim() -> bool:

@@ -20,6 +20,7 @@ from radixserve.kernels.cpu_linear import pack_linears
 from radixserve.kernels.cpu_native import NativeUnavailable, default_cache_dir
 from radixserve.kernels.cpu_quant import tune_kernel_rows
 from radixserve.kernels.vector_math import settle_vector_math
+from radixserve.model import process_memory
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.compiled import CompiledDecode
 from radixserve.model.config import ModelConfig
@@ -29,7 +30,6 @@ from radixserve.model.kv_codes import KV_CODES, DecodedReads
 from radixserve.model.logit_processing import LogitProcessing
 from radixserve.model.native_decode import NativeDecode
 from radixserve.model.parallel import SINGLE, TPGroup, read_part, shard_of
-from radixserve.model import process_memory
 from radixserve.model.penalties import Penalties
 from radixserve.model.sampler import SamplingInputs, prompt_logprobs_of, sample_rows, verify_tree
 from radixserve.model.slot_table import SlotTable
@@ -66,7 +66,6 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
     # memory is never touched (so never resident: a Q4_K_M file is served without a bf16 copy of its linears)
     model = model.to(dtype).to_empty(device=device)
     shipped = file_layers(cfg, quantization, dtype, device, source)
-    process_memory.trim()  # the blocks' decoding temporaries
 
     def wanted(name: str) -> bool:
         return not (name.endswith(".weight") and model.module_of(name) in shipped)
