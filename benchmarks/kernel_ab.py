@@ -59,7 +59,7 @@ def build_at(rev: str, work: Path):
 
 def step_layers(shape: str, kind: str) -> list[Packed]:
     """The products of one decode step of ``shape`` in ``kind``, each layer's weights a copy of their own."""
-    from real_shapes import SHAPES, products_of
+    from shape_models import SHAPES, products_of
 
     out = []
     for n, k, times in products_of(SHAPES[shape][1], 49152):  # SmolLM2's vocabulary, as real_shapes' checkpoints

@@ -22,19 +22,16 @@ a bf16 model's prefill multiplies in float32, kernels/cpu_linear.py).
     python benchmarks/real_shapes.py [--quick] [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b]
         [--precisions bf16,q8_0,q4_k_m] [--out DIR]
 
-A shape runs where the disk holds the files still to be made (the bf16 checkpoint, the BF16 GGUF and each
-quantized one), and each precision where the memory available holds radixserve loading it and then both servers
-serving it (``memory_need``: from the bytes per weight each holds, measured on the 1B shape). llama.cpp's slots
-keep a context of their own each (2112 tokens x 32 slots: 8.3 GiB of KV for the 8B shape); where that does not fit
-but one shared pool does, it runs with ``--kv-unified`` and a context of 2112 + 32 x 64 tokens (recorded with the
-row). What does not fit is skipped, with the reason, in the report.
+A shape runs where the disk holds its files and each precision where the memory holds both servers
+(benchmarks/shape_models.py, which makes the files). llama.cpp's slots keep a context of their own each (2112
+tokens x 32 slots: 8.3 GiB of KV for the 8B shape); where that does not fit but one shared pool does, it runs with
+``--kv-unified`` and a context of 2112 + 32 x 64 tokens (recorded with the row). What does not fit is skipped,
+with the reason, in the report.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import shutil
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,102 +44,21 @@ from tqdm import tqdm
 import llama_cpp
 import machine
 from cpu_peer import LlamaServer, Ours
+from shape_models import PRECISIONS, SHAPES, checkpoint, files, linear_bytes, plan
 from stage_results import load_stage, machine as machine_info, save_stage
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import load_configs, resolve_model
 
 STAGE = "shapes"
-SHAPES = {  # name: (transformers config class, its arguments); vocab: the tokenizer's
-    "llama-3.2-1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                                         tie_word_embeddings=True, rope_theta=500000.0)),
-    "qwen2.5-1.5b": ("Qwen2Config", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
-                                         rope_theta=1000000.0)),
-    "llama-3.1-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                                         tie_word_embeddings=False, rope_theta=500000.0)),
-}
-DEFAULT_SHAPES = ("llama-3.2-1b", "qwen2.5-1.5b", "llama-3.1-8b")  # the 8B where memory allows (fits)
-PRECISIONS = ("bf16", "q8_0", "q4_k_m")
+DEFAULT_SHAPES = ("llama-3.2-1b", "qwen2.5-1.5b", "llama-3.1-8b")  # each precision where memory allows (plan)
 BATCHES = (1, 8, 32)
 PREFILLS = (512, 2048)
 FIRST = 8  # new tokens of the short run; the long run adds the measured ones
-TARGETS = {"decode_1": 1.0, "decode_8": 1.5, "prefill_512": 1.2, "prefill_2048": 1.2, "bandwidth": 0.9}
-ROOT = llama_cpp.ROOT.parent / "shapes"
-VOCAB = 49152  # SmolLM2's tokenizer
-GIB = 2**30
-FILE_BYTES = {"bf16": 2.002, "q8_0": 1.064, "q4_k_m": 0.623}  # a GGUF file's bytes per parameter (the 1B shape's)
-# what radixserve holds per byte of the file's weights, serving and at its load's peak (Engine on the 1B shape;
-# model/process_memory.py): bf16 two copies (the native step's and oneDNN's for long prefills); a GGUF file's
-# blocks once, the load peaking while its layers are decoded (Q4_K_M: torch's copy of Q6_K blocks is wider)
-OURS_HELD = {"bf16": 2.0, "q8_0": 1.0, "q4_k_m": 1.0}
-OURS_PEAK = {"bf16": 2.9, "q8_0": 2.2, "q4_k_m": 3.4}
-PROCESS = 1.5 * GIB  # each server's Python, torch, tokenizer and buffers (more than measured: 0.5-0.6)
-OURS_KV_TOKENS = 8192  # --max-total-tokens
 LLAMA_SLOT_TOKENS = max(PREFILLS) + 64
-MEMORY_MARGIN = 0.9  # of the memory available, what the estimate may take
-
-
-def products_of(args: dict, vocab: int) -> list[tuple[int, int, int]]:
-    """A decode step's linear products of a shape's config: (n, k, how many) for the fused q/k/v, o, the fused
-    gate/up, down and the output projection."""
-    h, i, layers = args["hidden_size"], args["intermediate_size"], args["num_hidden_layers"]
-    hd = args.get("head_dim", h // args["num_attention_heads"])
-    q, kv = args["num_attention_heads"] * hd, args["num_key_value_heads"] * hd
-    return [(q + 2 * kv, h, layers), (h, q, layers), (2 * i, h, layers), (h, i, layers), (vocab, h, 1)]
-
-
-def params_of(kind: str, args: dict, vocab: int) -> int:
-    embed = vocab * args["hidden_size"] * (0 if args["tie_word_embeddings"] else 1)  # the input embedding's own
-    return sum(n * k * times for n, k, times in products_of(args, vocab)) + embed
-
-
-def checkpoint(name: str) -> Path:
-    """The shape's random bf16 checkpoint with SmolLM2's tokenizer (made once, kept under ~/.cache)."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = ROOT / name / "hf"
-    if (out / "config.json").exists():
-        return out
-    tokenizer_from = resolve_model(None).path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
-    kind, args = SHAPES[name]
-    cfg = getattr(transformers, kind)(vocab_size=len(tokenizer), max_position_embeddings=8192,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      **args)
-    torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    tmp = out.with_name("hf.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, max_shard_size="2GB")  # (an 8B shape: no 16 GB shard serialized at once)
-    tokenizer.save_pretrained(tmp)
-    del model
-    tmp.rename(out)
-    return out
-
-
-def files(name: str) -> dict[str, Path]:
-    """precision -> the GGUF file llama.cpp serves (and radixserve too, but for BF16)."""
-    llama_cpp.build()
-    bf16 = llama_cpp.converted(checkpoint(name), ROOT / name / "model-bf16.gguf", pre="smollm")  # its tokenizer
-    return {"bf16": bf16, **{p: llama_cpp.quantized(bf16, ROOT / name / f"model-{p}.gguf", p) for p in PRECISIONS[1:]}}
-
-
-def linear_bytes(gguf: Path) -> int:
-    """Bytes of the linear layers' weights in a GGUF file: what one decode step reads at least (the output
-    projection whole; with tied embeddings that is token_embd)."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf).tensors}
-    head = tensors.get("output.weight", tensors["token_embd.weight"])
-    return head + sum(n for name, n in tensors.items() if name.startswith("blk.") and name.endswith(".weight")
-                      and any(part in name for part in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv",
-                                                         "ffn_gate", "ffn_up", "ffn_down")))
+# llama-server's -c: a context per slot for each of the slots (False), or one pool they share (True, --kv-unified)
+LLAMA_CONTEXT = {False: LLAMA_SLOT_TOKENS * max(BATCHES), True: LLAMA_SLOT_TOKENS + max(BATCHES) * 64}
+TARGETS = {"decode_1": 1.0, "decode_8": 1.5, "prefill_512": 1.2, "prefill_2048": 1.2, "bandwidth": 0.9}
 
 
 def prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -191,7 +107,7 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: dict[str, bo
             resolve_model(str(gguf[precision]), blocks=True)  # its one-off conversion (for gguf), before the start
         systems = {"radixserve": Ours([*ours_flags, "--max-total-tokens", "8192"]),
                    "llama.cpp": LlamaServer(gguf[precision], slot_tokens=LLAMA_SLOT_TOKENS, slots=max(BATCHES),
-                                            unified=llama_context(True) if precisions[precision] else None)}
+                                            unified=LLAMA_CONTEXT[True] if precisions[precision] else None)}
         runs: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
         reads: list[float] = []  # the read bandwidth around each round of batch-1 measurements
         try:
@@ -214,7 +130,7 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: dict[str, bo
         weight_bytes = linear_bytes(gguf[precision])
         for label, measured in runs.items():
             row = {"shape": name, "precision": precision, "system": label, "runs": measured,
-                   "llama_kv": f"unified, {llama_context(True)} tokens" if precisions[precision] else "per slot",
+                   "llama_kv": f"unified, {LLAMA_CONTEXT[True]} tokens" if precisions[precision] else "per slot",
                    **{k: statistics.median(v) for k, v in measured.items()}, "weight_bytes": weight_bytes}
             row["bandwidth_bytes_s"] = row["decode_1"] * weight_bytes
             row["read_bandwidth_bytes_s"] = reads
@@ -223,64 +139,6 @@ def measure_shape(name: str, quick: bool, repeats: int, precisions: dict[str, bo
                                       for n in PREFILLS}
             rows.append(row)
     return {"params": costs["linear_params"], "config": SHAPES[name][1], "rows": rows}
-
-
-def llama_context(unified: bool) -> int:
-    """llama-server's -c: a context per slot for each of the slots, or one pool they share (--kv-unified)."""
-    slots = max(BATCHES)
-    return LLAMA_SLOT_TOKENS + slots * 64 if unified else LLAMA_SLOT_TOKENS * slots
-
-
-def memory_need(name: str, precision: str, unified: bool) -> float:
-    """Bytes of memory a precision of a shape takes: radixserve's load peak (it starts first), or both servers
-    serving."""
-    args = SHAPES[name][1]
-    params = params_of(SHAPES[name][0], args, VOCAB)
-    weights = params * FILE_BYTES[precision]
-    head_dim = args.get("head_dim", args["hidden_size"] // args["num_attention_heads"])
-    kv_token = 2 * 2 * args["num_hidden_layers"] * args["num_key_value_heads"] * head_dim  # K and V, 16 bits
-    embedding = 0 if precision == "bf16" else 2 * VOCAB * args["hidden_size"]  # ours in bf16 beside the blocks
-    ours = PROCESS + OURS_HELD[precision] * weights + embedding + OURS_KV_TOKENS * kv_token
-    theirs = PROCESS + weights + llama_context(unified) * kv_token
-    return max(PROCESS + OURS_PEAK[precision] * weights, ours + theirs)
-
-
-def memory_available() -> int:
-    """MemAvailable (what the kernel can give without swapping: free plus reclaimable cache), else all memory."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def disk_need(name: str) -> int:
-    """Bytes of the files still to be made for a shape: its bf16 checkpoint, the BF16 GGUF, the quantized ones."""
-    params = params_of(SHAPES[name][0], SHAPES[name][1], VOCAB)
-    missing = [("bf16", ROOT / name / "hf" / "config.json")] + [(p, ROOT / name / f"model-{p}.gguf") for p in PRECISIONS]
-    return int(sum(params * FILE_BYTES[p] for p, path in missing if not path.exists()))
-
-
-def plan(name: str, precisions: tuple[str, ...]) -> tuple[dict[str, bool], dict[str, str]]:
-    """(precision -> whether llama.cpp shares one KV pool, for those that fit; precision -> why not, for the
-    rest). A shape whose files do not fit the disk has none."""
-    free = shutil.disk_usage(next(p for p in (ROOT, *ROOT.parents) if p.exists())).free
-    if disk_need(name) > free:
-        why = f"its files need {disk_need(name) / GIB:.0f} GiB of disk, {free / GIB:.0f} GiB free"
-        return {}, {p: why for p in precisions}
-    runs, skipped = {}, {}
-    have = memory_available()
-    for precision in precisions:
-        for unified in (False, True):
-            if memory_need(name, precision, unified) <= MEMORY_MARGIN * have:
-                runs[precision] = unified
-                break
-        else:
-            skipped[precision] = (f"needs about {memory_need(name, precision, True) / GIB:.0f} GiB of memory, "
-                                  f"{have / GIB:.0f} GiB available")
-    return runs, skipped
 
 
 def limits_now() -> dict:
@@ -302,7 +160,7 @@ def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repea
            "limits": limits, "shapes": {}, "skipped_shapes": {},
            "skipped_precisions": {}}
     for name in tqdm(shapes, desc="shapes"):
-        runs, skipped = plan(name, precisions)
+        runs, skipped = plan(name, precisions, LLAMA_CONTEXT)
         res["skipped_precisions"].update({f"{name} {p}": why for p, why in skipped.items()})
         if not runs:
             continue

@@ -216,6 +216,56 @@ def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
     assert "memory copy (read + written bytes; a read-only stream exceeds it) 2.0 GB/s" in text
 
 
+def test_each_precision_of_a_shape_runs_where_the_machine_holds_it(tmp_path, monkeypatch):
+    """benchmarks/shape_models.py's plan: with the files made, a precision runs where the memory available holds
+    it, llama.cpp with a KV context per slot where that fits too, else one pool its slots share; one that fits
+    neither way is skipped with its need; a shape whose files the disk cannot hold is skipped whole. The report
+    names both, and a row whose llama.cpp shared its pool."""
+    import real_shapes
+    import shape_models
+
+    gib = 2**30
+    monkeypatch.setattr(shape_models, "ROOT", tmp_path)
+    for p in shape_models.PRECISIONS:  # every file already made: no disk needed
+        (tmp_path / "llama-3.1-8b" / "hf").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "llama-3.1-8b" / "hf" / "config.json").touch()
+        (tmp_path / "llama-3.1-8b" / f"model-{p}.gguf").touch()
+    contexts = real_shapes.LLAMA_CONTEXT
+    need = {p: {u: shape_models.memory_need("llama-3.1-8b", p, contexts[u]) for u in (False, True)}
+            for p in shape_models.PRECISIONS}
+    assert need["q8_0"][True] < need["q8_0"][False] and need["q4_k_m"][False] < need["bf16"][True]
+    assert 20 * gib < need["bf16"][True] < need["bf16"][False]  # two bf16 copies of 8B for us alone
+    have = (need["q8_0"][True] + need["q8_0"][False]) / 2 / shape_models.MEMORY_MARGIN  # between the two
+    monkeypatch.setattr(shape_models, "memory_available", lambda: have)
+    runs, skipped = shape_models.plan("llama-3.1-8b", shape_models.PRECISIONS, contexts)
+    assert runs["q8_0"] is True and set(skipped) == {"bf16"}
+    assert runs["q4_k_m"] is (need["q4_k_m"][False] > shape_models.MEMORY_MARGIN * have)
+    assert skipped["bf16"] == (f"needs about {need['bf16'][True] / gib:.0f} GiB of memory, {have / gib:.0f} GiB "
+                               "available")
+    monkeypatch.setattr(shape_models, "memory_available", lambda: 1000 * gib)
+    assert shape_models.plan("llama-3.1-8b", ("bf16", "q8_0"), contexts) == ({"bf16": False, "q8_0": False}, {})
+
+    (tmp_path / "llama-3.1-8b" / "model-bf16.gguf").unlink()  # 16 GB to make, on a disk that has less free
+    monkeypatch.setattr(shape_models.shutil, "disk_usage", lambda path: type("U", (), {"free": 10 * gib})())
+    runs, skipped = shape_models.plan("llama-3.1-8b", ("q8_0",), contexts)
+    made = shape_models.disk_need("llama-3.1-8b") / gib
+    assert runs == {} and skipped == {"q8_0": f"its files need {made:.0f} GiB of disk, 10 GiB free"} and made > 10
+
+    res = {"started": "2026-12-07 02:00:00", "repeats": 1, "quick": True,
+           "machine": {"commit": "abc1234", "cpu": "a CPU", "cpus_in_mask": 2},
+           "limits": {"read_bandwidth_bytes_s": 3e9, "copy_bandwidth_bytes_s": 2e9, "matmul_peak_flops_s": 4e11},
+           "shapes": {"llama-3.1-8b": {"params": 1, "config": {}, "rows": [
+               {"shape": "llama-3.1-8b", "precision": "q8_0", "system": system, "llama_kv": "unified, 4160 tokens",
+                "decode_1": 4.0, "decode_8": 20.0, "decode_32": 40.0, "prefill_512": 30.0, "prefill_2048": 25.0,
+                "bandwidth_bytes_s": 3e9, "prefill_flops_s": {"512": 2e11, "2048": 2.2e11}}
+               for system in ("radixserve", "llama.cpp")]}},
+           "skipped_shapes": {}, "skipped_precisions": {"llama-3.1-8b bf16": "needs about 46 GiB of memory, 22 GiB "
+                                                                               "available"}}
+    text = "\n".join(real_shapes.section(res, [], report.check))
+    assert "- llama-3.1-8b bf16: not run: needs about 46 GiB of memory" in text
+    assert "- llama-3.1-8b q8_0: llama.cpp with one KV pool for its slots (--kv-unified, 4160 tokens)" in text
+
+
 def test_prefix_groups_section_judges_each_group_count_and_pass(tmp_path):
     """benchmarks/prefix_groups.py's report section: a row per group count and a target per (group count, pass)
     against llama.cpp, the kernel's instruction set and AMX named; the plot written."""
