@@ -58,8 +58,8 @@ def iter_safetensors(path: Path, part=lambda name: None, keep=lambda name: True)
 
 def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
                 quantization: str | None = None, source: Path | None = None, tp: TPGroup = SINGLE) -> CausalLM:
-    """The model (this rank's share of it) with its weights as loaded (quantized if asked); ``pack`` swaps in
-    the CPU's packed linears."""
+    """The model (this rank's share of it) with its weights as loaded (quantized if asked); the runner then
+    swaps in the CPU's packed linears (pack_linears)."""
     with torch.device("meta"):
         model = CausalLM(cfg, tp)
     # no random init: every weight is loaded next, but those of the layers a GGUF file's blocks replace, whose
@@ -74,12 +74,6 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
     if quantization is not None:
         quantize(model, quantization, dtype, shipped)
     return model.eval()
-
-
-def pack(model: CausalLM) -> None:
-    done = pack_linears(model)  # CPU bf16/fp16: faster products
-    if done:
-        log.info("CPU linears: %s", done)
 
 
 def file_layers(cfg: ModelConfig, quantization: str | None, dtype: torch.dtype, device: torch.device,
@@ -182,7 +176,7 @@ class ModelRunner:
         self.decode_refused: dict[str, str] = {}  # kernel -> why it did not load (auto then took the next one)
         kernels = [decode_kernel, *decode_fallback]
         self.native_build_seconds = 0.0  # building (first start) or loading the native step
-        if kernels[0] == "native":  # packs its own copy of the weights, from the plain ones: before pack()
+        if kernels[0] == "native":  # packs its own copy of the weights, from the plain ones: before pack_linears
             native_start = time.perf_counter()
             try:
                 self.native = NativeDecode(self.model, self.kv, self.dtype, default_cache_dir())
@@ -195,8 +189,8 @@ class ModelRunner:
         if quantization is not None:  # the layers the native step does not multiply: where torch's kernel pays
             tune_kernel_rows(self.model)
         process_memory.trim()  # the load's freed temporaries (and copies handed to the native step) back to the system
-        if not deterministic:  # --deterministic computes every linear layer itself (below)
-            pack(self.model)
+        if not deterministic and (done := pack_linears(self.model)):  # CPU bf16/fp16: faster products
+            log.info("CPU linears: %s", done)  # (--deterministic computes every linear layer itself, below)
         positions = cfg.max_position_embeddings
         self.rope = RopeTable(*cfg.rope_inv_freq(context=context_length), positions, self.dtype, self.device)
         self.local_rope = (RopeTable(*cfg.rope_inv_freq(local=True, context=context_length), positions, self.dtype,
