@@ -11,11 +11,12 @@ Measured: decode tok/s at batch 1, 8 and 32 (that many different prompts at once
 8 + N new tokens each: the decode rate is the difference, so prefill and start-up cancel); prefill tok/s at 512
 and 2048 tokens (one prompt of that many token ids, one new token, no prompt cache); and the fraction of the
 machine's limits each reaches, measured in the same run (benchmarks/machine.py): decode at batch 1 against reading
-the file's linear weights once per token at the memory's read bandwidth (summing 512 MB, just before and after
-each round of batch-1 measurements, the faster of the two: on a shared machine the memory's pace moves by a third
-within minutes, so each round is set against its own; results from before it was sampled so hold one figure for
-the run, and those from before it was measured the copy bandwidth, read + written bytes/s, which a read-only
-stream exceeds), prefill against the
+the file's linear weights once per token at the memory's read bandwidth (machine.read_bandwidth: 512 MB read by
+the best of torch's sum and a native reader of several runs a thread, just before and after each round of batch-1
+measurements, the faster of the two: on a shared machine the memory's pace moves by a third within minutes, so
+each round is set against its own; results from before the native reader hold torch's sum alone, which reads
+slower than a decode step can, those from before it was sampled one figure for the run, and those from before it
+was measured the copy bandwidth, read + written bytes/s, which a read-only stream exceeds), prefill against the
 machine's matmul peak: the faster of torch's bf16 and float32 GEMMs (without AVX-512, oneDNN has no bf16 GEMM and
 a bf16 model's prefill multiplies in float32, kernels/cpu_linear.py).
 
@@ -157,7 +158,7 @@ def measure(quick: bool = False, shapes: tuple[str, ...] = DEFAULT_SHAPES, repea
     info = machine_info()
     limits = limits_now()
     res = {"started": started, "machine": info, "quick": quick, "repeats": 1 if quick else repeats,
-           "limits": limits, "shapes": {}, "skipped_shapes": {},
+           "limits": limits, "read_probe": machine.read_probe(), "shapes": {}, "skipped_shapes": {},
            "skipped_precisions": {}}
     for name in tqdm(shapes, desc="shapes"):
         runs, skipped = plan(name, precisions, LLAMA_CONTEXT)
@@ -181,6 +182,13 @@ def bandwidth_limit(res: dict) -> tuple[float, str, str]:
         return limits["read_bandwidth_bytes_s"], "memory read", "read"
     return (limits["copy_bandwidth_bytes_s"], "memory copy (read + written bytes; a read-only stream exceeds it)",
             "copy (read + written bytes)")
+
+
+def probe_words(res: dict) -> str:
+    """How a run's read bandwidth was read, for the report (none where it measured the copy bandwidth)."""
+    if "read_bandwidth_bytes_s" not in res["limits"]:
+        return ""
+    return f" (read by {res.get('read_probe', 'torch sum alone, which reads slower than a decode step can')})"
 
 
 def round_shares(rates: list[float], reads: list[float], weight_bytes: int) -> float:
@@ -269,7 +277,7 @@ def section(res: dict, targets: list[str], check) -> list[str]:
          "radixserve on the HF folder, llama.cpp on its converter's BF16 file; Q8_0 and Q4_K_M: both on the file "
          "llama-quantize makes (radixserve `--quantization gguf`). Decode: N prompts at once, the rate from the "
          "difference of two lengths; prefill: one prompt, no prompt cache. Limits measured in the run: "
-         f"{what_bw} {bw / 1e9:.1f} GB/s, matmul (the faster of torch's bf16 and float32 "
+         f"{what_bw} {bw / 1e9:.1f} GB/s{probe_words(res)}, matmul (the faster of torch's bf16 and float32 "
          f"GEMMs) {res['limits']['matmul_peak_flops_s'] / 1e9:.0f} GFLOP/s.", ""]
     sampled = [x for shape in res["shapes"].values() for r in shape["rows"] for x in r.get("read_bandwidth_bytes_s", [])]
     if sampled:

@@ -192,7 +192,7 @@ def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
     assert judged["shapes, llama-3.2-1b q4_k_m: batch 1 vs llama.cpp"] == "**not met**"  # 0.8
     assert "llama-3.1-8b: not run: needs about 42 GiB" in text
     assert "| llama-3.2-1b | bf16 | 30.0 / 27.0 (1.11x)" in text
-    assert "memory read 3.0 GB/s" in text
+    assert "memory read 3.0 GB/s (read by torch sum alone, which reads slower" in text  # a run before the reader
     assert (tmp_path / "real_shapes.png").stat().st_size > 10_000
 
     # batch 1 against the read bandwidth sampled around each round (2.4 GB/s read of 2.5 and of 2.6: 96% and 92%)
@@ -205,6 +205,10 @@ def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
     judged = {cells[0]: cells[3] for cells in ([c.strip() for c in t.strip("|").split("|")] for t in targets)}
     assert judged["shapes, llama-3.2-1b bf16: batch 1 share of the read bandwidth"] == "met"
     assert "sampled around it (2.5-2.6 GB/s in this run)" in text
+    res["read_probe"] = "the best of torch's sum and a native reader of 1/2/4/8 runs a thread"
+    assert "memory read 3.0 GB/s (read by the best of torch's sum and a native reader" in "\n".join(
+        real_shapes.section(res, [], report.check))
+    del res["read_probe"]
     for r in rows:
         del r["read_bandwidth_bytes_s"], r["bandwidth_share"]
 
@@ -289,3 +293,19 @@ def test_prefix_groups_section_judges_each_group_count_and_pass(tmp_path):
                       "prefix groups, 4 group(s), repeat pass: radixserve / llama.cpp": "**not met**"}  # 8x
     assert "| 4 | 858 | 150.0 / 20.0 (7.50x) | 400.0 / 50.0 (8.00x) |" in text and "no AMX (avx2)" in text
     assert (tmp_path / "prefix_groups.png").stat().st_size > 10_000
+
+
+def test_the_native_read_probe_reads_every_byte_of_each_threads_share():
+    """machine.read_bandwidth's native reader (benchmarks/read_probe/): every run of every thread's share summed,
+    at each number of runs it is timed with, so a faster rate is never one that skipped part of the buffer."""
+    import machine
+    import torch
+
+    read = machine.native_reader()
+    if read is None:
+        pytest.skip("no C++ compiler here: read_bandwidth times torch's sum alone")
+    x = torch.rand(torch.get_num_threads() * 8 * 64 * 1024)  # whole 256-byte steps for every thread and run
+    want = float(x.double().sum())
+    for runs in machine.READ_RUNS:
+        assert read(x.data_ptr(), x.numel() * 4, runs) == pytest.approx(want, rel=1e-4), runs
+    assert "native reader" in machine.read_probe()
