@@ -69,8 +69,9 @@ def native_reader():
 
 def read_probe() -> str:
     """How read_bandwidth reads, as a report names it."""
-    native = f"a native reader of {'/'.join(map(str, READ_RUNS))} runs a thread" if native_reader() else ""
-    return "the best of torch's sum and " + native if native else "torch's sum"
+    if native_reader() is None:
+        return "torch's sum"
+    return f"the best of torch's sum and a native reader of {'/'.join(map(str, READ_RUNS))} runs a thread"
 
 
 def read_bandwidth() -> float:

@@ -188,7 +188,8 @@ def probe_words(res: dict) -> str:
     """How a run's read bandwidth was read, for the report (none where it measured the copy bandwidth)."""
     if "read_bandwidth_bytes_s" not in res["limits"]:
         return ""
-    return f" (read by {res.get('read_probe', 'torch sum alone, which reads slower than a decode step can')})"
+    before = "torch's sum alone, which reads slower than a decode step can"  # a run from before the native reader
+    return f" (read by {res.get('read_probe', before)})"
 
 
 def round_shares(rates: list[float], reads: list[float], weight_bytes: int) -> float:

@@ -192,7 +192,7 @@ def test_real_shapes_section_judges_each_shape_and_precision(tmp_path):
     assert judged["shapes, llama-3.2-1b q4_k_m: batch 1 vs llama.cpp"] == "**not met**"  # 0.8
     assert "llama-3.1-8b: not run: needs about 42 GiB" in text
     assert "| llama-3.2-1b | bf16 | 30.0 / 27.0 (1.11x)" in text
-    assert "memory read 3.0 GB/s (read by torch sum alone, which reads slower" in text  # a run before the reader
+    assert "memory read 3.0 GB/s (read by torch's sum alone, which reads slower" in text  # a run before the reader
     assert (tmp_path / "real_shapes.png").stat().st_size > 10_000
 
     # batch 1 against the read bandwidth sampled around each round (2.4 GB/s read of 2.5 and of 2.6: 96% and 92%)
