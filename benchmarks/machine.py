@@ -16,6 +16,7 @@ from ipc_cost import Echo
 from radixserve.actors.scheduler import Scheduler, SchedulerConfig
 from radixserve.actors.scheduler.actor import take_tokens
 from radixserve.cache import CacheManager
+from radixserve.kernels import cpu_native
 from radixserve.kernels.cpp_build import NativeUnavailable, build_library, default_cache_dir
 from radixserve.policies.eviction import LRU
 from radixserve.policies.schedule import FCFS
@@ -58,8 +59,7 @@ READ_RUNS = (1, 2, 4, 8)  # runs read side by side by each thread of the native 
 def native_reader():
     """read_probe.cpp's ``rs_read(pointer, bytes, runs)``, built for this machine; None where no C++ builds here."""
     try:
-        path = build_library(READ_PROBE, ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden"),
-                             default_cache_dir() / "kernels", "read_probe")
+        path = build_library(READ_PROBE, cpu_native.FLAGS, default_cache_dir() / "kernels", "read_probe")  # as the kernels
     except NativeUnavailable:
         return None
     read = ctypes.CDLL(str(path)).rs_read
