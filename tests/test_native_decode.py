@@ -50,23 +50,34 @@ def _rows(n: int, seed: int, shared: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _eager_and_native(runner, plan):
+def _eager_and_native(runner, plan, per_row: bool = False):
     """The eager model, then the native step, on the same batch of ``plan``: (eager logits, native logits, eager
-    K/V at the new slots, native K/V there; each side stores into slots the other's were wiped from)."""
+    K/V at the new slots, native K/V there; each side stores into slots the other's were wiped from). ``per_row``:
+    the native step's logits with no shared-prefix groups on the same batch appended (run before its own)."""
     batch = ForwardBatch.from_plan(plan, runner.kv, runner.rope, runner.attn, runner.dtype, runner.device,
                                    runner._group, runner.table)  # with the torch backend's metadata
     slots = batch.attn.out_slots
     eager = runner.model(batch)
     kv_eager = (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+    alone = []
+    if per_row:  # first, so that the step's own run is the last (its K/V stored, its groups counted)
+        runner.kv.k[:, slots] = 0
+        runner.kv.v[:, slots] = 0
+        shares, runner.native.shares = runner.native.shares, False
+        try:
+            alone.append(runner.native(batch))
+        finally:
+            runner.native.shares = shares
     runner.kv.k[:, slots] = 0
     runner.kv.v[:, slots] = 0
     native = runner.native(batch)
-    return eager, native, kv_eager, (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone())
+    return eager, native, kv_eager, (runner.kv.k[:, slots].clone(), runner.kv.v[:, slots].clone()), *alone
 
 
-def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int):
+def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int, per_row: bool = False):
     """``steps`` decode steps of ``prompts``; on each the eager model, then the native step, run the same batch.
-    Yields (eager logits, native logits, eager K/V at the new slots, native K/V there), rows in the order of
+    Yields (eager logits, native logits, eager K/V at the new slots, native K/V there[, with ``per_row`` the native
+    step's logits without shared-prefix groups on the same batch]), rows in the order of
     ``prompts`` (a batch's own order follows admission, which the cache changes: a request deferred to reuse a
     prefix another computes joins later); the step itself then runs as the runner runs it (native)."""
     runner, sched = engine.runner, engine.scheduler
@@ -78,8 +89,9 @@ def _compare_steps(engine: Engine, prompts: list[list[int]], steps: int):
         plan = sched.schedule()
         assert plan.mode == "decode" and len(plan.input_ids) == len(prompts)
         by_prompt = torch.argsort(torch.tensor([int(r.rid[1:]) for r in sched.running]))  # rows are c0, c1, ...
-        eager, native, kv_e, kv_n = _eager_and_native(runner, plan)
-        yield eager[by_prompt], native[by_prompt], *(tuple(t[:, by_prompt] for t in kv) for kv in (kv_e, kv_n))
+        eager, native, kv_e, kv_n, *alone = _eager_and_native(runner, plan, per_row)
+        yield (eager[by_prompt], native[by_prompt], *(tuple(t[:, by_prompt] for t in kv) for kv in (kv_e, kv_n)),
+               *(a[by_prompt] for a in alone))
         sched.process(runner.forward(plan))  # writes the same slots of the table again: the same values
     while sched.has_work:
         sched.process(runner.forward(sched.schedule()))
@@ -155,12 +167,18 @@ def test_shared_prefixes_are_scored_once_per_group(smollm2_path, dtype, path):
         native.shares = False
         per_row = [(eager, out) for eager, out, _, _ in _compare_steps(engine, rows, steps=3)]
         native.shares = True
-        for (eager, out, _, _), (eager_alone, alone) in zip(_compare_steps(engine, rows, steps=3), per_row):
+        steps = _compare_steps(engine, rows, steps=3, per_row=True)
+        for (eager, out, _, _, same), (eager_alone, alone) in zip(steps, per_row):
             assert native.last_groups == groups
             if dtype == "float32":
                 torch.testing.assert_close(out, alone, rtol=1e-4, atol=1e-4)
                 assert torch.equal(out.argmax(-1), alone.argmax(-1))
-            assert (out - eager).abs().max() <= 0.05 * eager.abs().max(), "beyond bf16 rounding noise"
+            # the per-row path on the same batch (same inputs: only the attention's rounding differs), and eager no
+            # further than the per-row path is from it, both to bf16 rounding noise: eager's own bf16 rounding
+            # differs by CPU (AMD EPYC, no AMX: one row 6.4% of the scale from float32's logits, the native step's 2.4%)
+            noise = 0.05 * eager.abs().max()
+            assert (out - same).abs().max() <= noise, "beyond bf16 rounding noise of the per-row path"
+            assert (out - eager).abs().max() <= noise + (same - eager).abs().max(), "further from eager than per-row"
             agree += int((out.argmax(-1) == eager.argmax(-1)).sum())
             agree_alone += int((alone.argmax(-1) == eager_alone.argmax(-1)).sum())  # each against its own run's
             total += len(eager)
