@@ -33,7 +33,7 @@ namespace rs {
 // u8 x s8 dpbusd; AVX2's maddubs, simd.h):
 //   sum_k x w = dx (d sum_k q xq + m sum_k xq);  q8 stores q + 128: sum_k (q + 128) xq - 128 sum_k xq (kQ8Offset).
 // For K-quant layers, per row and 256 k (one dx per super-block, as llama.cpp's Q8_K; per_super_block), so that
-// AVX2 sums a super-block in integers (tile_ksuper); AVX-512 reads the same dx for each of its 8 blocks.
+// their products sum a super-block in integers (tile_ksuper).
 
 struct QuantRows {  // a product's input rows, quantized (scratch)
   int8_t* q;        // [rows, k]
@@ -207,14 +207,16 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
   hand_over<MR, NB>(a, acc);
 }
 
-#if !RS_AVX512
-// K-quant blocks on AVX2, their activations quantized per super-block (one dx per 256 k): each block's integer
-// scale multiplies its pair sums (add_scaled), so a super-block sums in integers and the float step runs
-// once per 256 k, not once per 32 (Q6_K: 16) -- maddubs and madd, which sum pairs anyway, do the scaling. Bounds:
-// a pair of maddubs at most 2 x 63 x 127 < 2^15; a super-block's sum at most 256 x 63 x 127 x 127 < 2^31 (Q6_K,
-// |sc| <= 128: 256 x 63 x 127 x 128). The offsets' terms (Q4_K, Q5_K: dmin mn per 32 k; Q6_K: -32 d sc per 16 k)
-// are sums of the activations' block sums by those integers, two blocks per madd. Output blocks are taken one at
-// a time (MR rows x 1 block: the sums stay in AVX2's 16 registers).
+// K-quant blocks, their activations quantized per super-block (one dx per 256 k): each block's integer scale
+// multiplies its groups' sums (add_scaled), so a super-block sums in integers and the float step runs once per
+// 256 k, not once per 32 (Q6_K: 16) as in tile_quant. AVX2: maddubs's int16 pair sums, scaled by a madd (which sums
+// pairs anyway); AVX-512: VNNI's int32 sums, scaled by a vpmulld -- on Zen 4, whose memory outpaces tile_quant's
+// per-block float step at batch 1, a step's products alone 1.17-1.33x faster for Q4_K, 1.14-1.27x Q6_K, 1.22-1.44x
+// Q5_K (benchmarks/kernel_ab.py --shape llama-3.2-1b --rows 1), a whole Q4_K_M step 1.17x (--model-path). Bounds: a pair of maddubs at most 2 x 63 x 127 < 2^15; a
+// super-block's sum at most 256 x 63 x 127 x 127 < 2^31 (Q6_K, |sc| <= 128: 256 x 63 x 127 x 128). The offsets'
+// terms (Q4_K, Q5_K: dmin mn per 32 k; Q6_K: -32 d sc per 16 k) are sums of the activations' block sums by those
+// integers, two blocks per madd. Output blocks are taken one at a time (MR rows x 1 block: the sums stay in AVX2's
+// 16 registers).
 template <int Format, int MR, int NB>
 void tile_ksuper(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc, bool lead) {
   constexpr bool q6 = Format == kQ6K, fifth = Format == kQ5K;
@@ -237,18 +239,19 @@ void tile_ksuper(const QuantRows& x, int m0, int k, const Linear& lin, int b, Ac
         const int64_t at = ((int64_t(b + j) * blocks + blk) * halves) * 16;
         I16 sc[halves];
         if constexpr (q6) {
-          sc[0] = scale_pairs(static_cast<const int8_t*>(lin.scale) + at);
-          sc[halves - 1] = scale_pairs(static_cast<const int8_t*>(lin.scale) + at + 16);
+          sc[0] = scale_lanes(static_cast<const int8_t*>(lin.scale) + at);
+          sc[halves - 1] = scale_lanes(static_cast<const int8_t*>(lin.scale) + at + 16);
         } else {
-          sc[0] = scale_pairs(static_cast<const uint8_t*>(lin.scale) + at);
+          sc[0] = scale_lanes(static_cast<const uint8_t*>(lin.scale) + at);
         }
-        // groups of 8 k whose pair sums add up as int16 before their scale multiplies them (simd.h's pair_sums:
-        // each maddubs pair at most 2 x 15 x 127 for Q4_K's nibbles, 2 x 31 x 127 for Q5_K, 2 x 63 x 127 for Q6_K;
-        // a group has 2 to a lane, and their sum must stay below 2^15) -- one scaling madd per run, not per group
-        constexpr int run = Format == kQ4K ? 4 : Format == kQ5K ? 2 : 1;
+        // groups of 8 k whose sums add up before their scale multiplies them, one scaling per run, not per group:
+        // AVX-512, all the groups of a scale (int32 lanes); AVX2, while the int16 pair sums stay below 2^15
+        // (simd.h's group_sums: each maddubs pair at most 2 x 15 x 127 for Q4_K's nibbles, 2 x 31 x 127 for Q5_K,
+        // 2 x 63 x 127 for Q6_K; a group has 2 to a lane)
+        constexpr int run = RS_AVX512 ? 4 / halves : Format == kQ4K ? 4 : Format == kQ5K ? 2 : 1;
 #pragma GCC unroll 4
         for (int g0 = 0; g0 < 4; g0 += run) {
-          I16 sums[MR];  // int16 lanes
+          I16 sums[MR];  // int16 lanes (AVX2), int32 (AVX-512)
 #pragma GCC unroll 4
           for (int r = 0; r < MR; ++r) sums[r] = izero16();
 #pragma GCC unroll 4
@@ -258,7 +261,7 @@ void tile_ksuper(const QuantRows& x, int m0, int k, const Linear& lin, int b, Ac
 #pragma GCC unroll 4
             for (int r = 0; r < MR; ++r) {
               const Quads q = group_quads(x, m0 + r, k, blk, g);
-              sums[r] = pair_sums(pair_sums(sums[r], lo, q.lo), hi, q.hi);
+              sums[r] = group_sums(group_sums(sums[r], lo, q.lo), hi, q.hi);
             }
           }
           const I16& scale = sc[g0 * halves / 4];  // q6k: groups 0-1 make the first 16 k, 2-3 the second
@@ -308,7 +311,6 @@ struct KSuperTiles {
     return &tile_ksuper<Format, MR, NB>;
   }
 };
-#endif
 
 using QuantTileFn = void (*)(const QuantRows&, int, int, const Linear&, int, Acc&, bool);
 
@@ -336,11 +338,8 @@ template <int Format>
 QuantTileFn quant_tile_for(int mr, int nb, bool super) {
   if constexpr (byte_quant(Format))
     if (nb > kQColTile) return TileTable<QuantTiles<Format>, 1, kQ8Cols>::at(mr, nb);  // (mr 1: q8_cols)
-#if !RS_AVX512
   if constexpr (k_quant(Format))
     if (super) return TileTable<KSuperTiles<Format>, kQRowTile, kQColTile>::at(mr, nb);
-#endif
-  (void)super;
   return TileTable<QuantTiles<Format>, kQRowTile, kQColTile>::at(mr, nb);
 }
 

@@ -169,6 +169,28 @@ inline V16 bytes_float(const int8_t* p) {
 inline V16 load_halves(const uint16_t* p) {  // 16 fp16 values as fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// K-quant super-blocks (quant_tiles.h, tile_ksuper): VNNI sums a block's groups (Q6_K: a half's) in the int32
+// lanes (group_sums), its integer scale multiplies them once (add_scaled), so a super-block sums in integers and
+// the float step runs once per 256 k, not once per 32 (Q6_K: 16) as in tile_quant
+inline I16 scale_lanes(const uint8_t* p) {  // 16 scales 0..255, one a lane
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline I16 scale_lanes(const int8_t* p) {  // -128..127
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline I16 group_sums(I16 acc, I16 w, int32_t quad) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(quad)); }
+inline I16 add_scaled(I16 acc, I16 sums, I16 sc) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(sums, sc)); }
+template <class B>  // uint8_t or int8_t
+inline I16 byte_pairs(const B* a, const B* b) {  // lane i: (a[i], b[i]) as int16
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m256i ab = _mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb));
+  if constexpr (std::is_signed_v<B>) return _mm512_cvtepi8_epi16(ab);
+  else return _mm512_cvtepu8_epi16(ab);
+}
+inline I16 dot_pairs(I16 acc, I16 pairs, int32_t x) {  // lane += a x0 + b x1 (x: two int16)
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi32(x)));
+}
 // 16 8-bit KV codes (model/kv_codes.py) as floats, masked-off lanes 0, with no table: an int8 code is its value;
 // an fp8 e5m2 code is an fp16's upper byte; an fp8 e4m3 code laid into an fp16 (sign to the top, exponent and
 // mantissa one bit lower) reads 2^-8 of its value, subnormals included (the caller's scale carries the 2^8)
@@ -388,11 +410,12 @@ inline I16 scale_pairs_of(const void* p) {
   };
   return {pick(0), pick(8)};
 }
-inline I16 scale_pairs(const uint8_t* p) { return scale_pairs_of<false>(p); }  // 16 scales 0..255, one a lane
-inline I16 scale_pairs(const int8_t* p) { return scale_pairs_of<true>(p); }    // -128..127
+// 16 scales, one a lane (as the pair (s, s) its madd takes)
+inline I16 scale_lanes(const uint8_t* p) { return scale_pairs_of<false>(p); }  // 0..255
+inline I16 scale_lanes(const int8_t* p) { return scale_pairs_of<true>(p); }    // -128..127
 // K-quant blocks: the maddubs pair sums of a run of groups added up as int16 (while their sum stays below 2^15:
 // quant_tiles.h's tile_ksuper), then their scale multiplied in once (add_scaled) instead of once per group
-inline I16 pair_sums(I16 acc, I16 w, int32_t quad) {  // each int16 lane += its pair of u8 x s8 products
+inline I16 group_sums(I16 acc, I16 w, int32_t quad) {  // each int16 lane += its pair of u8 x s8 products
   const __m256i x = _mm256_set1_epi32(quad);
   return {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(w.lo, x)),
           _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(w.hi, x))};
@@ -403,7 +426,7 @@ inline I16 add_scaled(I16 acc, I16 pairs, I16 sc) {  // lane += s x (its two int
 }
 // A block of nibbles (32 k: 4 groups, lo and hi; Q4_0 / Q4_1, Q4_K): its products' pair sums added as int16 (8
 // of them to a lane, at most 8 x 2 x 15 x 127 = 30480 < 2^15), widened to int32 once (block_total), not per group
-inline I16 block_sums(I16 acc, I16 w, int32_t quad) { return pair_sums(acc, w, quad); }
+inline I16 block_sums(I16 acc, I16 w, int32_t quad) { return group_sums(acc, w, quad); }
 inline I16 block_total(I16 sums) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_madd_epi16(sums.lo, ones), _mm256_madd_epi16(sums.hi, ones)};
