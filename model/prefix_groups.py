@@ -25,11 +25,16 @@ SHARED_MIN = 128  # shared context slots from which a group of rows scores them 
 # A prefill step runs native while its attention costs at most this many (token, key) pairs visited row by row, a
 # group's shared slots counted at 1 / SHARED_GAIN (``step_cost``): the kernel beats torch's per-request SDPA plus
 # its small ops for short prompts and short continuations of cached ones, and loses for long prompts. Measured
-# (SmolLM2, bf16, 2 cores of a Xeon with AMX, before prefill rows were grouped): 128 new tokens 34 vs 56 ms, 30
-# after 1500 cached 50 vs 55 ms (45k pairs), a fresh 384-token prompt 122 vs 114 ms (74k pairs). Used where the
-# kernel is built for AVX-512 but AMX tiles are not granted (the vector shared path; not measured since).
-EXTEND_KEYS = 40_000
-SHARED_GAIN = 2  # a per-row pair / a shared one: 2.1 (Zen 3, 512 tokens on 860 cached), 3.1 for the attention alone
+# where the kernel is built for AVX-512 but AMX tiles are not granted (bf16: the shared prefix scored with a tile's
+# queries in a vector's lanes, shared_lanes.h). Measured on Zen 4 (AVX-512 BF16, no AMX; SmolLM2, bf16, 2 threads;
+# benchmarks/shared_extend.py, torch / native grouped ms, cost as counted here): on 860 cached slots 31 x 32 2.12x
+# (70k), 8 x 32 2.14x, 4 x 64 1.97x, 1 x 128 1.98x, 1 x 512 1.58x (158k); fresh prompts 1 x 256 1.26x (33k),
+# 1 x 512 1.25x (131k), 4 x 256 1.20x (131k), 1 x 1024 1.03x (525k: past the budget). The budget before (40k
+# pairs, a shared pair at 1 / 2, from a Xeon with AMX before prefill rows were grouped) sent every one of these
+# but the first fresh prompt to torch. float32 (the vector shared path, shared_vector.h) keeps that budget: not
+# measured there.
+EXTEND_KEYS = {torch.bfloat16: 400_000, torch.float32: 40_000}
+SHARED_GAIN = {torch.bfloat16: 16, torch.float32: 2}  # a per-row pair / a shared one
 # ... where AMX tiles score the shared slots (tile products for all a group's rows, and a request's rows far into
 # its own context in causal tiles of their own: _tiled): a shared pair costs little beside the step's products.
 # Measured on a Xeon with AMX (SmolLM2, bf16, 2 threads; benchmarks/shared_extend.py, torch / native ms), with the
@@ -57,7 +62,7 @@ def budget(isa: str, dtype: torch.dtype, amx: bool) -> tuple[float, float]:
     ``isa`` (cpu_native.isa) running ``dtype``, with AMX tiles granted or not."""
     if isa == "avx2":
         return EXTEND_KEYS_AVX2[dtype], SHARED_GAIN_AVX2
-    return (EXTEND_KEYS_AMX, SHARED_GAIN_AMX) if amx else (EXTEND_KEYS, SHARED_GAIN)
+    return (EXTEND_KEYS_AMX, SHARED_GAIN_AMX) if amx else (EXTEND_KEYS[dtype], SHARED_GAIN[dtype])
 
 
 def step_cost(length: np.ndarray, groups: native.PrefixGroups, shared_gain: float) -> float:
