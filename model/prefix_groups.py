@@ -24,7 +24,7 @@ SHARED_MIN = 128  # shared context slots from which a group of rows scores them 
 # path is as fast)
 # A prefill step runs native while its attention costs at most this many (token, key) pairs visited row by row, a
 # group's shared slots counted at 1 / SHARED_GAIN (``step_cost``): the kernel beats torch's per-request SDPA plus
-# its small ops for short prompts and short continuations of cached ones, and loses for long prompts. Measured
+# its small ops for short prompts and short continuations of cached ones, and loses for long prompts. These two:
 # where the kernel is built for AVX-512 but AMX tiles are not granted (bf16: the shared prefix scored with a tile's
 # queries in a vector's lanes, shared_lanes.h). Measured on Zen 4 (AVX-512 BF16, no AMX; SmolLM2, bf16, 2 threads;
 # benchmarks/shared_extend.py, torch / native grouped ms, cost as counted here): on 860 cached slots 31 x 32 2.12x

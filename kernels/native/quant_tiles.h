@@ -210,13 +210,13 @@ void tile_quant(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc
 // K-quant blocks, their activations quantized per super-block (one dx per 256 k): each block's integer scale
 // multiplies its groups' sums (add_scaled), so a super-block sums in integers and the float step runs once per
 // 256 k, not once per 32 (Q6_K: 16) as in tile_quant. AVX2: maddubs's int16 pair sums, scaled by a madd (which sums
-// pairs anyway); AVX-512: VNNI's int32 sums, scaled by a vpmulld -- on Zen 4, whose memory outpaces tile_quant's
-// per-block float step at batch 1, a step's products alone 1.17-1.33x faster for Q4_K, 1.14-1.27x Q6_K, 1.22-1.44x
-// Q5_K (benchmarks/kernel_ab.py --shape llama-3.2-1b --rows 1), a whole Q4_K_M step 1.17x (--model-path). Bounds: a pair of maddubs at most 2 x 63 x 127 < 2^15; a
-// super-block's sum at most 256 x 63 x 127 x 127 < 2^31 (Q6_K, |sc| <= 128: 256 x 63 x 127 x 128). The offsets'
-// terms (Q4_K, Q5_K: dmin mn per 32 k; Q6_K: -32 d sc per 16 k) are sums of the activations' block sums by those
-// integers, two blocks per madd. Output blocks are taken one at a time (MR rows x 1 block: the sums stay in AVX2's
-// 16 registers).
+// pairs anyway); AVX-512: VNNI's int32 sums, scaled by a vpmulld (products of up to kQRowTile rows: products.h) --
+// on Zen 4, whose memory outpaces tile_quant's per-block float step at batch 1, a step's products alone 1.17-1.33x
+// faster for Q4_K, 1.14-1.27x Q6_K, 1.22-1.44x Q5_K (benchmarks/kernel_ab.py --shape llama-3.2-1b --rows 1), a
+// whole Q4_K_M step 1.17x (--model-path). Bounds: a pair of maddubs at most 2 x 63 x 127 < 2^15; a super-block's
+// sum at most 256 x 63 x 127 x 127 < 2^31 (Q6_K, |sc| <= 128: 256 x 63 x 127 x 128). The offsets' terms (Q4_K,
+// Q5_K: dmin mn per 32 k; Q6_K: -32 d sc per 16 k) are sums of the activations' block sums by those integers, two
+// blocks per madd. Output blocks are taken one at a time (MR rows x 1 block: the sums stay in AVX2's 16 registers).
 template <int Format, int MR, int NB>
 void tile_ksuper(const QuantRows& x, int m0, int k, const Linear& lin, int b, Acc& acc, bool lead) {
   constexpr bool q6 = Format == kQ6K, fifth = Format == kQ5K;
