@@ -717,7 +717,8 @@ def test_k_quant_formats_compute_what_they_promise(n, k, values):
 def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_heads, kv):
     """The attention phase alone against float64 softmax(q k^T / sqrt(d)) v over each row's slots: head dims
     with their own paths (64, 128) and the generic one, one row of 700 keys and three rows (a row's keys
-    split among threads), twenty rows sharing a 160-key prefix, and fourteen rows in three groups sharing
+    split among threads), twenty and eight rows sharing a 160-key prefix (on 2 threads a group's query tiles too
+    few for a task per thread are cut into shorter runs: shared_groups.h run_split), and fourteen rows in three groups sharing
     prefixes of 160, 200 and 144 keys with two rows in none, interleaved (each group's prefix scored for its rows
     at once: AMX tiles where bf16 head dim 64 has them, else vector registers where the head dim is a multiple of
     16 and the pool holds the model's dtype, else row by row), and groups whose rows see different amounts of
@@ -728,7 +729,7 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
     g = torch.Generator().manual_seed(head_dim + heads)
     prefixes = [160, 200, 144]
     # (each row's own slots, or random; each row's group, -1: none; whether rows see only part of their prefix)
-    cases = [([700], [-1], False), ([5, 300, 129], [-1] * 3, False), (None, [0] * 20, False),
+    cases = [([700], [-1], False), ([5, 300, 129], [-1] * 3, False), (None, [0] * 20, False), (None, [0] * 8, False),
              (None, [0, 1, 2, -1, 0, 1, 2, 2, 1, 0, -1, 0, 1, 2], False), (None, [0] * 40 + [1, 2, 1, 2, -1], True),
              (None, [0] * 60 + [1, 2], True)]
     for own, member, partial in cases:
@@ -778,7 +779,12 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
         step = cpu_native.Step(rows=len(lens), **groups.fields(), slots=slots.data_ptr(), starts=starts.data_ptr(),
                                lens=lengths.data_ptr(), scratch=scratch.data_ptr())
         out = torch.empty(len(lens), heads * head_dim, dtype=dtype)
-        lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr())
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # the threads the split of runs is planned for, whatever this machine has
+        try:
+            lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr())
+        finally:
+            torch.set_num_threads(threads)
         group = heads // kv_heads
         for m, row in enumerate(rows):
             q = qkv[m, : heads * head_dim].double().view(heads, head_dim)

@@ -119,25 +119,46 @@ inline int group_of(const int32_t* at, int groups, int i) {
   return g;
 }
 
-// The runs of up to kVecRun query tiles each group's tiles split into (a vector or lanes task scores one run for
-// one kv head): how many the step has, and run i's group and tiles qt0 .. qt1 - 1
+// The runs each group's query tiles split into (a vector or lanes task scores one run for one kv head): at least
+// one per kVecRun tiles, and more where the step's tasks would leave threads idle -- 32 rows of a model with 3 kv
+// heads make 6 tiles of 16 queries per kv head, 3 tasks of one run each, of which one of 2 threads would take two.
+// The split is raised until 85% of the threads' task slots are filled (or no run can be cut further); runs split a
+// group's tiles evenly, so a run holds at most kVecRun
 struct TileRun {
   int grp, qt0, qt1;
 };
-inline int tile_runs(const SharedScratch& sc, int groups) {
+inline int group_runs(const SharedScratch& sc, int grp, int split) {
+  const int tiles = sc.tile_at[grp + 1] - sc.tile_at[grp];
+  return std::min(tiles, split * ((tiles + kVecRun - 1) / kVecRun));
+}
+inline int run_split(const SharedScratch& sc, int groups, int nkv) {
+  const int threads = omp_get_num_threads();
+  for (int split = 1;; ++split) {
+    int tasks = 0;
+    bool more = false;
+    for (int grp = 0; grp < groups; ++grp) {
+      const int runs = group_runs(sc, grp, split);
+      tasks += nkv * runs;
+      more |= runs < sc.tile_at[grp + 1] - sc.tile_at[grp];
+    }
+    const int slots = (tasks + threads - 1) / threads * threads;
+    if (!more || 20 * tasks >= 17 * slots) return split;
+  }
+}
+inline int tile_runs(const SharedScratch& sc, int groups, int split) {
   int runs = 0;
-  for (int grp = 0; grp < groups; ++grp) runs += (sc.tile_at[grp + 1] - sc.tile_at[grp] + kVecRun - 1) / kVecRun;
+  for (int grp = 0; grp < groups; ++grp) runs += group_runs(sc, grp, split);
   return runs;
 }
-inline TileRun tile_run(const SharedScratch& sc, int run) {
+inline TileRun tile_run(const SharedScratch& sc, int run, int split) {
   int grp = 0;
   for (;; ++grp) {
-    const int n = (sc.tile_at[grp + 1] - sc.tile_at[grp] + kVecRun - 1) / kVecRun;
+    const int n = group_runs(sc, grp, split);
     if (run < n) break;
     run -= n;
   }
-  const int qt0 = sc.tile_at[grp] + run * kVecRun;
-  return {grp, qt0, std::min(sc.tile_at[grp + 1], qt0 + kVecRun)};
+  const int tiles = sc.tile_at[grp + 1] - sc.tile_at[grp], runs = group_runs(sc, grp, split);
+  return {grp, sc.tile_at[grp] + run * tiles / runs, sc.tile_at[grp] + (run + 1) * tiles / runs};
 }
 
 // Query i of group g (its rows' heads in order): the row's query index, row * group + head

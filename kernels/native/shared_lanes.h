@@ -112,11 +112,11 @@ inline void lane_shared_scores(const Model& md, const Layer& ly, const Step& st,
   }
   // 2. a task per run of up to kVecRun query tiles of a group and kv head (a run's kv heads one after another): each
   //    block of 16 shared keys gathered into the task's buffers once, then scored for every tile of the run
-  const int runs = tile_runs(sc, groups);
+  const int split = run_split(sc, groups, nkv), runs = tile_runs(sc, groups, split);
 #pragma omp for schedule(dynamic, 1) nowait
   for (int t = 0; t < nkv * runs; ++t) {
     const int g = t % nkv;
-    const auto [grp, qt0, qt1] = tile_run(sc, t / nkv);
+    const auto [grp, qt0, qt1] = tile_run(sc, t / nkv, split);
     const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
     const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
     float* acc = sc.runs + omp_get_thread_num() * lane_run_floats(D);

@@ -80,11 +80,11 @@ inline void vector_shared_scores(const Model& md, const Layer& ly, const Step& s
   //    own buffers (keys transposed), then scored for every tile of the run while it sits in L1 -- an online softmax
   //    per tile. No float copy of the prefix goes through memory, and a block is widened once per run, not read
   //    back once per tile. No barrier after: step 3's tasks run beside these.
-  const int runs = tile_runs(sc, groups);
+  const int split = run_split(sc, groups, nkv), runs = tile_runs(sc, groups, split);
 #pragma omp for schedule(dynamic, 1) nowait
   for (int t = 0; t < nkv * runs; ++t) {
     const int g = t % nkv;
-    const auto [grp, qt0, qt1] = tile_run(sc, t / nkv);
+    const auto [grp, qt0, qt1] = tile_run(sc, t / nkv, split);
     const int mine = (st.group_start[grp + 1] - st.group_start[grp]) * group;
     const int64_t* head = st.slots + row_start(st, st.group_rows[st.group_start[grp]]);  // its first row's slots
     const RunState run_state = run_state_of(sc, D);
