@@ -2,7 +2,8 @@
 of ~860 tokens each (G = 1, 2, 4, 8), 32 different questions spread over them round-robin (so each decode batch
 mixes the groups' rows), all sent at once, 32 new tokens each, greedy, bf16, 2 threads each. Each round a new set
 of prompts neither server has seen (the first pass), then the same 32 requests again (the repeat: their prefixes
-cached). The systems take turns, the order flipping each round; medians over the rounds.
+cached). The systems take turns, the order flipping each round; medians over the rounds. ``--neighbour``: all of
+it beside a busy neighbour (``python -c "while True: pass"``, started before the servers' warm-up, killed after).
 
 llama.cpp: its server built natively (benchmarks/llama_cpp.py) on the BF16 GGUF of the same weights, its prompt
 cache on (``cache_prompt``), 8 slots: a slot keeps the last prompt it ran, so a request whose slot last held the
@@ -14,7 +15,7 @@ Output tok/s = completion tokens / wall time of the 32 requests. Results go to
 ``benchmarks/results/prefix_groups/results.json`` (committed) and a PNG; REPORT.md's section is built from them,
 with the CPU, the instruction set of radixserve's kernel and whether it had AMX tiles.
 
-    python benchmarks/prefix_groups.py [--quick] [--rounds N] [--groups 1,2,4,8]
+    python benchmarks/prefix_groups.py [--quick] [--rounds N] [--groups 1,2,4,8] [--neighbour]
 """
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ import argparse
 import random
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from tqdm import tqdm
 
 import cpu_peer
 import llama_cpp
+import shared_cpu
 from harness import llama_run, radix_run
 from scenarios import chat_ids, questions, text
 from stage_results import load_stage, machine, save_stage
@@ -64,7 +67,7 @@ def kernel() -> dict:
     return {"isa": cpu_native.isa(lib), "amx": lib.rs_request_amx() == 1}
 
 
-def measure(quick: bool = False, rounds: int = 3, groups: tuple[int, ...] = GROUPS) -> dict:
+def measure(quick: bool = False, rounds: int = 3, groups: tuple[int, ...] = GROUPS, busy: bool = False) -> dict:
     from radixserve.actors.tokenizer import TokenizerCore
     from radixserve.model.loader import resolve_model
 
@@ -83,25 +86,26 @@ def measure(quick: bool = False, rounds: int = 3, groups: tuple[int, ...] = GROU
     runs = {str(g): {name: {p: [] for p in PASSES} for name in systems} for g in groups}
     system_tokens = {}
     try:
-        warm, _ = workload(tok, 2, seed=-1)  # first requests pay oneDNN's and llama.cpp's set-up
-        for name, (url, run) in systems.items():
-            run(name, url, warm[:8], 8)
-        with tqdm(total=rounds * len(groups), desc="prefix groups") as bar:
-            for r in range(rounds):
-                for g in groups:
-                    prompts, system_tokens[str(g)] = workload(tok, g, seed=100 * g + r)
-                    order = list(systems) if r % 2 == 0 else list(reversed(systems))
-                    for name in order:
-                        url, run = systems[name]
-                        for p in PASSES:  # the same prompts twice: cold, then cached
-                            runs[str(g)][name][p].append(run(name, url, prompts, MAX_NEW).throughput)
-                    bar.update()
+        with shared_cpu.neighbour() if busy else nullcontext():
+            warm, _ = workload(tok, 2, seed=-1)  # first requests pay oneDNN's and llama.cpp's set-up
+            for name, (url, run) in systems.items():
+                run(name, url, warm[:8], 8)
+            with tqdm(total=rounds * len(groups), desc="prefix groups") as bar:
+                for r in range(rounds):
+                    for g in groups:
+                        prompts, system_tokens[str(g)] = workload(tok, g, seed=100 * g + r)
+                        order = list(systems) if r % 2 == 0 else list(reversed(systems))
+                        for name in order:
+                            url, run = systems[name]
+                            for p in PASSES:  # the same prompts twice: cold, then cached
+                                runs[str(g)][name][p].append(run(name, url, prompts, MAX_NEW).throughput)
+                        bar.update()
     finally:
         ours.stop()
         if llama is not None:
             llama.stop()
     return {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "kernel": kernel(),
-            "quick": quick, "rounds": rounds, "requests": REQUESTS, "max_new": MAX_NEW, "llama_slots": LLAMA_SLOTS,
+            "quick": quick, "rounds": rounds, "neighbour": busy, "requests": REQUESTS, "max_new": MAX_NEW, "llama_slots": LLAMA_SLOTS,
             "llama_cpp_missing": why_not, "system_prompt_tokens": system_tokens, "runs_tok_s": runs,
             "median_tok_s": {g: {n: {p: statistics.median(v) for p, v in ps.items()} for n, ps in ns.items()}
                              for g, ns in runs.items()}}
@@ -160,7 +164,8 @@ def section(res: dict, targets: list[str], check) -> list[str]:
             f"kernel: {amx} (`python benchmarks/prefix_groups.py`). {res['requests']} requests at once, question i "
             f"on system prompt i mod G, {res['max_new']} new tokens each, greedy, bf16, 2 threads each; each round "
             "new prompts (first pass), then the same requests again (repeat); systems taking turns, "
-            f"{res['rounds']} round(s), medians. llama.cpp: its server on the BF16 GGUF of the same weights, "
+            f"{res['rounds']} round(s), medians" + (", **beside a busy neighbour** (one process spinning on a CPU)"
+                                                    if res.get("neighbour") else "") + ". llama.cpp: its server on the BF16 GGUF of the same weights, "
             f"{res['llama_slots']} slots, prompt cache on." +
             (f" llama.cpp missing: {res['llama_cpp_missing']}." if res.get("llama_cpp_missing") else ""), "",
             "| groups | system prompt tokens (shortest) | first pass tok/s, ours / llama.cpp | repeat |", "|---|---|---|---|",
@@ -173,8 +178,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--groups", default=",".join(map(str, GROUPS)))
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--neighbour", action="store_true", help="beside a process spinning on a CPU")
     args = ap.parse_args()
-    res = measure(args.quick, args.rounds, tuple(int(g) for g in args.groups.split(",")))
+    res = measure(args.quick, args.rounds, tuple(int(g) for g in args.groups.split(",")), args.neighbour)
     save(res, Path(args.out))
     print(table(res))
 
