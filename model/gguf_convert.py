@@ -16,8 +16,10 @@ blocks: a Q4_K_M file's conversion is then its embeddings and norms (and any den
 """
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,40 @@ from tqdm import tqdm
 
 SHARD_BYTES = 1 << 30
 INDEX = "model.safetensors.index.json"
+
+
+@contextmanager
+def read_once(gguf: Path) -> Iterator:
+    """While converting ``gguf``: its metadata parsed once, and that reader (gguf's GGUFReader) yielded. Parsing
+    takes a Python step per token string (~4 s for a 49k-token vocabulary, the bundled model's), and transformers
+    parses the whole file for the config, again for the tokenizer and the generation config, then this module
+    for the tensors' names and data: here every ``GGUFReader(gguf)`` is the one reader and every metadata-only
+    ``load_gguf_checkpoint(gguf)`` a copy of one result. transformers imports both where it calls them, from
+    their modules, so those modules' names are the ones wrapped; should a release import them otherwise, a
+    wrapper goes unused and that call parses the file, as before."""
+    import gguf as gguf_py
+    import transformers.modeling_gguf_pytorch_utils as utils
+
+    new_reader, original_load = gguf_py.GGUFReader, utils.load_gguf_checkpoint
+    reader, parsed, target = new_reader(gguf), {}, gguf.resolve()
+
+    def reader_of(path, *args, **kwargs):
+        if args or kwargs or Path(path).resolve() != target:
+            return new_reader(path, *args, **kwargs)
+        return reader
+
+    def load_once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs or Path(path).resolve() != target:
+            return original_load(path, return_tensors=return_tensors, **kwargs)
+        if not parsed:
+            parsed.update(original_load(path, return_tensors=False))
+        return copy.deepcopy(parsed)  # callers may change what they get
+
+    gguf_py.GGUFReader, utils.load_gguf_checkpoint = reader_of, load_once
+    try:
+        yield reader
+    finally:
+        gguf_py.GGUFReader, utils.load_gguf_checkpoint = new_reader, original_load
 
 
 def left_to_blocks(gguf: Path, reader, config) -> set[str]:
@@ -44,10 +80,11 @@ def dequantized_tensors(gguf: Path, reader, config, skip: Collection[str] = ()) 
     of a tied model is left out (it is the embedding)."""
     from gguf import dequantize
     from transformers import AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as utils
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
-                                                          load_gguf_checkpoint, read_field)
+                                                          read_field)
 
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # the metadata only
+    parsed = utils.load_gguf_checkpoint(str(gguf), return_tensors=False)  # the metadata only
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)  # only its parameter names: no memory
     processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(

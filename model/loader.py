@@ -190,34 +190,35 @@ def convert_gguf(gguf: Path, blocks: bool = False) -> Path:
         shutil.rmtree(out, ignore_errors=True)
     log.info("dequantizing %s once, a tensor at a time (model/gguf_convert.py); cached at %s", gguf.name, out)
     import torch
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from radixserve.model.gguf_convert import dequantized_tensors, left_to_blocks, write_shards
+    from radixserve.model.gguf_convert import dequantized_tensors, left_to_blocks, read_once, write_shards
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     kwargs = {"gguf_file": gguf.name}
-    config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-    tmp.mkdir(parents=True)
-    try:
-        reader = GGUFReader(gguf)  # opened once: parsing its metadata takes seconds
-        skip = left_to_blocks(gguf, reader, config) if blocks else set()
-        write_shards(dequantized_tensors(gguf, reader, config, skip), tmp,
-                     metadata={"format": "pt", "source": gguf.name})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # gigabytes of a half-written conversion are not left behind
-        raise
+    with read_once(gguf) as reader:  # its metadata parsed once: that takes seconds
+        config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+        tmp.mkdir(parents=True)
+        try:
+            skip = left_to_blocks(gguf, reader, config) if blocks else set()
+            write_shards(dequantized_tensors(gguf, reader, config, skip), tmp,
+                         metadata={"format": "pt", "source": gguf.name})
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # gigabytes of a half-written conversion are not left behind
+            raise
+        try:
+            generation = GenerationConfig.from_pretrained(gguf.parent, **kwargs)
+        except (OSError, ValueError):
+            generation = None  # the GGUF carries no generation config: config.json's eos is used
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved weights are plain float32 now
     config.dtype = torch.float32
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    try:
-        GenerationConfig.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
-    except (OSError, ValueError):
-        pass  # the GGUF carries no generation config: config.json's eos is used
+    if generation is not None:
+        generation.save_pretrained(tmp)
     (tmp / SOURCE_FILE).write_text(json.dumps(_source(gguf)))
     record(tmp / FOLDER_MANIFEST, {f.name: f for f in tmp.iterdir()})  # what each file holds, checked on load
     try:

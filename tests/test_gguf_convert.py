@@ -66,6 +66,33 @@ def test_the_converted_folder_is_what_transformers_would_save(architecture, tmp_
     assert dict(iter_safetensors(folder)).keys() == want.keys()
 
 
+def test_a_conversion_parses_the_files_metadata_once(tmp_path, monkeypatch):
+    """Parsing a GGUF's metadata takes seconds (a Python step per token string): converting parses it once for the
+    config, the tokenizer, the generation config and the tensors (model/gguf_convert.py read_once), then leaves
+    gguf's and transformers' names as they were; the folder's tokenizer is the one transformers reads from the
+    file."""
+    import gguf as gguf_py
+    import transformers.modeling_gguf_pytorch_utils as utils
+    from transformers import AutoTokenizer
+
+    gguf = write_gguf(tmp_path / "llama.gguf", {}, "llama")
+    parsed, init = [], GGUFReader.__init__
+
+    def counted(self, path, *args, **kwargs):
+        parsed.append(Path(path).name)
+        init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(GGUFReader, "__init__", counted)
+    names = gguf_py.GGUFReader, utils.load_gguf_checkpoint
+    folder = convert_gguf(gguf)
+    assert parsed == ["llama.gguf"]
+    assert (gguf_py.GGUFReader, utils.load_gguf_checkpoint) == names
+    mine, theirs = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)
+    assert mine.get_vocab() == theirs.get_vocab()
+    assert (mine.bos_token, mine.eos_token, mine.chat_template) == (theirs.bos_token, theirs.eos_token,
+                                                                    theirs.chat_template)
+
+
 def test_shards_past_one_file_are_indexed_as_hf_checkpoints_are(tmp_path):
     """Shards of at most ``shard_bytes`` (but a tensor bigger alone), an index naming each tensor's file; one
     shard is a plain model.safetensors."""
