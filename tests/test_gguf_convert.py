@@ -6,14 +6,13 @@ converts without the linears its blocks serve, and never reads their converted c
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import bundled_gguf, write_gguf
 from gguf import GGUFReader
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from radixserve.kernels.cpu_quant import QuantLinear
 from radixserve.model.config import ModelConfig

@@ -122,19 +122,22 @@ def test_past_the_queue_cap_the_server_answers_429_with_retry_after(small_server
 def test_a_request_waiting_past_the_queue_timeout_fails_503(tiny_models):
     """Two long streams take both running places; only once each has streamed a token are two more requests
     sent, which then wait behind them past the 0.5 s queue timeout: on any machine the streams still have
-    thousands of tokens to go (a step is at least half a millisecond of IPC), so no wall-clock slack is assumed."""
+    thousands of tokens to go (a step is at least half a millisecond of IPC), so no wall-clock slack is assumed.
+    The streams are then left (the client closing them aborts them) rather than read to their end."""
     server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens",
                            "4200", "--served-model-name", "tiny", "--max-running-requests", "2",
                            "--queue-timeout", "0.5")
     url = server.url
 
-    async def stream(client: httpx.AsyncClient, started: asyncio.Event, seed: int) -> int:
+    streamed = []
+
+    async def stream(client: httpx.AsyncClient, started: asyncio.Event, seed: int) -> None:
         body = {"input_ids": [9 + seed] * 10, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
                 "stream": True}
         async with client.stream("POST", url + GEN, json=body) as r:
+            streamed.append(r.status_code)
             async for _ in r.aiter_lines():
                 started.set()
-            return r.status_code
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -144,10 +147,14 @@ def test_a_request_waiting_past_the_queue_timeout_fails_503(tiny_models):
             body = {"model": "tiny", "max_tokens": 4}
             queued = await asyncio.gather(*(client.post(url + COMP, json={**body, "prompt": [30 + i] * 10})
                                             for i in range(2)))
-            return queued, await asyncio.gather(*streams)
+            assert not any(task.done() for task in streams), "a stream ended before the queued requests did"
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            return queued
 
     try:
-        queued, streamed = asyncio.run(main())
+        queued = asyncio.run(main())
         assert [r.status_code for r in queued] == [503, 503]
         err = queued[0].json()["error"]
         assert err["code"] == "queue_timeout" and "--queue-timeout" in err["message"]
