@@ -105,7 +105,8 @@ def measure(quick: bool = False, rounds: int = 3, groups: tuple[int, ...] = GROU
         if llama is not None:
             llama.stop()
     return {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "kernel": kernel(),
-            "quick": quick, "rounds": rounds, "neighbour": busy, "requests": REQUESTS, "max_new": MAX_NEW, "llama_slots": LLAMA_SLOTS,
+            "quick": quick, "rounds": rounds, "neighbour": busy, "requests": REQUESTS, "max_new": MAX_NEW,
+            "llama_slots": LLAMA_SLOTS,
             "llama_cpp_missing": why_not, "system_prompt_tokens": system_tokens, "runs_tok_s": runs,
             "median_tok_s": {g: {n: {p: statistics.median(v) for p, v in ps.items()} for n, ps in ns.items()}
                              for g, ns in runs.items()}}
@@ -159,13 +160,13 @@ def section(res: dict, targets: list[str], check) -> list[str]:
         f"{med[g]['radixserve'][p]:.1f} / {med[g]['llama.cpp'][p]:.1f} ({r[g][p]:.2f}x)" if g in r else
         f"{med[g]['radixserve'][p]:.1f} / -" for p in PASSES) + " |" for g in med]
     amx = "AMX tiles" if k.get("amx") else f"no AMX ({k.get('isa') or 'no native kernel'})"
+    busy = ", **beside a busy neighbour** (one process spinning on a CPU)" if res.get("neighbour") else ""
     return ["## Shared prefixes in groups (issue 32)", "",
             f"Measured {res['started']} on commit {m['commit']}, {m['cpu']}, {m['cpus_in_mask']} CPUs, radixserve's "
             f"kernel: {amx} (`python benchmarks/prefix_groups.py`). {res['requests']} requests at once, question i "
             f"on system prompt i mod G, {res['max_new']} new tokens each, greedy, bf16, 2 threads each; each round "
             "new prompts (first pass), then the same requests again (repeat); systems taking turns, "
-            f"{res['rounds']} round(s), medians" + (", **beside a busy neighbour** (one process spinning on a CPU)"
-                                                    if res.get("neighbour") else "") + ". llama.cpp: its server on the BF16 GGUF of the same weights, "
+            f"{res['rounds']} round(s), medians{busy}. llama.cpp: its server on the BF16 GGUF of the same weights, "
             f"{res['llama_slots']} slots, prompt cache on." +
             (f" llama.cpp missing: {res['llama_cpp_missing']}." if res.get("llama_cpp_missing") else ""), "",
             "| groups | system prompt tokens (shortest) | first pass tok/s, ours / llama.cpp | repeat |", "|---|---|---|---|",

@@ -42,12 +42,12 @@ def read_once(gguf: Path) -> Iterator:
     import gguf as gguf_py
     import transformers.modeling_gguf_pytorch_utils as utils
 
-    new_reader, original_load = gguf_py.GGUFReader, utils.load_gguf_checkpoint
-    reader, parsed, target = new_reader(gguf), {}, gguf.resolve()
+    original_reader, original_load = gguf_py.GGUFReader, utils.load_gguf_checkpoint
+    reader, parsed, target = original_reader(gguf), {}, gguf.resolve()
 
     def reader_of(path, *args, **kwargs):
         if args or kwargs or Path(path).resolve() != target:
-            return new_reader(path, *args, **kwargs)
+            return original_reader(path, *args, **kwargs)
         return reader
 
     def load_once(path, return_tensors=False, **kwargs):
@@ -61,7 +61,7 @@ def read_once(gguf: Path) -> Iterator:
     try:
         yield reader
     finally:
-        gguf_py.GGUFReader, utils.load_gguf_checkpoint = new_reader, original_load
+        gguf_py.GGUFReader, utils.load_gguf_checkpoint = original_reader, original_load
 
 
 def left_to_blocks(gguf: Path, reader, config) -> set[str]:

@@ -718,13 +718,13 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
     """The attention phase alone against float64 softmax(q k^T / sqrt(d)) v over each row's slots: head dims
     with their own paths (64, 128) and the generic one, one row of 700 keys and three rows (a row's keys
     split among threads), twenty and eight rows sharing a 160-key prefix (on 2 threads a group's query tiles too
-    few for a task per thread are cut into shorter runs: shared_groups.h run_split), and fourteen rows in three groups sharing
-    prefixes of 160, 200 and 144 keys with two rows in none, interleaved (each group's prefix scored for its rows
-    at once: AMX tiles where bf16 head dim 64 has them, else vector registers where the head dim is a multiple of
-    16 and the pool holds the model's dtype, else row by row), and groups whose rows see different amounts of
-    their prefix (reach: a causal tile's rows, each through its own context; here with own slots after it too),
-    slots scattered over the pool; the pool in the model's dtype or in 8-bit codes (model/kv_codes.py: the
-    reference reads the values the codes stand for)."""
+    few for a task per thread are cut into shorter runs: shared_groups.h run_split), and fourteen rows in three
+    groups sharing prefixes of 160, 200 and 144 keys with two rows in none, interleaved (each group's prefix scored
+    for its rows at once: AMX tiles where bf16 head dim 64 has them, else vector registers where the head dim is a
+    multiple of 16 and the pool holds the model's dtype, else row by row), and groups whose rows see different
+    amounts of their prefix (reach: a causal tile's rows, each through its own context; here with own slots after
+    it too), slots scattered over the pool; the pool in the model's dtype or in 8-bit codes (model/kv_codes.py:
+    the reference reads the values the codes stand for)."""
     lib = cpu_native.load(cpu_native.default_cache_dir())
     g = torch.Generator().manual_seed(head_dim + heads)
     prefixes = [160, 200, 144]
