@@ -892,8 +892,8 @@ def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
         assert (native.extend_keys, native.shared_gain) == want
         engine.shutdown()
     # the figures below: AVX-512 without AMX in float32, 40,000 pairs and a shared one at 1/2
-    budget, gain = EXTEND_KEYS[torch.float32], SHARED_GAIN[torch.float32]
-    native.extend_keys, native.shared_gain = budget, gain
+    native.extend_keys = EXTEND_KEYS[torch.float32]
+    gain = native.shared_gain = SHARED_GAIN[torch.float32]
     fresh = iter(range(100_000, 200_000))  # new slots
     prefix = list(range(1500))
 

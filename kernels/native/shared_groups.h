@@ -151,13 +151,9 @@ inline int tile_runs(const SharedScratch& sc, int groups, int split) {
   return runs;
 }
 inline TileRun tile_run(const SharedScratch& sc, int run, int split) {
-  int grp = 0;
-  for (;; ++grp) {
-    const int n = group_runs(sc, grp, split);
-    if (run < n) break;
-    run -= n;
-  }
-  const int tiles = sc.tile_at[grp + 1] - sc.tile_at[grp], runs = group_runs(sc, grp, split);
+  int grp = 0, runs = group_runs(sc, 0, split);
+  for (; run >= runs; runs = group_runs(sc, ++grp, split)) run -= runs;
+  const int tiles = sc.tile_at[grp + 1] - sc.tile_at[grp];
   return {grp, sc.tile_at[grp] + run * tiles / runs, sc.tile_at[grp] + (run + 1) * tiles / runs};
 }
 
