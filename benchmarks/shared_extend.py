@@ -1,6 +1,6 @@
-"""A prefill (extend) step of requests whose new tokens sit on one cached prefix (issue 32): the bundled model's
-engine caches a ``--prefix``-token prompt, then ``--requests`` requests each add ``--new`` tokens of their own to it
-in one step, and that step is timed three ways on the same batch, interleaved:
+"""A prefill (extend) step of requests whose new tokens sit on one cached prefix (issue 32): the model's engine
+caches a ``--prefix``-token prompt (0: fresh prompts), then each case's requests (``--cases``: requests x new
+tokens) add new tokens of their own to it in one step, and that step is timed three ways on the same batch, interleaved:
 
 - torch: the eager model (per-request SDPA, each request gathering the prefix's K/V itself; oneDNN's products);
 - native, per row: the native step, every token row scoring its whole context itself;
@@ -10,6 +10,7 @@ Medians of ``--reps`` rounds. Prints a table, one line per (requests, new tokens
 whether ``NativeDecode.applies`` would send that step there.
 
     python benchmarks/shared_extend.py [--prefix 860] [--cases 31x32,8x32,1x128,1x512] [--reps 5]
+        [--model-path PATH]  (default: the bundled model; e.g. a real shape's checkpoint, shape_models.py)
 """
 from __future__ import annotations
 
@@ -40,10 +41,11 @@ def main() -> None:
     ap.add_argument("--cases", default="31x32,8x32,4x64,1x128,1x512", help="requests x new tokens, comma-separated")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model-path", default=None, help="default: the bundled model")
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     most = max(r * n for r, n in cases)
-    engine = Engine(None, dtype=args.dtype, max_total_tokens=args.prefix + 2 * most + 4096,
+    engine = Engine(args.model_path, dtype=args.dtype, max_total_tokens=args.prefix + 2 * most + 4096,
                     chunked_prefill_size=max(8192, most + 64), max_prefill_tokens=max(16384, most + 64))
     native, runner = engine.runner.native, engine.runner
     if native is None:

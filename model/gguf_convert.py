@@ -68,9 +68,9 @@ def left_to_blocks(gguf: Path, reader, config) -> set[str]:
     """The tensors of ``gguf`` (``reader``: its GGUFReader) that ``--quantization gguf`` serves from their blocks
     (gguf_quant.layers_as_shipped), so a conversion for it need not hold them; never the embedding (a tied output
     projection's blocks are its)."""
-    from radixserve.model.gguf_quant import layers_as_shipped
+    from radixserve.model.gguf_quant import layers_as_shipped, reader_tensors
 
-    plan = layers_as_shipped(gguf, reader.tensors, config.model_type, config.tie_word_embeddings, "gguf")
+    plan = layers_as_shipped(gguf, reader_tensors(reader), config.model_type, config.tie_word_embeddings, "gguf")
     return {tensor for shards in plan.values() for tensor in shards.values()} - {"token_embd.weight"}
 
 

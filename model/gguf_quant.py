@@ -37,6 +37,7 @@ as 1 + w) are dense and come with the dequantized checkpoint.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,9 +216,54 @@ def _as_layer(shards: list[Blocks], dtype: torch.dtype) -> QuantLinear:
     return QuantLinear(n, k, None, dtype, int8=(q, scale, offset), file_blocks=factors)
 
 
-def layers_as_shipped(path: Path, tensors: list, model_type: str, tied: bool,
+TENSOR_TABLE = "gguf_tensors.json"  # in a converted folder: where each tensor of its GGUF file lies, and how
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """A GGUF file's tensor as gguf's GGUFReader reads it: its name, its type's name (Q4_K, F32, ...) and its data
+    (a view of the memory-mapped file: blocks as rows of bytes, dense types as their numbers)."""
+    name: str
+    kind: str
+    data: np.ndarray
+
+
+def reader_tensors(reader) -> list[FileTensor]:
+    """The tensors of a GGUFReader."""
+    return [FileTensor(t.name, t.tensor_type.name, t.data) for t in reader.tensors]
+
+
+def tensor_table(reader) -> list[dict]:
+    """What ``file_tensors`` needs to find a GGUFReader's tensors in its file without parsing it again: name, type,
+    byte offset, numpy dtype (with its byte order) and shape of each."""
+    return [{"name": t.name, "kind": t.tensor_type.name, "offset": int(t.data_offset), "dtype": t.data.dtype.str,
+             "shape": list(t.data.shape)} for t in reader.tensors]
+
+
+def file_tensors(path: Path, folder: Path | None = None) -> list[FileTensor]:
+    """The tensors of GGUF file ``path``: from the table its converted ``folder`` recorded (``TENSOR_TABLE``; the
+    folder is named by the file's path, size and mtime and its files checked against its manifest), else as
+    GGUFReader reads them. The table spares a parse that takes seconds on every start: GGUFReader reads all the
+    metadata first, a Python step per token string (~4 s for a 49k-token vocabulary)."""
+    table = None if folder is None else folder / TENSOR_TABLE
+    if table is None or not table.exists():
+        from gguf import GGUFReader
+        return reader_tensors(GGUFReader(path))
+    data = np.memmap(path, mode="r")
+    tensors = []
+    for t in json.loads(table.read_text()):
+        dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
+        end = t["offset"] + int(np.prod(shape)) * dtype.itemsize
+        if end > len(data):
+            raise ValueError(f"{path.name}: tensor {t['name']} ends at byte {end}, past the file's end ({len(data)}): "
+                             f"the file changed after {folder} was converted from it")
+        tensors.append(FileTensor(t["name"], t["kind"], data[t["offset"]:end].view(dtype).reshape(shape)))
+    return tensors
+
+
+def layers_as_shipped(path: Path, tensors: list[FileTensor], model_type: str, tied: bool,
                       quantization: str) -> dict[str, dict[str | None, str]]:
-    """Every linear layer of GGUF file ``path`` (its ``tensors``, GGUFReader's) whose tensors are all in a format
+    """Every linear layer of GGUF file ``path`` (its ``tensors``) whose tensors are all in a format
     ``quantization`` takes as it ships (``AS_SHIPPED``): module name -> {shard: GGUF tensor name}. Under ``gguf`` a
     tensor in a format this module does not decode is refused by name (ValueError). Empty for an architecture
     without a layout."""
@@ -228,7 +274,7 @@ def layers_as_shipped(path: Path, tensors: list, model_type: str, tied: bool,
     found: dict[str, dict[str | None, str]] = {}
     other: set[str] = set()  # layers with a shard in another format: the whole layer is
     for t in tensors:
-        kind, where = t.tensor_type.name, _layer_name(t.name, tied, layout)
+        kind, where = t.kind, _layer_name(t.name, tied, layout)
         if where is None:
             continue
         name, shard = where
@@ -245,20 +291,20 @@ def layers_as_shipped(path: Path, tensors: list, model_type: str, tied: bool,
             if name not in other and set(shards) == set(layout.shards(name.split(".", 3)[-1]))}
 
 
-def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantization: str) -> dict[str, QuantLinear]:
+def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantization: str,
+                       folder: Path | None = None) -> dict[str, QuantLinear]:
     """Our int8 / int4 layers for every linear whose GGUF tensors are all in a format ``quantization`` takes as it
     ships (``layers_as_shipped``); keys are module names (``model.layers.3.mlp.down_proj``, ``lm_head``). Under
     ``gguf`` a tensor in a format this module does not decode is refused by name; under int8 / int4 such layers are
-    quantized from the dequantized weights as usual."""
-    from gguf import GGUFReader
-
+    quantized from the dequantized weights as usual. ``folder``: the file's conversion (its tensor table read, not
+    the file's metadata)."""
     layout = ARCHITECTURES.get(cfg.model_type)
     if layout is None:
         if quantization == "gguf":
             raise ValueError(f"--quantization gguf reads the blocks of {', '.join(ARCHITECTURES)} GGUF files; this "
                              f"one is {cfg.model_type}: serve it without --quantization (dequantized) or with int8")
         return {}  # other architectures' tensors take the general path
-    tensors = GGUFReader(path).tensors
+    tensors = file_tensors(path, folder)
     plan = layers_as_shipped(path, tensors, cfg.model_type, cfg.tie_word_embeddings, quantization)
     wanted = {tensor: (name, shard) for name, shards in plan.items() for shard, tensor in shards.items()}
     parts: dict[str, dict[str | None, Blocks]] = {}  # a layer's shards until it has them all
@@ -267,7 +313,7 @@ def gguf_quant_linears(path: Path, cfg: ModelConfig, dtype: torch.dtype, quantiz
         if t.name not in wanted:
             continue
         name, shard = wanted[t.name]
-        blocks = decode_blocks(np.asarray(t.data), t.tensor_type.name)
+        blocks = decode_blocks(np.asarray(t.data), t.kind)
         if shard in ("q", "k") and layout.permuted:
             heads = cfg.num_heads if shard == "q" else cfg.num_kv_heads
             blocks = blocks.rows(unpermute_rows(np.arange(blocks.q.shape[0]), heads))

@@ -193,6 +193,7 @@ def convert_gguf(gguf: Path, blocks: bool = False) -> Path:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from radixserve.model.gguf_convert import dequantized_tensors, left_to_blocks, read_once, write_shards
+    from radixserve.model.gguf_quant import TENSOR_TABLE, tensor_table
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -205,6 +206,7 @@ def convert_gguf(gguf: Path, blocks: bool = False) -> Path:
             skip = left_to_blocks(gguf, reader, config) if blocks else set()
             write_shards(dequantized_tensors(gguf, reader, config, skip), tmp,
                          metadata={"format": "pt", "source": gguf.name})
+            (tmp / TENSOR_TABLE).write_text(json.dumps(tensor_table(reader)))  # starts need not parse the file
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # gigabytes of a half-written conversion are not left behind
             raise

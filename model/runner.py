@@ -65,7 +65,7 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
     # no random init: every weight is loaded next, but those of the layers a GGUF file's blocks replace, whose
     # memory is never touched (so never resident: a Q4_K_M file is served without a bf16 copy of its linears)
     model = model.to(dtype).to_empty(device=device)
-    shipped = file_layers(cfg, quantization, dtype, device, source)
+    shipped = file_layers(cfg, quantization, dtype, device, source, path)
 
     def wanted(name: str) -> bool:
         return not (name.endswith(".weight") and model.module_of(name) in shipped)
@@ -77,9 +77,10 @@ def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.
 
 
 def file_layers(cfg: ModelConfig, quantization: str | None, dtype: torch.dtype, device: torch.device,
-                source: Path | None) -> dict[str, QuantLinear]:
+                source: Path | None, folder: Path | None = None) -> dict[str, QuantLinear]:
     """The quantized layers a GGUF source's blocks give as they ship, where their format fits ``quantization``
-    (model/gguf_quant.py's AS_SHIPPED), by module name; empty without quantization or a GGUF source."""
+    (model/gguf_quant.py's AS_SHIPPED), by module name; empty without quantization or a GGUF source. ``folder``:
+    the source's conversion (the checkpoint the rest loads from)."""
     if quantization is None:
         return {}
     if device.type != "cpu":
@@ -92,7 +93,7 @@ def file_layers(cfg: ModelConfig, quantization: str | None, dtype: torch.dtype, 
         return {}
     from radixserve.model.gguf_quant import gguf_quant_linears
 
-    layers = gguf_quant_linears(source, cfg, dtype, quantization)
+    layers = gguf_quant_linears(source, cfg, dtype, quantization, folder)
     log.info("%s: %d linear layers taken from %s as they ship", quantization, len(layers), source.name)
     return layers
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import bundled_gguf, write_gguf
@@ -136,6 +137,36 @@ def test_served_from_blocks_without_the_converted_linears(tmp_path):
         assert torch.equal(built.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="checkpoint is missing"):
         build_model(cfg, slim, torch.float32, cpu, None, gguf)
+
+
+def test_a_start_finds_the_file_tensors_in_its_conversions_table(tmp_path, monkeypatch):
+    """A conversion records where each tensor of its file lies (gguf_quant.TENSOR_TABLE), so a start under
+    ``--quantization`` maps the blocks without GGUFReader's parse of the metadata (seconds); the tensors found are
+    GGUFReader's byte for byte, the layers the same; a file shorter than its table says is refused."""
+    from radixserve.model.gguf_quant import file_tensors, gguf_quant_linears, reader_tensors
+
+    gguf = write_gguf(tmp_path / "tiny-Q4_K_M.gguf", {"ffn_down": "F16"}, "llama")  # block and dense types
+    folder = convert_gguf(gguf, blocks=True)
+    want, found = reader_tensors(GGUFReader(gguf)), file_tensors(gguf, folder)
+    assert [(t.name, t.kind, t.data.dtype, t.data.shape) for t in found] == \
+        [(t.name, t.kind, t.data.dtype, t.data.shape) for t in want]
+    assert {t.kind for t in found} >= {"Q4_K", "Q6_K", "Q8_0", "F16", "F32"}
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(found, want))
+    cfg = ModelConfig.from_hf(*load_configs(folder))
+    parsed = {name: layer.dequantized() for name, layer in
+              gguf_quant_linears(gguf, cfg, torch.float32, "gguf").items()}
+
+    def refused(self, *args, **kwargs):
+        raise AssertionError("the file's metadata parsed again")
+
+    monkeypatch.setattr(GGUFReader, "__init__", refused)
+    mapped = gguf_quant_linears(gguf, cfg, torch.float32, "gguf", folder)
+    assert mapped.keys() == parsed.keys() and len(mapped) == 2 * 3 + 1, "but the F16 down_proj: dense"
+    assert all(torch.equal(mapped[name].dequantized(), weights) for name, weights in parsed.items())
+    short = tmp_path / "short.gguf"
+    short.write_bytes(gguf.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="past the file's end"):
+        file_tensors(short, folder)
 
 
 def test_an_engine_under_gguf_resolves_the_file_to_its_blocks_conversion(tmp_path, monkeypatch):
