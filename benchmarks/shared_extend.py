@@ -6,8 +6,9 @@ tokens) add new tokens of their own to it in one step, and that step is timed th
 - native, per row: the native step, every token row scoring its whole context itself;
 - native, grouped: the native step, the prefix scored once for every row of the group (``prefix_groups``).
 
-Medians of ``--reps`` rounds. Prints a table, one line per (requests, new tokens) case; the native columns also say
-whether ``NativeDecode.applies`` would send that step there.
+Medians of ``--reps`` rounds. Prints a table, one line per (requests, new tokens) case; the last columns say
+whether ``NativeDecode.applies`` would send that step to the native step, and its cost as the budget counts it
+(model/prefix_groups.py).
 
     python benchmarks/shared_extend.py [--prefix 860] [--cases 31x32,8x32,1x128,1x512] [--reps 5]
         [--model-path PATH]  (default: the bundled model; e.g. a real shape's checkpoint, shape_models.py)
@@ -54,7 +55,8 @@ def main() -> None:
     common = prompt_ids(args.prefix, 99)
     print(f"{args.prefix}-token cached prefix, {native.isa}{', AMX' if native.amx else ''}, {native.dtype}; "
           f"ms per extend step, median of {args.reps}")
-    print(f"{'requests x new':>15} {'torch':>9} {'per row':>9} {'grouped':>9} {'torch/grouped':>14} {'takes':>6}")
+    print(f"{'requests x new':>15} {'torch':>9} {'per row':>9} {'grouped':>9} {'torch/grouped':>14} {'takes':>6} "
+          f"{'cost':>9}")
     for requests, new in cases:
         if common:
             ours._add(common, 1)  # the prefix cached
@@ -69,6 +71,8 @@ def main() -> None:
                                        runner._group, runner.table, local_rope=runner.local_rope,
                                        windows=runner.cfg.arch.sliding_windows)
         taken = native.applies(batch)
+        slots, first, length = batch.attn.tree_contexts(native.window)
+        cost = native.cost(length, native._groups(slots, first, length))  # what the budget is set against
         times: dict[str, list[float]] = {"torch": [], "per row": [], "grouped": []}
         with torch.inference_mode():
             for _ in range(args.reps + 1):
@@ -79,7 +83,7 @@ def main() -> None:
                 times["grouped"].append(timed(lambda: native(batch)))
         ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
         print(f"{f'{requests} x {new}':>15} {ms['torch']:9.1f} {ms['per row']:9.1f} {ms['grouped']:9.1f} "
-              f"{ms['torch'] / ms['grouped']:13.2f}x {'yes' if taken else 'no':>6}")
+              f"{ms['torch'] / ms['grouped']:13.2f}x {'yes' if taken else 'no':>6} {cost / 1e3:8.0f}k")
         ours.sched.process(runner.forward(plan))
         ours._drain()
     engine.shutdown()

@@ -217,6 +217,10 @@ class NativeDecode:
         # a prefill step's most cost; a shared pair's gain (larger where AMX tiles score the shared slots)
         # AMX tiles score the shared slots (attention_shared.h's tile path: bf16, head dim AMX_SHARED_DIM)
         self.amx_shared = self.amx and self.shares and cfg.head_dim == AMX_SHARED_DIM
+        # a long prompt's or continuation's rows score their own slots in causal tiles (prefix_groups(tiled=True))
+        # where AVX-512 scores shared slots: AMX tiles or a vector's lanes (the AVX2 build keeps them row by row:
+        # its budget was measured so, on a Zen 3)
+        self.tiled = self.shares and self.isa == "avx512"
         self.extend_keys, self.shared_gain = budget(self.isa, dtype, self.amx_shared)
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
 
@@ -307,7 +311,7 @@ class NativeDecode:
     def _groups(self, slots: torch.Tensor, first: np.ndarray, length: np.ndarray) -> native.PrefixGroups:
         if not self.shares:
             return native.PrefixGroups(len(length))
-        return prefix_groups(slots, first, length, tiled=self.amx_shared)
+        return prefix_groups(slots, first, length, tiled=self.tiled)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         rows, logit_rows = len(batch.input_ids), len(batch.logit_rows)

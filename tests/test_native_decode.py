@@ -253,9 +253,9 @@ def test_extend_rows_on_shared_prefixes_are_scored_once_per_group(smollm2_path, 
         for shares in (False, True):
             native.shares = shares
             outs[shares] = _eager_and_native(runner, plan)
-        # (where AMX tiles score shared slots, a fresh prompt's rows are a causal tile too, 16 or more of them)
+        # (where AVX-512 scores shared slots, a fresh prompt's rows are a causal tile too, 16 or more of them)
         fresh = [ids for ids in rows if not any(tuple(ids[:len(h)]) == h for h in heads)]
-        tiles = sum(len(ids) >= 16 for ids in fresh) if native.amx_shared else 0
+        tiles = sum(len(ids) >= 16 for ids in fresh) if native.tiled else 0
         assert native.last_groups == len(prefixes) + tiles
         (eager, alone, kv_e, kv_alone), (_, grouped, _, kv_grouped) = outs[False], outs[True]
         assert len(grouped) == sum(plan.extend_lens)  # every new token's logits
@@ -316,7 +316,7 @@ def test_tiles_keep_the_tokens_under_chunked_prefill_eviction_and_retraction(smo
     for shares in (False, True):
         engine = _engine(smollm2_path, "float32", max_total_tokens=1100, chunked_prefill_size=512)
         native = engine.runner.native
-        native.shares, native.amx_shared, native.extend_keys = shares, shares, float("inf")
+        native.shares, native.tiled, native.extend_keys = shares, shares, float("inf")
         outs[shares] = [r["output_ids"] for r in engine.generate(input_ids=rows, sampling_params=params)]
         stats[shares] = (native.shared_prefill_steps, engine.scheduler.stats.retractions)
         engine.shutdown()
@@ -456,7 +456,7 @@ def test_long_prompts_are_scored_in_tiles(smollm2_path, dtype, path):
     if path == "amx" and not (native.amx and dtype == "bfloat16"):
         pytest.skip("AMX tiles score bf16 only, where the CPU and kernel grant them")
     native.desc.amx = int(path == "amx")
-    native.amx_shared = True  # rows in tiles (prefix_groups(tiled=True)), on either path
+    native.tiled = True  # rows in tiles (prefix_groups(tiled=True)), on either path (and on an AVX2 build)
     one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
     rng = random.Random(5)
     ids = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]  # noqa: E731
@@ -881,7 +881,8 @@ def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
     and its float32 SDPA over a gathered prefix is slow), for bf16 on AVX-512 without AMX (measured on Zen 4) and
     where AMX tiles score the shared slots."""
     from radixserve.model.prefix_groups import (EXTEND_KEYS, EXTEND_KEYS_AMX, EXTEND_KEYS_AVX2, SHARED_GAIN,
-                                                SHARED_GAIN_AMX, SHARED_GAIN_AVX2, SHARED_MIN)
+                                                SHARED_GAIN_AMX, SHARED_GAIN_AVX2, SHARED_MIN, TILE,
+                                                TILE_ROWS)
 
     for dtype in ("float32", "bfloat16"):
         engine = _engine(tiny_models["llama"], dtype)
@@ -891,7 +892,8 @@ def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
                 (EXTEND_KEYS[native.dtype], SHARED_GAIN[native.dtype]))
         assert (native.extend_keys, native.shared_gain) == want
         engine.shutdown()
-    # the figures below: AVX-512 without AMX in float32, 40,000 pairs and a shared one at 1/2
+    # the figures below: rows untiled (as the AVX2 build groups them), 40,000 pairs and a shared one at 1/2
+    native.tiled = False
     native.extend_keys = EXTEND_KEYS[torch.float32]
     gain = native.shared_gain = SHARED_GAIN[torch.float32]
     fresh = iter(range(100_000, 200_000))  # new slots
@@ -927,6 +929,16 @@ def test_prefill_steps_are_taken_while_their_attention_is_small(tiny_models):
     assert native.applies(on_cached)
     native.extend_keys -= 1
     assert not native.applies(on_cached)
+    # where AVX-512 scores shared slots, a long prompt's rows are causal tiles: fewer rows than make a tile score
+    # TILE slots or more row by row (here the last one, alone at its level), and bf16's budget takes the step
+    # (18,297 of 400,000; 2,098,176 pairs)
+    native.tiled, native.extend_keys = True, EXTEND_KEYS[torch.bfloat16]
+    gain = native.shared_gain = SHARED_GAIN[torch.bfloat16]
+    long = _step("extend", [[next(fresh) for _ in range(2048)]], [2048])
+    slots, first, length = long.attn.tree_contexts()
+    alone = length - native._groups(slots, first, length).row_shared
+    assert (alone >= TILE).sum() < TILE_ROWS and cost(long) == (length.sum() - alone.sum()) / gain + alone.sum()
+    assert native.applies(long)
 
 
 def test_prefill_steps_turned_down_run_on_torch_with_its_metadata(tiny_models):
