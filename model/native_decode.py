@@ -214,13 +214,13 @@ class NativeDecode:
         # multiples of 16, a pool in the model's dtype; False: every row scores its whole context itself
         self.shares = cfg.head_dim % 16 == 0 and not self.desc.kv_codes
         self._head_dim = cfg.head_dim
-        # a prefill step's most cost; a shared pair's gain (larger where AMX tiles score the shared slots)
         # AMX tiles score the shared slots (attention_shared.h's tile path: bf16, head dim AMX_SHARED_DIM)
         self.amx_shared = self.amx and self.shares and cfg.head_dim == AMX_SHARED_DIM
         # a long prompt's or continuation's rows score their own slots in causal tiles (prefix_groups(tiled=True))
         # where AVX-512 scores shared slots: AMX tiles or a vector's lanes (the AVX2 build keeps them row by row:
         # its budget was measured so, on a Zen 3)
         self.tiled = self.shares and self.isa == "avx512"
+        # a prefill step's most cost; a shared pair's gain (larger where AMX tiles score the shared slots)
         self.extend_keys, self.shared_gain = budget(self.isa, dtype, self.amx_shared)
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
 
