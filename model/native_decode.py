@@ -220,7 +220,7 @@ class NativeDecode:
         # where AVX-512 scores shared slots: AMX tiles or a vector's lanes (the AVX2 build keeps them row by row:
         # its budget was measured so, on a Zen 3)
         self.tiled = self.shares and self.isa == "avx512"
-        # a prefill step's most cost; a shared pair's gain (larger where AMX tiles score the shared slots)
+        # a prefill step's most cost; a shared pair's gain (prefix_groups.budget: by build, dtype and AMX)
         self.extend_keys, self.shared_gain = budget(self.isa, dtype, self.amx_shared)
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
 
