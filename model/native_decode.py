@@ -219,7 +219,7 @@ class NativeDecode:
         # a long prompt's or continuation's rows score their own slots in causal tiles (prefix_groups(tiled=True))
         # where AVX-512 scores shared slots: AMX tiles or a vector's lanes (the AVX2 build keeps them row by row:
         # its budget was measured so, on a Zen 3)
-        self.tiled = self.shares and self.isa == "avx512"
+        self.tiled = self.isa == "avx512"  # (without shares, _groups makes no groups at all)
         # a prefill step's most cost; a shared pair's gain (prefix_groups.budget: by build, dtype and AMX)
         self.extend_keys, self.shared_gain = budget(self.isa, dtype, self.amx_shared)
         self.window = cfg.arch.windows[0] if cfg.arch.windows else None  # one for every layer (native_refusal)
