@@ -18,7 +18,8 @@ import urllib.request
 
 
 class ServerProcess:
-    """`radixserve serve` in a subprocess on a free port; its output goes to a log file (``output()``)."""
+    """`radixserve serve` in a subprocess on a free port; its output goes to an unnamed temporary file (``output()``,
+    kept after ``stop()``, removed with the object)."""
 
     def __init__(self, *args: str, env: dict | None = None, timeout: float = 180.0, command: str = "serve") -> None:
         """``command``: the radixserve subcommand (``router`` too: it has a /health as well)."""
@@ -26,7 +27,7 @@ class ServerProcess:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"radixserve-{self.port}-", suffix=".log", delete=False)
+        self.log = tempfile.TemporaryFile("w+")  # unnamed: gone with this object, read through output()
         self.proc = subprocess.Popen([sys.executable, "-m", "radixserve", command, "--port", str(self.port), *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout
