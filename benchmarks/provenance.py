@@ -6,6 +6,7 @@ page (docs/hooks.py) is generated from here; nothing quotes a figure by hand. To
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 from collections.abc import Callable
@@ -63,14 +64,18 @@ def changes_code(root: Path, commit: str, paths: list[str]) -> bool:
     """Whether ``commit`` changed code under ``paths``: a commit that only rewrites Python comments and docstrings
     (a stale sentence, a typo) measures the same thing; any other change (C++ included) counts."""
     files = _git(root, "diff-tree", "--no-commit-id", "--name-only", "-r", commit, "--", *paths).stdout.split()
-    for name in files:
-        if not name.endswith(".py"):
-            return True
-        old, new = (_git(root, "show", f"{rev}:{name}") for rev in (f"{commit}^", commit))
-        before, after = (_code(r.stdout) if r.returncode == 0 else None for r in (old, new))
-        if before is None or after is None or before != after:
-            return True
-    return False
+    return any(_changes_file_code(root, commit, name) for name in files)
+
+
+@functools.lru_cache(maxsize=None)
+def _changes_file_code(root: Path, commit: str, name: str) -> bool:
+    """Whether ``commit`` changed ``name``'s code (remembered: every results file asks about the same commits, and
+    parsing both sides of each took most of the docs build's time)."""
+    if not name.endswith(".py"):
+        return True
+    old, new = (_git(root, "show", f"{rev}:{name}") for rev in (f"{commit}^", commit))
+    before, after = (_code(r.stdout) if r.returncode == 0 else None for r in (old, new))
+    return before is None or after is None or before != after
 
 
 def later_commits(root: Path, commit: str, paths: list[str]) -> list[str] | None:
