@@ -99,14 +99,20 @@ def test_8_bit_kv_gets_the_same_bytes_as_more_tokens(monkeypatch):
     import os
 
     kv = 2 * 30 * 3 * 64
+    real = os.sysconf
+
+    def free_pages(pages: int) -> None:  # the free memory both pools are sized by (not whatever other processes left)
+        monkeypatch.setattr(os, "sysconf", lambda name: pages if name == "SC_AVPHYS_PAGES" else real(name))
+
+    free_pages(1 << 24)  # 64 GiB free: the cap binds
     plain = ServerArgs(device="cpu").resolved(kv, 8192)
     coded = ServerArgs(device="cpu", kv_cache_dtype="int8").resolved(kv, 8192, head_dim=64)
     bf16_bytes, code_bytes = kv * 2, kv + kv // 64 * 4  # a scale (float32) per token, layer, K/V and head
     assert code_bytes / bf16_bytes == 68 / 128
+    assert plain.max_total_tokens == 65536
     assert coded.max_total_tokens == plain.max_total_tokens * bf16_bytes // code_bytes, \
         "the default cap is the bf16 pool's bytes"
-    real = os.sysconf
-    monkeypatch.setattr(os, "sysconf", lambda name: 1 << 17 if name == "SC_AVPHYS_PAGES" else real(name))
+    free_pages(1 << 17)  # 512 MiB free: memory binds
     small, small_coded = (ServerArgs(device="cpu", kv_cache_dtype=d).resolved(kv, 8192) for d in ("auto", "int8"))
     assert small_coded.max_total_tokens > 1.8 * small.max_total_tokens, "memory-bound: nearly twice the tokens"
 
