@@ -4,8 +4,12 @@ back. The scheduler decides (cache/tiers.py); this holds the pages and does the 
     step start (main thread):  drops ─▶ writes: pool slots ─▶ encoded pages ─▶ L2 (and queued for L3)
                                         loads:  L2 pages (held for the request) ─▶ pool slots
     inbox thread:               read-backs from the scheduler, at once (not behind the step in flight)
-    background thread:          prefetch: L2 hit? hold it : L3 read ─▶ unseal (checksum) ─▶ L2, held ─▶ report
-                                store:    seal ─▶ L3 write
+    background thread:          prefetch: L2 hit? hold it : queued for L3? take it : L3 read ─▶ unseal (checksum)
+                                          ─▶ L2, held ─▶ report
+    storage thread (idle CPU):  store:    seal ─▶ L3 write
+
+A page queued for storage is read back from the queue until it is written: on a busy machine the storage thread
+(idle priority) may not run for seconds, and a request asking for the page meanwhile still finds it.
 
 The pool is touched only by the main thread, between steps; the background thread touches only L2 (under its lock)
 and storage. A page from storage is checked before anything uses it (model/kv_storage.unseal): a damaged one is
@@ -44,7 +48,8 @@ class KVTiers:
         self.report = report
         self.counters: Counter[str] = Counter()
         self._stored: OrderedDict[bytes, None] = OrderedDict()  # keys this process wrote to storage lately
-        self._queued_bytes = 0  # of pages queued for storage (both threads change it: under _queued_lock)
+        self._queued: dict[bytes, torch.Tensor] = {}  # pages queued for storage, not yet written (under _queued_lock)
+        self._queued_bytes = 0  # of those pages (both threads change it: under _queued_lock)
         self._queued_lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # read-backs and flushes: a request may be waiting
         self._stores: queue.SimpleQueue = queue.SimpleQueue()  # writes to storage: whenever a CPU is idle
@@ -125,6 +130,7 @@ class KVTiers:
                 full = self._queued_bytes + size > MAX_QUEUED_STORE_BYTES
                 if not full:
                     self._queued_bytes += size
+                    self._queued.update(store)
             if full:
                 self.counters["l3_pages_not_written"] += len(store)  # storage is slower than the pool fills
                 return
@@ -187,8 +193,18 @@ class KVTiers:
                 continue
             if self.storage is None:
                 break
+            with self._queued_lock:
+                queued = self._queued.get(keys[i])
+            if queued is not None:  # on its way to storage: what storage will hold
+                if not self.host.put(keys[i], queued, fid):
+                    break
+                tiers.append(3)
+                self.counters["l3_pages_read_queued"] += 1
+                continue
             batch = keys[i : i + READ_BATCH]
-            batch = batch[: next((j for j, k in enumerate(batch) if j and k in self.host), len(batch))]
+            with self._queued_lock:  # up to the next page L2 or the queue has
+                end = next((j for j, k in enumerate(batch) if j and (k in self.host or k in self._queued)), len(batch))
+            batch = batch[:end]
             for key, page in zip(batch, self._read(batch)):
                 if not self.host.put(key, page, fid):
                     break
@@ -243,6 +259,8 @@ class KVTiers:
         finally:
             with self._queued_lock:
                 self._queued_bytes -= len(items) * self.codec.nbytes
+                for key, _ in items:
+                    self._queued.pop(key, None)
             self.counters["l3_write_seconds"] += time.perf_counter() - start
 
     def _delete(self, keys: list[bytes]) -> None:
@@ -254,6 +272,9 @@ class KVTiers:
     def _flush(self, msg: Prefetch) -> None:
         self.host.clear()
         self._stored.clear()
+        if msg.flush >= 3:  # storage is cleared after the writes queued: none of them is to be read back
+            with self._queued_lock:
+                self._queued.clear()
 
 
 def build_tiers(kv: KVPool, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, args, config,

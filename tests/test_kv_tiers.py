@@ -82,6 +82,56 @@ def test_host_memory_never_drops_a_page_held_for_a_read_back():
     assert b"a" not in host and host.nbytes <= 200
 
 
+def test_a_page_queued_for_storage_is_read_back_before_it_is_written(tmp_path):
+    """On a busy machine the storage thread (idle priority) may not run for seconds; a request asking for a page
+    it has not written yet gets it from the queue, exactly, and later from storage."""
+    import threading
+
+    from radixserve.model.kv_tiers import KVTiers
+    from radixserve.wire.plans import Prefetch, TierOps
+
+    class HeldStore(FileStore):  # writes wait until the test lets them through
+        def __init__(self, config):
+            super().__init__(config)
+            self.open = threading.Event()
+
+        def set(self, items):
+            self.open.wait(30)
+            super().set(items)
+
+    torch.manual_seed(0)
+    kv = KVPool(2, 40, 2, 8, torch.float32, torch.device("cpu"))
+    kv.k.normal_()
+    kv.v.normal_()
+    codec = PageCodec("auto", torch.float32, 2, 2, 8, page=4)
+    store = HeldStore({"path": str(tmp_path)})
+    reports = []
+    tiers = KVTiers(kv, codec, HostTier(0), store, NS, reports.append)  # no host memory: every page is L3's
+    keys = page_keys(pack(list(range(8))), 4, NS)
+    slots = np.array([5, 9, 1, 2, 30, 31, 32, 33], dtype=np.int32)
+    tiers.apply(TierOps(keys, slots, [], []))
+    expected = codec.encode(kv, slots)
+
+    def read_back(fid):
+        tiers.prefetch(Prefetch(fid, keys))
+        for _ in range(3000):
+            if len(reports) == fid:
+                return reports[-1].tiers, [tiers.host.take(k).clone() for k in keys]
+            threading.Event().wait(0.01)
+        raise AssertionError("no answer")
+
+    got, pages = read_back(1)
+    assert got == [3, 3] and store.total == 0, "from the queue: nothing is written yet"
+    assert all(torch.equal(a, b) for a, b in zip(pages, expected))
+    assert tiers.counters["l3_pages_read_queued"] == 2
+    tiers.host.release(1)
+    store.open.set()
+    assert tiers.drain() and store.exists(keys) == [True, True] and not tiers._queued
+    got, pages = read_back(2)
+    assert got == [3, 3] and tiers.counters["l3_pages_read"] == 2, "from storage this time"
+    assert all(torch.equal(a, b) for a, b in zip(pages, expected))
+
+
 @pytest.mark.parametrize("fmt,tol", [("auto", 0.0), ("int8", 0.01), ("fp8_e4m3", 0.07)])
 def test_page_formats_round_trip(fmt, tol):
     torch.manual_seed(0)
@@ -142,7 +192,7 @@ TIERED = dict(enable_hierarchical_cache=True, hicache_page_size=16, max_total_to
 
 @pytest.mark.parametrize("case,kw,tier", [
     ("host memory", dict(hicache_storage_backend="none"), "L2"),
-    ("storage", dict(hicache_size=1e-9), "L3"),  # no room in host memory: every page comes from disk
+    ("storage", dict(hicache_size=1e-9), "L3"),  # no room in host memory: every page from disk (or its write queue)
     ("write-back", dict(hicache_write_policy="write_back"), "L2"),
 ])
 def test_greedy_tokens_are_exact_with_kv_from_each_tier(tiny_models, workload, reference, tmp_path, case, kw, tier):
