@@ -25,12 +25,12 @@ KERNEL_SMOKE := tests/test_server_openai.py tests/test_engine_api.py::test_singl
 	"tests/test_draft_trees.py::test_draft_trees_keep_exactly_the_plain_tokens[default]"
 DETERMINISTIC := tests/test_deterministic.py \
 	"tests/test_draft_trees.py::test_draft_trees_keep_exactly_the_plain_tokens[deterministic]" -m "not slow"
-# TEST_WORKERS=2: the main suite in two pytest-xdist workers, a test file each at a time (a file's module fixtures,
-# its servers, start once): about half the suite waits on a server, a subprocess, a compiler or Python alone, so in
-# one process one of CI's two CPUs sits idle (28 min -> 21 min on the 2-CPU Zen 4). Not the default yet: tests that
-# read the machine's free memory or wait on a background thread's timing failed beside the other worker (the 8-bit
-# KV cap, mended; the KV tiers' storage case, tests/test_kv_tiers.py, not yet).
-TEST_WORKERS ?= 0
+# The main suite in two pytest-xdist workers, a test file each at a time (a file's module fixtures, its servers,
+# start once): about half the suite waits on a server, a subprocess, a compiler or Python alone, so in one process
+# one of CI's two CPUs sits idle (28 min -> 21 min on the 2-CPU Zen 4). TEST_WORKERS=0: one process. A test must not
+# lean on what the other worker can change: the machine's free memory, an idle CPU, the shared environment's
+# installed packages.
+TEST_WORKERS ?= 2
 WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 # What the x86-64-v3 leg leaves out: the builds for each instruction set (their -march comes from the test, not
 # from RADIXSERVE_MARCH: the main suite ran them) and the cache's reuse, which no -march changes.

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,15 @@ def smollm2_path() -> Path:
     from radixserve.model.loader import resolve_model
 
     return resolve_model(None).path
+
+
+def install_apart(package: Path, into: Path) -> dict[str, str]:
+    """pip-install a test's plugin package into a folder of its own, not the shared environment (where the servers
+    of another test worker, ``make test TEST_WORKERS=2``, would find its entry points); returns the environment
+    that puts it on a subprocess's path (entry points are read from every folder on it)."""
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
+                    "--no-build-isolation", "--target", str(into), str(package)], check=True)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(into), os.environ.get("PYTHONPATH")]))}
 
 
 def post_json(url: str, body: dict, timeout: float = 120) -> dict:
@@ -292,10 +302,6 @@ def hf_models(tiny_models):
     from transformers import AutoModelForCausalLM
 
     return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in tiny_models.items()}
-
-
-def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(Path(os.environ.get("PYTEST_TINY_TMP", "/nonexistent")), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

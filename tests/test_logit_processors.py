@@ -3,8 +3,6 @@ once per step over the rows that use them, and the greedy output changed exactly
 through the offline Engine, a third-party plugin through a live server)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,7 @@ from radixserve.model.token_processors import AllowTokens, BanTokens
 from radixserve.sampling_params import SamplingParams
 from radixserve.wire.plans import ProcessorSpec
 
-from conftest import ServerProcess
+from conftest import ServerProcess, install_apart
 
 PLUGIN = Path(__file__).parent / "logit_plugin_pkg"
 DILL = '{"callable": "8004952e000000000000008c0a64696c6c2e5f64696c6c948c105f6372656174655f74797065949394"}'
@@ -163,16 +161,12 @@ def test_off_unless_the_operator_lists_them(tiny_server):
 
 
 @pytest.fixture(scope="module")
-def plugin_server(tiny_models):
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", str(PLUGIN)], check=True)
-    try:
-        server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens",
-                               "1000", "--logit-processors", "demo-count-up", "allow-tokens", "demo-broken")
-        yield server
-        server.stop()
-    finally:
-        subprocess.run([*pip, "uninstall", "-y", "radixserve-demo-logit-processors"], check=True)
+def plugin_server(tiny_models, tmp_path_factory):
+    env = install_apart(PLUGIN, tmp_path_factory.mktemp("plugin"))
+    server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens",
+                           "1000", "--logit-processors", "demo-count-up", "allow-tokens", "demo-broken", env=env)
+    yield server
+    server.stop()
 
 
 def test_a_plugin_processor_by_name_with_parameters_per_request(plugin_server):

@@ -2,6 +2,7 @@
 in a clear error and never take the engine or the server down."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,22 +10,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, install_apart
 
 PLUGIN = Path(__file__).parent / "plugin_pkg"
 
 
 @pytest.fixture(scope="module")
-def plugin_installed():
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", str(PLUGIN)], check=True)
-    yield
-    subprocess.run([*pip, "uninstall", "-y", "radixserve-demo-policies"], check=True)
+def plugin_installed(tmp_path_factory) -> dict[str, str]:
+    """The environment of a process that has the plugin package installed."""
+    return install_apart(PLUGIN, tmp_path_factory.mktemp("plugin"))
 
 
-def run_python(code: str) -> str:
+def run_python(code: str, env: dict[str, str]) -> str:
     """In a fresh interpreter: entry points are read at import time of the process."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -42,7 +42,7 @@ e = Engine({str(tiny_models["llama"])!r}, dtype="float32", max_total_tokens=20, 
 got = e.generate(input_ids=prompts, sampling_params=params)
 assert [r["output_ids"] for r in got] == [r["output_ids"] for r in plain]
 print(e.policies()["eviction"]["current"], e.policies()["schedule"]["current"], e.cache_stats()["totals"]["evicted_tokens"] > 0)
-""")
+""", plugin_installed)
     assert "demo-largest-first" in out and "demo-shortest-first" in out
     assert out.strip().endswith("demo-largest-first demo-shortest-first True")
 
@@ -60,7 +60,7 @@ out = e.generate(input_ids=[[1, 2, 3, 4, 5] * 4, [6, 7, 8] * 5], sampling_params
 info = e.policies()
 print("CURRENT:", info["eviction"]["current"], info["schedule"]["current"])
 print("ERRORS:", info["errors"])
-""")
+""", plugin_installed)
     assert "IMPORT: schedule policy 'demo-broken-import' (radixserve_demo_policies.missing_module:Nothing) " \
            "failed to load: ModuleNotFoundError" in out
     assert "CURRENT: lru fcfs" in out
@@ -69,7 +69,7 @@ print("ERRORS:", info["errors"])
 
 def test_server_switches_to_a_plugin_and_survives_broken_ones(plugin_installed, tiny_models):
     server = ServerProcess("--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--max-total-tokens",
-                           "300", "--eviction-policy", "demo-largest-first", "--check-invariants")
+                           "300", "--eviction-policy", "demo-largest-first", "--check-invariants", env=plugin_installed)
     try:
         url = server.url
         assert httpx.get(url + "/policies").json()["eviction"]["current"] == "demo-largest-first"
