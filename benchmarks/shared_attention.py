@@ -37,10 +37,12 @@ for dtype in (torch.bfloat16, torch.float32):
         need = lib.rs_scratch_bytes(ctypes.byref(model), rows, len(groups), groups.slots())
         scratch = torch.empty(need, dtype=torch.uint8)
         step = cpu_native.Step(rows=rows, **groups.fields(), slots=slots.data_ptr(), starts=starts.data_ptr(),
-                               lens=lengths.data_ptr(), scratch=scratch.data_ptr())
+                               lens=lengths.data_ptr(), scratch=scratch.data_ptr(), scratch_bytes=need)
         out = torch.empty(rows, heads * hd, dtype=dtype)
         run = lambda: lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr())
-        run(); best = 1e9
+        if run() != 0:
+            raise RuntimeError("the attention refused its scratch")
+        best = 1e9
         for _ in range(5):
             t = time.perf_counter()
             for _ in range(20): run()

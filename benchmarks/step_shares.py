@@ -83,8 +83,10 @@ def attention(native: NativeDecode, rows: int, prefix: int, own: int) -> float:
     scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), rows, len(groups), groups.slots()),
                           dtype=torch.uint8)
     step = cpu_native.Step(rows=rows, **groups.fields(), slots=slots.data_ptr(), starts=starts.data_ptr(),
-                           lens=lengths.data_ptr(), scratch=scratch.data_ptr())
+                           lens=lengths.data_ptr(), scratch=scratch.data_ptr(), scratch_bytes=scratch.numel())
     out = torch.empty(rows, desc.heads * d, dtype=dtype)
+    if lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr()) != 0:
+        raise RuntimeError("the attention refused its scratch")
     return desc.layers * best(lambda: lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(),
                                                        out.data_ptr()))
 

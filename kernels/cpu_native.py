@@ -33,7 +33,7 @@ FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17
          "-fvisibility=hidden")  # + -march (cpp_build); decode.cpp exports its rs_ functions
 CPU_FEATURES = ("avx2", "fma", "f16c")  # what the kernel needs at least (x86-64-v3); AVX-512 BF16/VNNI if present
 NATIVE_DTYPES = ("bfloat16", "float32")
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 DENSE, Q8, Q4, Q8G16, Q4K, Q6K, PARTS, Q5, Q5K, Q8H = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9  # Linear.format
 KV_FORMAT = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # --kv-cache-dtype -> Model.kv_codes (0: the pools hold T)
@@ -68,7 +68,7 @@ class Step(ctypes.Structure):
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("out_slot", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("lens", ctypes.c_void_p),
                 ("logit_row", ctypes.c_void_p),
-                ("logits", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+                ("logits", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("scratch_bytes", ctypes.c_int64)]
 
 
 class PrefixGroups:
@@ -160,7 +160,7 @@ def load(cache_dir: Path) -> ctypes.CDLL:
     lib.rs_linear.restype = None
     lib.rs_linear.argtypes = [ctypes.POINTER(Linear), ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
                               ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
-    lib.rs_attention.restype = None
+    lib.rs_attention.restype = ctypes.c_int32
     lib.rs_attention.argtypes = [ctypes.POINTER(Model), ctypes.c_int32, ctypes.POINTER(Step), ctypes.c_void_p,
                                  ctypes.c_void_p]
     lib.rs_store_codes.restype = None

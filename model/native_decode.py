@@ -338,8 +338,12 @@ class NativeDecode:
         step = native.Step(rows=rows, logit_rows=logit_rows, **groups.fields(), h=h.data_ptr(), cos=cos.data_ptr(),
                            sin=sin.data_ptr(), out_slot=out_slot.data_ptr(), slots=slots.data_ptr(),
                            starts=starts.data_ptr(), lens=lens.data_ptr(), logit_row=logit_row.data_ptr(),
-                           logits=logits.data_ptr(), scratch=self._scratch.data_ptr())
+                           logits=logits.data_ptr(), scratch=self._scratch.data_ptr(),
+                           scratch_bytes=self._scratch.numel())
         code = self.lib.rs_decode_step(ctypes.byref(self.desc), ctypes.byref(step))
+        if code == 3:
+            raise RuntimeError(f"native decode step: its scratch ({self._scratch.numel()} bytes) is smaller than "
+                               f"it needs with {torch.get_num_threads()} threads (the count changed after sizing)")
         if code != 0:
             raise RuntimeError(f"native decode step refused its input (code {code})")
         self.steps += 1

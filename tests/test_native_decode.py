@@ -774,15 +774,22 @@ def test_attention_is_softmax_over_each_rows_slots(dtype, head_dim, heads, kv_he
                                  kv_heads=kv_heads, head_dim=head_dim, inter=32, vocab=16, eps=1e-6,
                                  scale=head_dim**-0.5, layer=layers, **codes)
         model.amx = lib.rs_request_amx()
-        scratch = torch.empty(lib.rs_scratch_bytes(ctypes.byref(model), len(lens), len(groups), groups.slots()),
-                              dtype=torch.uint8)
-        step = cpu_native.Step(rows=len(lens), **groups.fields(), slots=slots.data_ptr(), starts=starts.data_ptr(),
-                               lens=lengths.data_ptr(), scratch=scratch.data_ptr())
         out = torch.empty(len(lens), heads * head_dim, dtype=dtype)
         threads = torch.get_num_threads()
         torch.set_num_threads(2)  # the threads the split of runs is planned for, whatever this machine has
-        try:
-            lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr())
+        try:  # (the scratch sized for them: per thread partials)
+            need = lib.rs_scratch_bytes(ctypes.byref(model), len(lens), len(groups), groups.slots())
+            scratch = torch.empty(need, dtype=torch.uint8)
+            step = cpu_native.Step(rows=len(lens), **groups.fields(), slots=slots.data_ptr(),
+                                   starts=starts.data_ptr(), lens=lengths.data_ptr(), scratch=scratch.data_ptr(),
+                                   scratch_bytes=need)
+            assert lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(), out.data_ptr()) == 0
+            torch.set_num_threads(1)  # sized for fewer threads than run it: refused
+            few = lib.rs_scratch_bytes(ctypes.byref(model), len(lens), len(groups), groups.slots())
+            torch.set_num_threads(2)
+            step.scratch_bytes = few
+            assert few < need and lib.rs_attention(ctypes.byref(model), 0, ctypes.byref(step), qkv.data_ptr(),
+                                                   out.data_ptr()) == 3
         finally:
             torch.set_num_threads(threads)
         group = heads // kv_heads

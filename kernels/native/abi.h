@@ -57,7 +57,8 @@ struct Step {
   const int64_t* lens;      // [rows]   row in decode; in a prefill each token's prefix of its request's row
   const int64_t* logit_row; // [logit_rows]
   float* logits;            // [logit_rows, vocab]
-  void* scratch;            // rs_scratch_bytes(model, rows, groups, sum of group_shared)
+  void* scratch;            // rs_scratch_bytes(model, rows, groups, sum of group_shared), sized in the thread
+  int64_t scratch_bytes;    // that runs the step with its thread count: a step refuses a smaller one (code 3)
 };
 }
 

@@ -299,6 +299,14 @@ int32_t check(const Model& md) {
   return bad(md.lm_head) ? 2 : 0;
 }
 
+// What a step's scratch must hold, with this thread's OpenMP thread count (the split of attention's runs and the
+// shared prefixes' partials are per thread)
+int64_t scratch_bytes(const Model& md, const Step& st) {
+  int64_t total = 0;
+  carve(md, st.rows, st.groups, shared_slots(st), nullptr, &total);
+  return total;
+}
+
 }  // namespace rs
 
 using namespace rs;
@@ -315,7 +323,7 @@ int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t groups, int64_t 
   return total;
 }
 
-int32_t rs_abi_version() { return 10; }
+int32_t rs_abi_version() { return 11; }
 
 // The vector instructions this build uses: "avx512" or "avx2" (simd.h)
 const char* rs_isa() { return kIsa; }
@@ -325,13 +333,15 @@ int32_t rs_request_amx() { return request_amx() ? 1 : 0; }
 
 int32_t rs_check(const Model* md) { return check(*md); }
 
-// One layer's attention (tests)
-void rs_attention(const Model* md, int32_t layer, const Step* st, const void* qkv, void* out) {
+// One layer's attention (tests); 0, or 3 as rs_decode_step
+int32_t rs_attention(const Model* md, int32_t layer, const Step* st, const void* qkv, void* out) {
+  if (st->scratch_bytes < scratch_bytes(*md, *st)) return 3;
   if (md->bf16) {
     attention_alone(*md, md->layer[layer], *st, static_cast<const uint16_t*>(qkv), static_cast<uint16_t*>(out));
   } else {
     attention_alone(*md, md->layer[layer], *st, static_cast<const float*>(qkv), static_cast<float*>(out));
   }
+  return 0;
 }
 
 // `heads` heads of md.head_dim float values into 8-bit codes and scales, as the step stores K/V (tests)
@@ -349,9 +359,11 @@ void rs_linear(const Linear* lin, int32_t bf16, const void* x, int32_t rows, voi
   }
 }
 
-// One decode step; returns 0, or check()'s code for a model this kernel does not take.
+// One decode step; returns 0, check()'s code for a model this kernel does not take, or 3: the step's scratch is
+// smaller than it needs with the calling thread's OpenMP thread count (sized for fewer threads than it runs with)
 int32_t rs_decode_step(const Model* md, const Step* st) {
   if (const int32_t code = check(*md)) return code;
+  if (st->scratch_bytes < scratch_bytes(*md, *st)) return 3;
   if (md->bf16) {
     step<bf16>(*md, *st);
   } else {
