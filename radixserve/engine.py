@@ -241,7 +241,7 @@ class Engine:
                     if not fresh and all(s.done for s in sinks):
                         return
                     if not fresh:
-                        self._step()
+                        self._step_keeping_threads()
                         fresh = [i for i, s in enumerate(sinks) if s.take_news()]
                 yield from fresh
         except BaseException:  # an error, Ctrl-C, or a stream the caller dropped: give back what these hold
@@ -267,6 +267,18 @@ class Engine:
                 sched.prefetched(self._tier_answers.get_nowait())
         except queue.Empty:
             pass
+
+    def _step_keeping_threads(self) -> None:
+        """A step in the caller's thread, which keeps its own torch thread count: the runner sets the step's
+        (fewer while other processes keep CPUs busy, model/step_threads.py) and this puts the caller's back."""
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            self._step()
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
     def _step(self) -> None:
         sched = self.scheduler

@@ -208,3 +208,35 @@ def test_an_explicit_num_threads_is_never_changed(tiny_models, monkeypatch):
         assert fixed.threads.adaptive is None, "--deterministic keeps one thread count (its torch fallback needs it)"
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_engine_step_leaves_the_callers_thread_count_as_it_was(tiny_models, monkeypatch):
+    """An Engine's steps run in the caller's thread on the runner's count (fewer while other processes keep CPUs
+    busy); after each, the caller's own count is back: a test worker or a notebook beside a busy neighbour was
+    otherwise left on one thread (and a native step sized for two threads ran on one's scratch)."""
+    import torch
+
+    from radixserve import Engine
+
+    before = torch.get_num_threads()
+    seen = []
+    monkeypatch.setattr("radixserve.cpu_load.AdaptiveThreads.update", lambda self: 1)
+    try:
+        torch.set_num_threads(2)
+        engine = Engine(str(tiny_models["llama"]), dtype="float32", max_total_tokens=200)
+        real_forward = engine.runner.forward
+
+        def forward(plan):  # (the runner sets the step's count as it starts)
+            result = real_forward(plan)
+            seen.append(torch.get_num_threads())
+            return result
+
+        engine.runner.forward = forward
+        torch.set_num_threads(2)
+        out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert len(out["output_ids"]) == 4
+        assert seen and set(seen) == {1}, "the steps ran on the runner's count"
+        assert torch.get_num_threads() == 2, "and the caller's is back"
+        engine.shutdown()
+    finally:
+        torch.set_num_threads(before)
