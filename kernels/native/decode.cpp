@@ -301,10 +301,13 @@ int32_t check(const Model& md) {
 
 // What a step's scratch must hold, with this thread's OpenMP thread count (the split of attention's runs and the
 // shared prefixes' partials are per thread)
-int64_t scratch_bytes(const Model& md, const Step& st) {
+int64_t scratch_bytes(const Model& md, int64_t rows, int64_t groups, int64_t shared) {
   int64_t total = 0;
-  carve(md, st.rows, st.groups, shared_slots(st), nullptr, &total);
+  carve(md, rows, groups, shared, nullptr, &total);
   return total;
+}
+inline bool scratch_too_small(const Model& md, const Step& st) {
+  return st.scratch_bytes < scratch_bytes(md, st.rows, st.groups, shared_slots(st));
 }
 
 }  // namespace rs
@@ -318,9 +321,7 @@ using namespace rs;
 extern "C" {
 
 int64_t rs_scratch_bytes(const Model* md, int32_t rows, int32_t groups, int64_t shared) {
-  int64_t total = 0;
-  carve(*md, rows, groups, shared, nullptr, &total);
-  return total;
+  return scratch_bytes(*md, rows, groups, shared);
 }
 
 int32_t rs_abi_version() { return 11; }
@@ -335,7 +336,7 @@ int32_t rs_check(const Model* md) { return check(*md); }
 
 // One layer's attention (tests); 0, or 3 as rs_decode_step
 int32_t rs_attention(const Model* md, int32_t layer, const Step* st, const void* qkv, void* out) {
-  if (st->scratch_bytes < scratch_bytes(*md, *st)) return 3;
+  if (scratch_too_small(*md, *st)) return 3;
   if (md->bf16) {
     attention_alone(*md, md->layer[layer], *st, static_cast<const uint16_t*>(qkv), static_cast<uint16_t*>(out));
   } else {
@@ -363,7 +364,7 @@ void rs_linear(const Linear* lin, int32_t bf16, const void* x, int32_t rows, voi
 // smaller than it needs with the calling thread's OpenMP thread count (sized for fewer threads than it runs with)
 int32_t rs_decode_step(const Model* md, const Step* st) {
   if (const int32_t code = check(*md)) return code;
-  if (st->scratch_bytes < scratch_bytes(*md, *st)) return 3;
+  if (scratch_too_small(*md, *st)) return 3;
   if (md->bf16) {
     step<bf16>(*md, *st);
   } else {
