@@ -7,9 +7,12 @@ back. The scheduler decides (cache/tiers.py); this holds the pages and does the 
     background thread:          prefetch: L2 hit? hold it : queued for L3? take it : L3 read ─▶ unseal (checksum)
                                           ─▶ L2, held ─▶ report
     storage thread (idle CPU):  store:    seal ─▶ L3 write
+    late writer:                store or clear queued longer than STORE_DEADLINE_S, at normal priority
 
 A page queued for storage is read back from the queue until it is written: on a busy machine the storage thread
-(idle priority) may not run for seconds, and a request asking for the page meanwhile still finds it.
+(idle priority) may not run for seconds, and a request asking for the page meanwhile still finds it. Other servers
+sharing the storage cannot, so no write waits for an idle CPU longer than STORE_DEADLINE_S: the late writer takes
+it then (beside two busy processes on two CPUs, the idle thread alone had written 12 of 42 pages after a minute).
 
 The pool is touched only by the main thread, between steps; the background thread touches only L2 (under its lock)
 and storage. A page from storage is checked before anything uses it (model/kv_storage.unseal): a damaged one is
@@ -23,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 import numpy as np
@@ -38,11 +41,13 @@ log = logging.getLogger(__name__)
 
 READ_BATCH = 8  # pages asked of storage at once
 MAX_QUEUED_STORE_BYTES = 256 << 20  # pages waiting for a slow store beyond this are not written (counted)
+STORE_DEADLINE_S = 1.0  # the longest a storage write waits for an idle CPU before the late writer takes it
 
 
 class KVTiers:
     def __init__(self, kv: KVPool, codec: PageCodec, host: HostTier, storage: StorageBackend | None,
-                 namespace: bytes, report: Callable[[Prefetched], None]) -> None:
+                 namespace: bytes, report: Callable[[Prefetched], None],
+                 store_deadline_s: float = STORE_DEADLINE_S) -> None:
         self.kv, self.codec, self.host, self.storage = kv, codec, host, storage
         self.namespace = namespace
         self.report = report
@@ -52,9 +57,16 @@ class KVTiers:
         self._queued_bytes = 0  # of those pages (both threads change it: under _queued_lock)
         self._queued_lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # read-backs and flushes: a request may be waiting
-        self._stores: queue.SimpleQueue = queue.SimpleQueue()  # writes to storage: whenever a CPU is idle
-        threading.Thread(target=self._work, args=(self._jobs, False), name="kv-tiers", daemon=True).start()
-        threading.Thread(target=self._work, args=(self._stores, True), name="kv-tiers-store", daemon=True).start()
+        # storage writes and clears, in order: (kind, when queued, job), taken by the idle thread or, once late, the
+        # late writer; a clear waits for the writes taken before it (_storing: jobs being done, under _store_cv)
+        self._store_jobs: deque[tuple[str, float, object]] = deque()
+        self._store_cv = threading.Condition()
+        self._storing = 0
+        self.store_deadline_s = store_deadline_s
+        threading.Thread(target=self._work, name="kv-tiers", daemon=True).start()
+        if storage is not None:
+            threading.Thread(target=self._store_work, args=(False,), name="kv-tiers-store", daemon=True).start()
+            threading.Thread(target=self._store_work, args=(True,), name="kv-tiers-late", daemon=True).start()
         atexit.register(self.drain)  # a server stopped (SIGTERM) still stores what it has queued
 
     def listen(self, address: str) -> None:
@@ -83,7 +95,7 @@ class KVTiers:
         if msg.flush:
             self._jobs.put(("flush", msg))
             if msg.flush >= 3:  # after the writes queued before it
-                self._stores.put(("clear", msg))
+                self._put_store("clear", msg)
             return
         with self.host.lock:
             if msg.fetch in self.host.gone:  # let go before it arrived (the drop came with a plan first)
@@ -138,7 +150,7 @@ class KVTiers:
                 self._stored[key] = None
                 if len(self._stored) > 1 << 16:
                     self._stored.popitem(last=False)
-            self._stores.put(("store", store))
+            self._put_store("store", store)
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until the pages queued for storage are written (at most ``timeout_s``); False if some are not."""
@@ -151,33 +163,78 @@ class KVTiers:
         with self.host.lock:
             held = len(self.host.holds)
             self.counters["l2_pages"], self.counters["l2_bytes"] = len(self.host.pages), self.host.nbytes
-        return {**self.counters, "l2_pages_held": held, "l2_budget_bytes": self.host.budget}
+        with self._queued_lock:
+            queued = len(self._queued)
+        return {**self.counters, "l2_pages_held": held, "l2_budget_bytes": self.host.budget,
+                "l3_pages_queued": queued}
 
     # -- the background thread ---------------------------------------------------------------------------
-    def _work(self, jobs: queue.SimpleQueue, idle: bool) -> None:
-        """A background thread's loop. ``idle``: the storage writer, scheduled only on a CPU nothing else wants
-        (SCHED_IDLE): beside the model's OpenMP threads, writes at normal priority cost the server far more of its
-        throughput than their own CPU time on a workload with no reuse (benchmarks/kv_tiers.py, no_reuse)."""
-        if idle and hasattr(os, "sched_setscheduler"):
+    def _work(self) -> None:
+        """The background thread's loop: read-backs and flushes."""
+        while True:
+            self._run(*self._jobs.get())
+
+    def _store_work(self, late: bool) -> None:
+        """A storage writer's loop. Not ``late``: scheduled only on a CPU nothing else wants (SCHED_IDLE): beside
+        the model's OpenMP threads, writes at normal priority cost the server far more of its throughput than their
+        own CPU time on a workload with no reuse (benchmarks/kv_tiers.py, no_reuse). ``late``: at normal priority,
+        only the jobs that have waited past the deadline."""
+        if not late and hasattr(os, "sched_setscheduler"):
             try:
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
             except OSError as exc:
                 log.info("KV tiers: storage writes at normal priority (%s)", exc)
         while True:
-            kind, job = jobs.get()
-            try:
-                if kind == "fetch":
-                    self._fetch(job)
-                elif kind == "store":
-                    self._store(job)
-                elif kind == "flush":
-                    self._flush(job)
-                elif kind == "clear" and self.storage is not None:
-                    self.storage.clear()
-            except Exception:  # a bug here must not end the thread: every later read-back would hang
-                log.exception("KV tiers: %s failed", kind)
-                if kind == "fetch":
-                    self.report(Prefetched(job.fetch, [], 0.0, self.stats()))
+            if late:
+                time.sleep(self.store_deadline_s / 4)
+            while (taken := self._take_store(late)) is not None:
+                kind, job = taken
+                try:
+                    self._run(kind, job)
+                    if late and kind == "store":  # pages the late writer took (l3_pages_written: those that landed)
+                        self.counters["l3_pages_late"] += len(job)
+                finally:
+                    with self._store_cv:
+                        self._storing -= 1
+                        self._store_cv.notify_all()
+
+    def _put_store(self, kind: str, job: object) -> None:
+        if self.storage is None:
+            return
+        with self._store_cv:
+            self._store_jobs.append((kind, time.monotonic(), job))
+            self._store_cv.notify_all()
+
+    def _take_store(self, late: bool) -> tuple[str, object] | None:
+        """The next storage job in turn, a clear only once the writes taken before it are done. The idle thread
+        waits for one; the late writer takes only a job queued past the deadline, else None."""
+        with self._store_cv:
+            while True:
+                if self._store_jobs:
+                    kind, since, job = self._store_jobs[0]
+                    late_enough = not late or time.monotonic() - since >= self.store_deadline_s
+                    if late_enough and (kind == "store" or self._storing == 0):
+                        self._store_jobs.popleft()
+                        self._storing += 1
+                        return kind, job
+                if late:
+                    return None
+                self._store_cv.wait()
+
+    def _run(self, kind: str, job) -> None:
+        try:
+            if kind == "fetch":
+                self._fetch(job)
+            elif kind == "store":
+                self._store(job)
+            elif kind == "flush":
+                self._flush(job)
+            elif kind == "clear":
+                self.storage.clear()
+        except Exception:  # a bug here must not end the thread: every later read-back would hang
+            log.exception("KV tiers: %s failed", kind)
+            if kind == "fetch":
+                self.report(Prefetched(job.fetch, [], 0.0, self.stats()))
 
     def _fetch(self, msg: Prefetch) -> None:
         """Hold the read-back's pages in L2, from storage where L2 has none, in order, up to the first page found

@@ -132,6 +132,45 @@ def test_a_page_queued_for_storage_is_read_back_before_it_is_written(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(pages, expected))
 
 
+def test_a_write_the_idle_writer_does_not_get_to_is_written_late(tmp_path):
+    """Other servers sharing the storage cannot read a queued page: a write that waits past the deadline for the
+    idle-priority thread is taken by the late writer at normal priority. Here the idle thread never finishes a
+    write; of three jobs it can hold one, the other two land within the deadline's reach."""
+    import threading
+    import time
+
+    from radixserve.model.kv_tiers import KVTiers
+    from radixserve.wire.plans import TierOps
+
+    class StuckIdleWriter(FileStore):  # the idle thread's writes wait until the test lets them through
+        def __init__(self, config):
+            super().__init__(config)
+            self.open = threading.Event()
+
+        def set(self, items):
+            if threading.current_thread().name == "kv-tiers-store":
+                self.open.wait(30)
+            super().set(items)
+
+    kv = KVPool(2, 40, 2, 8, torch.float32, torch.device("cpu"))
+    kv.k.normal_()
+    codec = PageCodec("auto", torch.float32, 2, 2, 8, page=4)
+    store = StuckIdleWriter({"path": str(tmp_path)})
+    tiers = KVTiers(kv, codec, HostTier(0), store, NS, lambda msg: None, store_deadline_s=0.2)
+    jobs = [page_keys(pack(list(range(100 * j, 100 * j + 8))), 4, NS) for j in range(3)]
+    for j, keys in enumerate(jobs):  # three writes of two pages each
+        tiers.apply(TierOps(keys, np.arange(8 * j, 8 * j + 8, dtype=np.int32), [], []))
+    deadline = time.monotonic() + 20
+    while sum(all(store.exists(keys)) for keys in jobs) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    written = [all(store.exists(keys)) for keys in jobs]
+    assert sum(written) >= 2, written
+    assert tiers.counters["l3_pages_late"] >= 4 and tiers.stats()["l3_pages_queued"] <= 2
+    store.open.set()
+    assert tiers.drain() and all(all(store.exists(keys)) for keys in jobs)
+    assert tiers.stats()["l3_pages_queued"] == 0
+
+
 @pytest.mark.parametrize("fmt,tol", [("auto", 0.0), ("int8", 0.01), ("fp8_e4m3", 0.07)])
 def test_page_formats_round_trip(fmt, tol):
     torch.manual_seed(0)
