@@ -59,10 +59,11 @@ class KVTiers:
         self._queued_lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # read-backs and flushes: a request may be waiting
         # storage writes and clears, in order: (kind, when queued, job), taken by the idle thread or, once late, the
-        # late writer; a clear waits for the writes taken before it (_storing: jobs being done, under _store_cv)
+        # late writer; a clear waits for the writes taken before it, and the writes after it for the clear
+        # (_storing: jobs being done, _clearing: one of them a clear; under _store_cv)
         self._store_jobs: deque[tuple[str, float, object]] = deque()
         self._store_cv = threading.Condition()
-        self._storing = 0
+        self._storing, self._clearing = 0, False
         self.store_deadline_s = store_deadline_s
         threading.Thread(target=self._work, name="kv-tiers", daemon=True).start()
         if storage is not None:
@@ -201,6 +202,7 @@ class KVTiers:
                 finally:
                     with self._store_cv:
                         self._storing -= 1
+                        self._clearing = False  # (a clear is only ever done alone)
                         self._store_cv.notify_all()
 
     def _put_store(self, kind: str, job: object) -> None:
@@ -211,16 +213,18 @@ class KVTiers:
             self._store_cv.notify_all()
 
     def _take_store(self, late: bool) -> tuple[str, object] | None:
-        """The next storage job in turn, a clear only once the writes taken before it are done. The idle thread
-        waits for one; the late writer takes only a job queued past the deadline, else None."""
+        """The next storage job in turn: a clear once the writes taken before it are done, nothing while a clear is
+        being done. The idle thread waits for one; the late writer takes only a job queued past the deadline, else
+        None."""
         with self._store_cv:
             while True:
-                if self._store_jobs:
+                if self._store_jobs and not self._clearing:
                     kind, since, job = self._store_jobs[0]
                     late_enough = not late or time.monotonic() - since >= self.store_deadline_s
                     if late_enough and (kind == "store" or self._storing == 0):
                         self._store_jobs.popleft()
                         self._storing += 1
+                        self._clearing = kind == "clear"
                         return kind, job
                 if late:
                     return None

@@ -171,6 +171,38 @@ def test_a_write_the_idle_writer_does_not_get_to_is_written_late(tmp_path):
     assert tiers.stats()["l3_pages_queued"] == 0
 
 
+def test_a_storage_clear_lands_between_the_writes_queued_before_and_after_it(tmp_path):
+    """With two writers, a clear still waits for the writes queued before it, and those after it for the clear."""
+    import threading
+    import time
+
+    from radixserve.model.kv_tiers import KVTiers
+    from radixserve.wire.plans import Prefetch, TierOps
+
+    class Slow(FileStore):
+        def set(self, items):
+            time.sleep(0.3)
+            super().set(items)
+
+        def clear(self):
+            time.sleep(0.6)  # a late write taken meanwhile would land before the clear, and be cleared
+            super().clear()
+
+    kv = KVPool(2, 40, 2, 8, torch.float32, torch.device("cpu"))
+    codec = PageCodec("auto", torch.float32, 2, 2, 8, page=4)
+    store = Slow({"path": str(tmp_path)})
+    tiers = KVTiers(kv, codec, HostTier(0), store, NS, lambda msg: None, store_deadline_s=0.05)
+    before, after = (page_keys(pack(list(range(100 * j, 100 * j + 8))), 4, NS) for j in range(2))
+    tiers.apply(TierOps(before, np.arange(8, dtype=np.int32), [], []))
+    tiers.prefetch(Prefetch(1, [], flush=3))
+    tiers.apply(TierOps(after, np.arange(8, 16, dtype=np.int32), [], []))
+    deadline = time.monotonic() + 20
+    while not all(store.exists(after)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    threading.Event().wait(0.5)
+    assert store.exists(before) == [False, False] and store.exists(after) == [True, True]
+
+
 @pytest.mark.parametrize("fmt,tol", [("auto", 0.0), ("int8", 0.01), ("fp8_e4m3", 0.07)])
 def test_page_formats_round_trip(fmt, tol):
     torch.manual_seed(0)
