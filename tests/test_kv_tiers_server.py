@@ -51,7 +51,11 @@ def written(check, timeout: float = 60.0) -> None:
 
 
 def page_files(folder: Path) -> int:
-    return len(list(folder.glob("*/*.page")))
+    """The pages stored in ``folder``; -1 while a clear removes the folders under the count."""
+    try:
+        return len(list(folder.glob("*/*.page")))
+    except FileNotFoundError:
+        return -1
 
 
 FULL_PAGES = 3 * 12  # PROMPTS[:3]'s full pages of 16 of their 200 tokens
